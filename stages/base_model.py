@@ -1,0 +1,53 @@
+"""Stage base_model: materialise models/base/ (fp32 safetensors, dedicated pad token, model card)."""
+
+from __future__ import annotations
+
+from rlhf_pipeline.io import atomic_dir
+from rlhf_pipeline.models import add_dedicated_pad_token, count_parameters, load_source_model, set_dropout, write_model_card
+from rlhf_pipeline.params import Params
+from rlhf_pipeline.runner import run_stage
+
+OUT = "models/base"
+
+
+def main(params: Params) -> None:
+    cfg = params.base_model
+    model, tokenizer, provenance = load_source_model(cfg.source, cfg.revision)
+    pad_id = add_dedicated_pad_token(model, tokenizer, cfg.pad_token)
+    set_dropout(model, cfg.dropout)
+    model.eval()
+    n_params = count_parameters(model)
+    with atomic_dir(OUT) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        front = {
+            "base_model": provenance.get("upstream", cfg.source),
+            "license": provenance.get("license", "unknown"),
+            "library_name": "transformers",
+            "tags": ["rlhf-pipeline", "base-model"],
+            "source": cfg.source,
+            "source_file": provenance.get("source_file"),
+            "source_sha256": provenance.get("source_sha256"),
+            "parameters": n_params,
+            "pad_token": cfg.pad_token,
+            "pad_token_id": pad_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        }
+        body = f"""# Base model
+
+Materialised by the `base_model` stage from `{cfg.source}` as fp32 safetensors.
+
+- Parameters: {n_params:,}
+- Dedicated pad token `{cfg.pad_token}` (id {pad_id}), distinct from eos (id {tokenizer.eos_token_id}),
+  as lm-human-preferences requires.
+- Dropout: {cfg.dropout} (the reference trains with dropout off).
+- Source file sha256: `{provenance.get('source_sha256')}`
+
+This is the frozen reference policy for PPO and the initialisation of the reward model and policy.
+"""
+        write_model_card(tmp, front, body)
+    print(f"base_model: saved {OUT} ({n_params:,} parameters, pad id {pad_id})")
+
+
+if __name__ == "__main__":
+    run_stage("base_model", main)
