@@ -77,6 +77,7 @@ class PreferencesParams(Strict):
     split: str = "train"
     num_samples: int = Field(4, ge=2, description="Responses per query (best-of-N).")
     num_labels: int = Field(4992, gt=0, description="Train queries to label (reference: 4992 sentiment labels).")
+    num_test_labels: int = Field(256, gt=0, description="Held-out test queries labelled for RM test accuracy.")
     labeler: Literal["vader"] = "vader"
     label_temperature: float = Field(0.0, ge=0.0, description="0: argmax; >0: sample best ~ softmax(score/T).")
     batch_size: int = Field(32, gt=0, description="Queries per generation batch.")

@@ -1,0 +1,145 @@
+"""Evaluation: base vs policy on held-out queries, and the reward over-optimisation curve.
+
+Metrics are computed by small functions on tensors (tested on hand-made numbers):
+
+- per-sequence KL of the policy from the base model, estimated on policy samples:
+  ``KL(x) = sum_t [log pi(y_t|x,y_<t) - log rho(y_t|x,y_<t)]`` (k1, at the sampling temperature);
+- win rate: fraction of queries where the policy's score beats the base's on the same query,
+  ties counting one half.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from rlhf_pipeline.functional import apply_penalty
+from rlhf_pipeline.reward import RewardModel, score_query_responses
+from rlhf_pipeline.rollout import TaskSampler
+from rlhf_pipeline.sampling import iterate_batches, response_logprobs
+
+
+def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Per-sequence KL estimate sum_t (logp_t - logp_ref_t) over real response tokens: (B,)."""
+    diff = logprobs - ref_logprobs
+    if mask is not None:
+        diff = diff * mask
+    return diff.sum(-1)
+
+
+def win_rate(policy_scores: Tensor | np.ndarray, base_scores: Tensor | np.ndarray) -> float:
+    """P(policy > base) on paired samples, ties counted as one half."""
+    policy_scores, base_scores = np.asarray(policy_scores, dtype=float), np.asarray(base_scores, dtype=float)
+    if policy_scores.shape != base_scores.shape or policy_scores.size == 0:
+        raise ValueError("win_rate needs two non-empty arrays of the same shape")
+    return float(np.mean((policy_scores > base_scores) + 0.5 * (policy_scores == base_scores)))
+
+
+@dataclass
+class SampleSet:
+    """Samples of one model on the evaluation queries, with their scores."""
+
+    responses: Tensor  # truncated, as scored
+    valid: Tensor
+    proxy: Tensor  # normalised reward-model score (penalty applied where invalid)
+    gold: np.ndarray | None
+    kl: Tensor  # per-sequence KL from the base model
+    texts: list[str]
+
+
+@torch.no_grad()
+def sample_and_score(
+    model: nn.Module,
+    base: nn.Module,
+    reward_model: RewardModel,
+    queries: Tensor,
+    sampler: TaskSampler,
+    tokenizer,
+    seed: int,
+    batch_size: int,
+    labeler=None,
+) -> SampleSet:
+    """Sample ``model`` on ``queries`` (seeded: the same seed gives base and policy the same
+    random stream), score with proxy and gold, and measure KL from ``base``."""
+    generator = torch.Generator().manual_seed(seed)
+    responses, truncated, valids, kls = [], [], [], []
+    q_len = queries.shape[1]
+    for rows in iterate_batches(len(queries), batch_size):
+        out, trunc, valid = sampler.sample(model, queries[rows], generator)
+        query_responses = torch.cat([queries[rows], out.responses], 1)
+        mask = query_responses != sampler.pad_token_id
+        ref_logprobs, _, _ = response_logprobs(base, query_responses, mask, q_len, sampler.task.temperature, sampler.pad_token_id)
+        kls.append(sequence_kl(out.logprobs, ref_logprobs, out.mask))
+        responses.append(out.responses)
+        truncated.append(trunc)
+        valids.append(valid)
+    truncated_t, valid_t = torch.cat(truncated), torch.cat(valids)
+    raw = score_query_responses(reward_model, queries, truncated_t, batch_size)
+    proxy = apply_penalty(raw, valid_t, sampler.task.penalty_reward)
+    texts = tokenizer.batch_decode(truncated_t, skip_special_tokens=True)
+    gold = np.asarray(labeler.score(texts), dtype=float) if labeler is not None else None
+    return SampleSet(truncated_t, valid_t, proxy, gold, torch.cat(kls), texts)
+
+
+def summarize(base: SampleSet, policy: SampleSet) -> dict:
+    metrics = {
+        "proxy/base_mean": base.proxy.mean().item(),
+        "proxy/policy_mean": policy.proxy.mean().item(),
+        "kl/mean": policy.kl.mean().item(),
+        "win_rate/proxy": win_rate(policy.proxy.numpy(), base.proxy.numpy()),
+        "length/base_mean": (base.responses != -1).float().sum(-1).mean().item(),
+        "valid/base": base.valid.float().mean().item(),
+        "valid/policy": policy.valid.float().mean().item(),
+    }
+    if base.gold is not None and policy.gold is not None:
+        metrics.update({
+            "gold/base_mean": float(base.gold.mean()),
+            "gold/base_std": float(base.gold.std()),
+            "gold/policy_mean": float(policy.gold.mean()),
+            "gold/improvement_in_base_std": float((policy.gold.mean() - base.gold.mean()) / max(base.gold.std(), 1e-8)),
+            "win_rate/gold": win_rate(policy.gold, base.gold),
+        })
+    return metrics
+
+
+def length_stats(sample: SampleSet, pad_token_id: int) -> dict:
+    lengths = (sample.responses != pad_token_id).sum(-1).float()
+    return {"mean": lengths.mean().item(), "min": lengths.min().item(), "max": lengths.max().item()}
+
+
+def load_snapshot(policy_lm: nn.Module, snapshot: str | Path) -> None:
+    """Overwrite ``policy_lm``'s trained parameters with a PPO snapshot (keys ``lm.<name>``)."""
+    from safetensors.torch import load_file
+
+    params = dict(policy_lm.named_parameters())
+    with torch.no_grad():
+        for name, tensor in load_file(str(snapshot)).items():
+            params[name.removeprefix("lm.")].copy_(tensor)
+
+
+def overoptimization_plot(points: list[dict], path: str | Path) -> None:
+    """Gold and proxy score against sqrt(KL) (Gao et al. 2022), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [p["sqrt_kl"] for p in points]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, [p["proxy"] for p in points], "o-", label="proxy (reward model)")
+    if all(p.get("gold") is not None for p in points):
+        ax.plot(xs, [p["gold"] for p in points], "s-", label="gold (labeler)")
+    for p in points:
+        ax.annotate(str(p["update"]), (p["sqrt_kl"], p["proxy"]), fontsize=7, textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("sqrt(KL(policy || base))  [nats^0.5]")
+    ax.set_ylabel("mean score")
+    ax.set_title("Reward over-optimisation across PPO checkpoints")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,477 @@
+"""PPO policy training, following lm-human-preferences (Ziegler et al. 2019).
+
+The loop in :meth:`PPOTrainer.train` reads top to bottom:
+
+1. roll out: sample ``task.response_length`` tokens per query from the current policy; the
+   sampling pass also yields the old logprobs and (shared value head) the old values;
+2. reference forward: logprobs of the frozen base model on the same tokens;
+3. score: truncate at ``task.truncate_token``, score query+truncated response with the
+   normalised reward model, ``penalty_reward`` where no truncate token was found;
+4. rewards: per-token KL penalty ``-kl_coef * (logp - logp_ref)``, score at the last token,
+   whitened without mean shift; GAE (gamma, lam); advantages whitened;
+5. ``ppo_epochs`` passes over shuffled minibatches (microbatch gradient accumulation) of the
+   clipped policy loss + ``vf_coef`` * clipped value loss (- entropy bonus), LR annealed to 0;
+6. adaptive KL controller update; logging; atomic checkpoint every ``checkpoint_every`` updates.
+
+Speed without changing the maths:
+- old logprobs/values come from the sampling forward, not a second policy forward;
+- the LM head is applied to response positions only;
+- with ``freeze_layers = K`` the policy's lowest K blocks equal the reference model's (both are
+  the frozen base), so the reference forward also yields the hidden state entering block K and
+  every PPO epoch runs only the trainable top blocks from that cached activation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from rlhf_pipeline import functional as F
+from rlhf_pipeline.errors import NonFiniteError, PipelineError
+from rlhf_pipeline.io import atomic_dir
+from rlhf_pipeline.models import backbone_of, freeze_lower_layers, transformer_layers
+from rlhf_pipeline.params import PPOParams, TaskParams
+from rlhf_pipeline.reward import RewardModel, score_query_responses
+from rlhf_pipeline.rollout import TaskSampler
+from rlhf_pipeline.sampling import never_pad, position_ids_from_mask
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+# Architectures whose backbone accepts ``inputs_embeds`` without adding position embeddings
+# (rotary), so running a slice of ``layers`` from a cached activation is exact.
+TRUNK_SPLIT_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "granite", "smollm3"}
+
+
+# --------------------------------------------------------------------------------------------
+# the trunk split: run a slice of the transformer blocks
+# --------------------------------------------------------------------------------------------
+@contextmanager
+def only_layers(backbone: nn.Module, layers: nn.ModuleList):
+    """Temporarily make ``backbone`` run ``layers`` only (its norm and rotary stay)."""
+    original = backbone.layers
+    backbone.layers = layers
+    try:
+        yield
+    finally:
+        backbone.layers = original
+
+
+def supports_trunk_split(model: nn.Module) -> bool:
+    return getattr(model.config, "model_type", "") in TRUNK_SPLIT_MODEL_TYPES and hasattr(backbone_of(model), "layers")
+
+
+def hidden_from(model: nn.Module, query_responses: Tensor, mask: Tensor, start_layer: int = 0, trunk: Tensor | None = None, return_trunk_at: int = 0):
+    """Final hidden states of ``model`` on ``query_responses``.
+
+    ``trunk`` (the activation entering block ``start_layer``) skips the blocks below it.
+    ``return_trunk_at`` > 0 also returns the activation entering that block.
+    """
+    backbone = backbone_of(model)
+    kwargs = dict(attention_mask=mask.long(), position_ids=position_ids_from_mask(mask), use_cache=False)
+    if trunk is not None:
+        with only_layers(backbone, transformer_layers(backbone)[start_layer:]):
+            return backbone(inputs_embeds=trunk, **kwargs).last_hidden_state
+    out = backbone(input_ids=query_responses, output_hidden_states=return_trunk_at > 0, **kwargs)
+    if return_trunk_at > 0:
+        return out.last_hidden_state, out.hidden_states[return_trunk_at]
+    return out.last_hidden_state
+
+
+# --------------------------------------------------------------------------------------------
+# the trained module: policy LM + value head (shared backbone) or a separate value model
+# --------------------------------------------------------------------------------------------
+class PolicyWithValue(nn.Module):
+    """Policy LM with a value estimate for each response position.
+
+    ``value_model='shared'`` (reference): a zero-initialised scalar head on the policy's final
+    hidden state (OAI ``fc_layer`` with scale 0). ``'separate'``: a reward-model copy (backbone
+    and head) predicts values, as TRL does.
+    """
+
+    def __init__(self, lm: nn.Module, value_backbone: nn.Module | None = None, value_head: nn.Linear | None = None):
+        super().__init__()
+        self.lm = lm
+        self.value_backbone = value_backbone
+        if value_head is None:
+            value_head = nn.Linear(lm.config.hidden_size, 1)
+            nn.init.zeros_(value_head.weight)
+            nn.init.zeros_(value_head.bias)
+        self.value_head = value_head
+
+    @property
+    def shared(self) -> bool:
+        return self.value_backbone is None
+
+    def forward(self, query_responses: Tensor, mask: Tensor, query_length: int, temperature: float, pad_token_id: int,
+                freeze_layers: int = 0, trunk: Tensor | None = None):
+        """(logprobs, entropy, values) of the response tokens: each (B, R)."""
+        hidden = hidden_from(self.lm, query_responses, mask, freeze_layers, trunk)[:, query_length - 1 : -1]
+        logits = never_pad(self.lm.get_output_embeddings()(hidden).float(), pad_token_id) / temperature
+        logp_all = torch.log_softmax(logits, dim=-1)
+        labels = query_responses[:, query_length:]
+        logprobs = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        logprobs = torch.where(labels == pad_token_id, torch.zeros_like(logprobs), logprobs)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        if self.shared:
+            values = self.value_head(hidden).squeeze(-1).float()
+        else:
+            value_hidden = hidden_from(self.value_backbone_as_lm(), query_responses, mask)[:, query_length - 1 : -1]
+            values = self.value_head(value_hidden).squeeze(-1).float()
+        return logprobs, entropy, values
+
+    def value_backbone_as_lm(self):
+        return _BackboneAsModel(self.value_backbone)
+
+    @torch.no_grad()
+    def values_of(self, query_responses: Tensor, mask: Tensor, query_length: int) -> Tensor:
+        value_hidden = hidden_from(self.value_backbone_as_lm(), query_responses, mask)[:, query_length - 1 : -1]
+        return self.value_head(value_hidden).squeeze(-1).float()
+
+
+class _BackboneAsModel:
+    """Lets :func:`hidden_from` treat a bare backbone (AutoModel) like a *ForCausalLM."""
+
+    def __init__(self, backbone: nn.Module):
+        self.base_model = backbone
+        self.config = backbone.config
+
+
+# --------------------------------------------------------------------------------------------
+# rollouts
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Rollout:
+    queries: Tensor
+    responses: Tensor  # as sampled: the tokens PPO trains on (reference: all response tokens)
+    truncated: Tensor  # as scored
+    valid: Tensor
+    logprobs: Tensor
+    ref_logprobs: Tensor
+    values: Tensor
+    scores: Tensor
+    mask: Tensor  # response tokens that count (all, unless stop_at_eos)
+    trunk: Tensor | None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def query_responses(self) -> Tensor:
+        return torch.cat([self.queries, self.responses], dim=1)
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints
+# --------------------------------------------------------------------------------------------
+def trainable_state(module: nn.Module) -> dict[str, Tensor]:
+    return {name: p.detach().cpu().contiguous() for name, p in module.named_parameters() if p.requires_grad}
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """``state/`` holds everything to resume (atomic: temp dir, then rename); ``snapshots/``
+    keeps the trainable weights at each checkpoint for the over-optimisation curve."""
+
+    def __init__(self, directory: str | Path, fingerprint: str):
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+        self.state_dir = self.directory / "state"
+        self.snapshots = self.directory / "snapshots"
+
+    def prepare(self) -> bool:
+        """True if a resumable state with the same fingerprint exists; else start clean."""
+        meta = self.state_dir / "meta.json"
+        if meta.is_file() and json.loads(meta.read_text()).get("fingerprint") == self.fingerprint:
+            return True
+        if self.directory.exists():
+            shutil.rmtree(self.directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return False
+
+    def save(self, update: int, model: nn.Module, optimizer, kl_ctl, stats_history: list[dict]) -> None:
+        weights = trainable_state(model)
+        self.snapshots.mkdir(parents=True, exist_ok=True)
+        save_file({k: v for k, v in weights.items() if k.startswith("lm.")}, str(self.snapshots / f"update_{update:05d}.safetensors"))
+        with atomic_dir(self.state_dir) as tmp:
+            save_file(weights, str(tmp / "trainable.safetensors"))
+            torch.save({"optimizer": optimizer.state_dict(), "kl": kl_ctl.state_dict(), "rng": rng_state()}, tmp / "training_state.pt")
+            (tmp / "history.json").write_text(json.dumps(stats_history))
+            (tmp / "meta.json").write_text(json.dumps({"fingerprint": self.fingerprint, "update": update}))
+
+    def load(self, model: nn.Module, optimizer, kl_ctl) -> tuple[int, list[dict]]:
+        weights = load_file(str(self.state_dir / "trainable.safetensors"))
+        missing = set(trainable_state(model)) - set(weights)
+        if missing:
+            raise PipelineError(f"Checkpoint {self.state_dir} lacks weights {sorted(missing)[:3]}...; delete {self.directory} to start over.")
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                params[name].copy_(tensor)
+        state = torch.load(self.state_dir / "training_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        kl_ctl.load_state_dict(state["kl"])
+        set_rng_state(state["rng"])
+        meta = json.loads((self.state_dir / "meta.json").read_text())
+        return meta["update"], json.loads((self.state_dir / "history.json").read_text())
+
+
+def fingerprint_of(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# the trainer
+# --------------------------------------------------------------------------------------------
+class PPOTrainer:
+    def __init__(
+        self,
+        policy: PolicyWithValue,
+        ref_model: nn.Module,
+        reward_model: RewardModel,
+        queries: Tensor,
+        task: TaskParams,
+        cfg: PPOParams,
+        tokenizer,
+        seed: int,
+        device: torch.device,
+        checkpointer: Checkpointer | None = None,
+        gold_labeler=None,
+        log=None,
+        autocast=None,
+    ):
+        self.policy, self.ref_model, self.reward_model = policy, ref_model, reward_model
+        self.queries, self.task, self.cfg, self.tokenizer = queries, task, cfg, tokenizer
+        self.seed, self.device, self.checkpointer = seed, device, checkpointer
+        self.gold_labeler, self.log = gold_labeler, log
+        self.autocast = autocast
+        self.pad_id = tokenizer.pad_token_id
+        self.sampler = TaskSampler.from_tokenizer(task, tokenizer)
+        self.query_length = queries.shape[1]
+        self.num_updates = cfg.total_episodes // cfg.batch_size
+        self.freeze = cfg.freeze_layers
+        for frozen in (ref_model, reward_model):
+            frozen.eval().requires_grad_(False)
+        freeze_lower_layers(backbone_of(policy.lm), self.freeze)
+        # lm_head is tied to the (frozen) input embeddings in most small LMs; untied heads train.
+        self.use_trunk = self.freeze > 0 and supports_trunk_split(policy.lm) and supports_trunk_split(ref_model)
+        self.optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.adam_eps)
+        self.kl_ctl = (F.AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive else F.FixedKLController(cfg.kl.init_coef))
+        self.history: list[dict] = []
+        self.start_update = 0
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _ctx(self):
+        return self.autocast() if self.autocast is not None else _null()
+
+    def _offload(self, module: nn.Module, to_device: bool) -> None:
+        if self.cfg.offload_frozen:
+            module.to(self.device if to_device else "cpu")
+
+    def batch_queries(self, update: int) -> Tensor:
+        """Episode order: a seeded permutation per pass over the train queries, so the data
+        position is a pure function of the update index (exact resume)."""
+        n = len(self.queries)
+        start = update * self.cfg.batch_size
+        rows = []
+        while len(rows) < self.cfg.batch_size:
+            epoch, offset = divmod(start + len(rows), n)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+            take = min(self.cfg.batch_size - len(rows), n - offset)
+            rows.extend(order[offset : offset + take].tolist())
+        return self.queries[rows].to(self.device)
+
+    # ---- 1-3: rollout -----------------------------------------------------------------------
+    @torch.no_grad()
+    def rollout(self, update: int) -> Rollout:
+        t0 = time.perf_counter()
+        queries = self.batch_queries(update)
+        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + update)
+        self.policy.eval()
+        with self._ctx():
+            sampled, truncated, valid = self.sampler.sample(self.policy.lm, queries, generator, value_head=self.policy.value_head if self.policy.shared else None)
+        responses = sampled.responses
+        mask = sampled.mask
+        query_responses = torch.cat([queries, responses], 1)
+        attn = query_responses != self.pad_id
+        # In stop-at-eos mode positions after the eos are pad; keep query-side mask semantics.
+        t1 = time.perf_counter()
+        self._offload(self.ref_model, True)
+        with self._ctx():
+            if self.use_trunk:
+                ref_hidden, trunk = hidden_from(self.ref_model, query_responses, attn, return_trunk_at=self.freeze)
+            else:
+                ref_hidden, trunk = hidden_from(self.ref_model, query_responses, attn), None
+            ref_logits = never_pad(self.ref_model.get_output_embeddings()(ref_hidden[:, self.query_length - 1 : -1]).float(), self.pad_id) / self.task.temperature
+        ref_logprobs = F.logprobs_from_logits(ref_logits, responses)
+        ref_logprobs = torch.where(responses == self.pad_id, torch.zeros_like(ref_logprobs), ref_logprobs)
+        self._offload(self.ref_model, False)
+        values = sampled.values
+        if not self.policy.shared:
+            with self._ctx():
+                values = self.policy.values_of(query_responses, attn, self.query_length)
+        t2 = time.perf_counter()
+        self._offload(self.reward_model, True)
+        with self._ctx():
+            raw_scores = score_query_responses(self.reward_model, queries, truncated, len(queries))
+        self._offload(self.reward_model, False)
+        scores = F.apply_penalty(raw_scores, valid, self.task.penalty_reward)
+        t3 = time.perf_counter()
+        stats = {"time/generation": t1 - t0, "time/reference": t2 - t1, "time/scoring": t3 - t2}
+        if self.gold_labeler is not None:
+            texts = self.tokenizer.batch_decode(truncated, skip_special_tokens=True)
+            stats["objective/gold"] = float(np.mean(self.gold_labeler.score(texts)))
+        return Rollout(queries, responses, truncated, valid, sampled.logprobs, ref_logprobs, values, scores, mask, trunk, stats)
+
+    # ---- 4: rewards and advantages ----------------------------------------------------------
+    @torch.no_grad()
+    def advantages(self, ro: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        mask = ro.mask
+        rewards, non_score = F.compute_rewards(ro.scores, ro.logprobs, ro.ref_logprobs, self.kl_ctl.value, mask, self.cfg.kl.estimator)
+        if self.cfg.whiten_rewards:
+            rewards = F.whiten(rewards, mask, shift_mean=False)
+        advantages, returns = F.gae(rewards, ro.values, self.cfg.gamma, self.cfg.lam, mask)
+        advantages = F.whiten(advantages, mask)
+        return rewards, non_score, advantages, returns
+
+    # ---- 5: PPO epochs ----------------------------------------------------------------------
+    def optimize(self, ro: Rollout, advantages: Tensor, returns: Tensor, update: int) -> dict:
+        cfg = self.cfg
+        lr = F.linear_anneal(update, self.num_updates, cfg.lr) if cfg.anneal_lr else cfg.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        query_responses = ro.query_responses
+        attn = query_responses != self.pad_id
+        generator = torch.Generator().manual_seed(self.seed * 7_919 + update)
+        minibatch_size = cfg.batch_size // cfg.nminibatches
+        sums: dict[str, float] = {}
+        count = 0
+        self.policy.train()
+        trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        for _ in range(cfg.ppo_epochs):
+            for minibatch in F.minibatch_indices(cfg.batch_size, cfg.nminibatches, cfg.microbatch_size, generator):
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro in minibatch:
+                    micro = micro.to(self.device)
+                    with self._ctx():
+                        logprobs, entropy, vpred = self.policy(
+                            query_responses[micro], attn[micro], self.query_length, self.task.temperature, self.pad_id,
+                            self.freeze if self.use_trunk else 0, ro.trunk[micro] if self.use_trunk else None,
+                        )
+                    mask = ro.mask[micro]
+                    pg_loss, pg_stats = F.policy_loss(logprobs.float(), ro.logprobs[micro], advantages[micro], cfg.cliprange, mask)
+                    vf_loss, vf_stats = F.value_loss(vpred.float(), ro.values[micro], returns[micro], cfg.cliprange_value, mask)
+                    entropy_mean = F.masked_mean(entropy, mask)
+                    loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy_mean
+                    if not torch.isfinite(loss):
+                        raise NonFiniteError(
+                            f"PPO loss became non-finite at update {update} (policy {pg_loss.item()}, value {vf_loss.item()}). "
+                            f"Training stopped; the last good checkpoint in {self.checkpointer.directory if self.checkpointer else 'memory'} is kept. "
+                            "Lower ppo.lr or set ppo.max_grad_norm."
+                        )
+                    (loss * len(micro) / minibatch_size).backward()
+                    record = {
+                        "loss/policy": pg_loss.item(), "loss/value": vf_loss.item(), "loss/total": loss.item(),
+                        "policy/entropy": entropy_mean.item(), "policy/approxkl": pg_stats["approxkl"].item(),
+                        "policy/clipfrac": pg_stats["clipfrac"].item(), "policy/ratio_mean": pg_stats["ratio_mean"].item(),
+                        "val/clipfrac": vf_stats["clipfrac"].item(),
+                    }
+                    for key, value in record.items():
+                        sums[key] = sums.get(key, 0.0) + value
+                    sums["policy/ratio_max"] = max(sums.get("policy/ratio_max", 0.0), pg_stats["ratio_max"].item())
+                    count += 1
+                if cfg.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+                self.optimizer.step()
+        self.policy.eval()
+        stats = {k: (v if k == "policy/ratio_max" else v / count) for k, v in sums.items()}
+        stats["lr"] = lr
+        return stats
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def resume_if_possible(self) -> None:
+        if self.checkpointer is not None and self.checkpointer.prepare():
+            self.start_update, self.history = self.checkpointer.load(self.policy, self.optimizer, self.kl_ctl)
+            print(f"train_policy: resuming from update {self.start_update} ({self.checkpointer.state_dir})")
+
+    def train(self, progress: bool = True) -> list[dict]:
+        from tqdm import tqdm
+
+        self.resume_if_possible()
+        bar = tqdm(total=self.num_updates, initial=self.start_update, desc="train_policy", unit="update", disable=not progress)
+        for update in range(self.start_update, self.num_updates):
+            started = time.perf_counter()
+            ro = self.rollout(update)
+            rewards, non_score, advantages, returns = self.advantages(ro)
+            t_train = time.perf_counter()
+            opt_stats = self.optimize(ro, advantages, returns, update)
+            kl_per_seq = (F.kl_penalty(ro.logprobs, ro.ref_logprobs, self.cfg.kl.estimator) * ro.mask).sum(-1)
+            mean_kl = kl_per_seq.mean().item()
+            kl_coef = self.kl_ctl.value
+            self.kl_ctl.update(mean_kl, self.cfg.batch_size)
+            elapsed = time.perf_counter() - started
+            record = {
+                "update": update + 1,
+                "episodes": (update + 1) * self.cfg.batch_size,
+                "objective/score": ro.scores.mean().item(),
+                "objective/score_std": ro.scores.std().item(),
+                "objective/kl": mean_kl,
+                "objective/kl_coef": kl_coef,
+                "objective/non_score_reward": (non_score.sum(-1)).mean().item(),
+                "objective/valid_fraction": ro.valid.float().mean().item(),
+                "response/length": (ro.truncated != self.pad_id).sum(-1).float().mean().item(),
+                "val/mean": F.masked_mean(ro.values, ro.mask).item(),
+                "returns/mean": F.masked_mean(returns, ro.mask).item(),
+                "time/training": time.perf_counter() - t_train,
+                "time/update": elapsed,
+                "episodes_per_second": self.cfg.batch_size / elapsed,
+                **ro.stats,
+                **opt_stats,
+            }
+            if not all(math.isfinite(v) for v in record.values() if isinstance(v, float)):
+                raise NonFiniteError(f"Non-finite statistics at update {update}: {record}. The last good checkpoint is kept.")
+            self.history.append(record)
+            if self.log is not None:
+                self.log(record)
+            bar.update(1)
+            bar.set_postfix(score=f"{record['objective/score']:.3f}", kl=f"{mean_kl:.2f}")
+            done = update + 1
+            if self.checkpointer is not None and (done % self.cfg.checkpoint_every == 0 or done == self.num_updates):
+                self.checkpointer.save(done, self.policy, self.optimizer, self.kl_ctl, self.history)
+        bar.close()
+        return self.history
+
+
+@contextmanager
+def _null():
+    yield
+
+
+def save_policy(policy: PolicyWithValue, tokenizer, directory: str | Path) -> None:
+    """save_pretrained layout (loads with AutoModelForCausalLM) plus the value head."""
+    directory = Path(directory)
+    policy.lm.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    save_file({k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()}, str(directory / VALUE_HEAD_FILE))

@@ -1,0 +1,278 @@
+"""Reward model: a transformer backbone plus a scalar head, normalised by a stored gain and bias.
+
+Faithful to lm-human-preferences:
+
+- the head reads the hidden state of the last real token of query+response;
+- head weight ~ N(0, 1/sqrt(d_model + 1)), bias 0 (OAI ``fc_layer``);
+- ``reward = gain * head(h_last) + bias`` with ``gain``/``bias`` stored with the model (init 1, 0)
+  and set by :func:`fit_normalization` so base-model samples have a target mean and std;
+- training: softmax cross-entropy over the N samples against ``best`` (pairwise Bradley-Terry is
+  N=2), one epoch, learning rate annealed linearly to 0.
+
+Best-of-N rows share their query: :meth:`RewardModel.score_best_of_n` runs the query once and
+reuses its KV cache for the N responses (gradients flow through the shared prefix), which is
+where most of this project's speed over a concatenate-everything reward trainer comes from.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.sampling import position_ids_from_mask
+
+HEAD_FILE = "reward_head.safetensors"
+CONFIG_FILE = "reward_config.json"
+
+
+def init_reward_head(head: nn.Linear, generator: torch.Generator | None = None) -> None:
+    """OAI ``fc_layer``: w ~ N(0, 1/sqrt(d_in + 1)), b = 0."""
+    d_in = head.weight.shape[1]
+    with torch.no_grad():
+        head.weight.normal_(0.0, 1.0 / math.sqrt(d_in + 1), generator=generator)
+        head.bias.zero_()
+
+
+class RewardModel(nn.Module):
+    def __init__(self, backbone: nn.Module, pad_token_id: int):
+        super().__init__()
+        self.backbone = backbone
+        self.pad_token_id = pad_token_id
+        self.head = nn.Linear(backbone.config.hidden_size, 1)
+        init_reward_head(self.head)
+        # Buffers, not parameters: like the reference they are set by normalisation, not by
+        # the optimizer, and they travel with the weights.
+        self.register_buffer("gain", torch.tensor(1.0))
+        self.register_buffer("bias", torch.tensor(0.0))
+
+    # ----------------------------------------------------------------------------------------
+    def normalize(self, raw: Tensor) -> Tensor:
+        return self.gain * raw + self.bias
+
+    def raw_scores(self, query_responses: Tensor) -> Tensor:
+        """Unnormalised head output at the last non-pad token of each row: (B,)."""
+        mask = query_responses != self.pad_token_id
+        hidden = self.backbone(
+            input_ids=query_responses,
+            attention_mask=mask.long(),
+            position_ids=position_ids_from_mask(mask),
+            use_cache=False,
+        ).last_hidden_state
+        last = last_true_index(mask)
+        h_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        return self.head(h_last).squeeze(-1).float()
+
+    def forward(self, query_responses: Tensor) -> Tensor:
+        return self.normalize(self.raw_scores(query_responses))
+
+    def score_best_of_n(self, queries: Tensor, samples: Tensor, normalized: bool = True) -> Tensor:
+        """Rewards of ``samples`` (B, N, R) as continuations of ``queries`` (B, Q): (B, N).
+
+        Equivalent to :meth:`forward` on each concatenated query+sample, but the query prefix is
+        computed once per row.
+        """
+        from transformers import DynamicCache
+
+        batch, n, resp_len = samples.shape
+        q_mask = queries != self.pad_token_id
+        prefix = self.backbone(
+            input_ids=queries,
+            attention_mask=q_mask.long(),
+            position_ids=position_ids_from_mask(q_mask),
+            past_key_values=DynamicCache(config=self.backbone.config),
+            use_cache=True,
+        )
+        cache = prefix.past_key_values
+        cache.batch_repeat_interleave(n)
+        responses = samples.reshape(batch * n, resp_len)
+        r_mask = responses != self.pad_token_id
+        q_mask_n = q_mask.repeat_interleave(n, 0)
+        q_len = q_mask_n.sum(-1, keepdim=True)
+        positions = q_len + torch.arange(resp_len, device=samples.device)[None, :]
+        hidden = self.backbone(
+            input_ids=responses,
+            attention_mask=torch.cat([q_mask_n, r_mask], dim=1).long(),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
+        resp_lens = r_mask.sum(-1)
+        rows = torch.arange(batch * n, device=samples.device)
+        h_last = hidden[rows, (resp_lens - 1).clamp(min=0)]
+        # An empty response (all padding) is scored at the query's last token.
+        h_query_last = prefix.last_hidden_state[:, -1].repeat_interleave(n, 0)
+        h_last = torch.where((resp_lens == 0)[:, None], h_query_last, h_last)
+        raw = self.head(h_last).squeeze(-1).float().view(batch, n)
+        return self.normalize(raw) if normalized else raw
+
+    # ----------------------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        self.backbone.save_pretrained(directory)
+        tensors = {
+            "head.weight": self.head.weight.detach().cpu().contiguous(),
+            "head.bias": self.head.bias.detach().cpu().contiguous(),
+            "gain": self.gain.detach().cpu().reshape(1),
+            "bias": self.bias.detach().cpu().reshape(1),
+        }
+        save_file(tensors, str(directory / HEAD_FILE))
+        (directory / CONFIG_FILE).write_text(
+            json.dumps({"pad_token_id": self.pad_token_id, "gain": float(self.gain), "bias": float(self.bias), "head": "last non-pad token"}, indent=2) + "\n"
+        )
+
+    @classmethod
+    def from_base(cls, base_dir: str | Path, pad_token_id: int, dropout: float = 0.0, generator: torch.Generator | None = None) -> RewardModel:
+        from transformers import AutoModel
+
+        from rlhf_pipeline.models import set_dropout
+
+        backbone = AutoModel.from_pretrained(str(base_dir), dtype=torch.float32)
+        set_dropout(backbone, dropout)
+        model = cls(backbone, pad_token_id)
+        init_reward_head(model.head, generator)
+        return model
+
+    @classmethod
+    def load(cls, directory: str | Path, device: torch.device | str = "cpu") -> RewardModel:
+        from transformers import AutoModel
+
+        directory = Path(directory)
+        if not (directory / HEAD_FILE).is_file():
+            raise PipelineError(f"'{directory}' is not a reward model directory (no {HEAD_FILE}); run `dvc repro train_reward` first.")
+        config = json.loads((directory / CONFIG_FILE).read_text())
+        backbone = AutoModel.from_pretrained(str(directory), dtype=torch.float32)
+        model = cls(backbone, config["pad_token_id"])
+        tensors = load_file(str(directory / HEAD_FILE))
+        with torch.no_grad():
+            model.head.weight.copy_(tensors["head.weight"])
+            model.head.bias.copy_(tensors["head.bias"])
+            model.gain.copy_(tensors["gain"][0])
+            model.bias.copy_(tensors["bias"][0])
+        return model.to(device).eval()
+
+
+def last_true_index(mask: Tensor) -> Tensor:
+    """Index of the last True in each row of a (B, T) mask (0 if none)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask, positions, torch.zeros_like(positions)).max(dim=1).values
+
+
+def set_gain_bias(model: RewardModel, gain: float, bias: float) -> None:
+    with torch.no_grad():
+        model.gain.fill_(gain)
+        model.bias.fill_(bias)
+
+
+# --------------------------------------------------------------------------------------------
+# scoring, normalisation and training
+# --------------------------------------------------------------------------------------------
+@torch.no_grad()
+def score_query_responses(model: RewardModel, queries: Tensor, responses: Tensor, batch_size: int, normalized: bool = True) -> Tensor:
+    """Rewards of single responses (B, R) to queries (B, Q), batched: (B,)."""
+    from rlhf_pipeline.sampling import iterate_batches
+
+    scores = [model.score_best_of_n(queries[rows], responses[rows, None, :], normalized)[:, 0] for rows in iterate_batches(len(queries), batch_size)]
+    return torch.cat(scores)
+
+
+def fit_normalization(model: RewardModel, raw_scores: Tensor, target_mean: float, target_std: float) -> tuple[float, float]:
+    """Set gain/bias so that ``gain * raw + bias`` has the target mean and std on ``raw_scores``."""
+    from rlhf_pipeline.functional import normalization_gain_bias
+
+    mean, std = raw_scores.mean().item(), raw_scores.std(unbiased=False).item()
+    if not math.isfinite(std) or std == 0.0:
+        raise PipelineError("Reward normalisation failed: the reward model gives the same score to every sample (std 0).")
+    gain, bias = normalization_gain_bias(mean, std, target_mean, target_std)
+    set_gain_bias(model, gain, bias)
+    return gain, bias
+
+
+def preference_tensors(split, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(queries (B,Q), samples (B,N,R), best (B,), margin (B,)) from a preferences split."""
+    queries = torch.tensor(split["query_ids"], dtype=torch.long, device=device)
+    samples = torch.tensor(split["sample_ids"], dtype=torch.long, device=device)
+    best = torch.tensor(split["best"], dtype=torch.long, device=device)
+    margin = torch.tensor(split["margin"], dtype=torch.float32, device=device) if "margin" in split.column_names else torch.zeros(len(best), device=device)
+    return queries, samples, best, margin
+
+
+@torch.no_grad()
+def best_of_n_accuracy(model: RewardModel, queries: Tensor, samples: Tensor, best: Tensor, batch_size: int) -> float:
+    from rlhf_pipeline.sampling import iterate_batches
+
+    correct = 0
+    for rows in iterate_batches(len(queries), batch_size):
+        rewards = model.score_best_of_n(queries[rows], samples[rows])
+        correct += (rewards.argmax(-1) == best[rows]).sum().item()
+    return correct / max(len(queries), 1)
+
+
+def train_reward_model(
+    model: RewardModel,
+    queries: Tensor,
+    samples: Tensor,
+    best: Tensor,
+    margin: Tensor | None,
+    lr: float,
+    epochs: int,
+    batch_size: int,
+    microbatch_size: int,
+    adam_eps: float,
+    generator: torch.Generator,
+    max_grad_norm: float | None = None,
+    log=None,
+) -> list[dict]:
+    """OAI reward training: ``epochs`` passes (reference: 1) over shuffled labels, LR annealed
+    linearly from ``lr`` to 0 by label index, Adam, gradient accumulation over microbatches.
+
+    Returns one record per optimizer step (loss, accuracy, lr); ``log(record)`` is called too.
+    """
+    from tqdm import tqdm
+
+    from rlhf_pipeline.functional import best_of_n_loss, linear_anneal
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=lr, eps=adam_eps)
+    num_labels = len(best)
+    total = num_labels * epochs
+    steps_per_epoch = num_labels // batch_size
+    history = []
+    model.train()
+    bar = tqdm(total=steps_per_epoch * epochs, desc="train_reward", unit="step")
+    for epoch in range(epochs):
+        order = torch.randperm(num_labels, generator=generator)
+        for step_in_epoch in range(steps_per_epoch):
+            start = step_in_epoch * batch_size
+            step_lr = linear_anneal(epoch * num_labels + start, total, lr)
+            for group in optimizer.param_groups:
+                group["lr"] = step_lr
+            optimizer.zero_grad(set_to_none=True)
+            batch = order[start : start + batch_size]
+            loss_sum, correct = 0.0, 0
+            for micro in batch.split(microbatch_size):
+                rewards = model.score_best_of_n(queries[micro], samples[micro])
+                micro_margin = margin[micro] if margin is not None else None
+                loss, accuracy = best_of_n_loss(rewards, best[micro], micro_margin)
+                (loss * len(micro) / len(batch)).backward()
+                loss_sum += loss.item() * len(micro)
+                correct += accuracy.item() * len(micro)
+            if not math.isfinite(loss_sum):
+                raise PipelineError(f"Reward-model loss became non-finite at step {len(history)}; lower reward.train.lr.")
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            optimizer.step()
+            record = {"step": len(history), "loss": loss_sum / len(batch), "accuracy": correct / len(batch), "lr": step_lr}
+            history.append(record)
+            if log is not None:
+                log(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.2f}")
+    bar.close()
+    model.eval()
+    return history

@@ -1,0 +1,71 @@
+"""Sampling with the task's post-processing: fixed-length responses, OAI truncation, penalty flag.
+
+Shared by reward normalisation, PPO rollouts and evaluation so all three see responses processed
+the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.functional import truncate_response
+from rlhf_pipeline.params import TaskParams
+from rlhf_pipeline.sampling import iterate_batches, sample_responses
+
+
+def single_token_id(tokenizer, text: str | None, key: str) -> int | None:
+    """Token id of ``text`` (e.g. task.truncate_token '.'), which must encode to exactly one token."""
+    if text is None:
+        return None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise PipelineError(f"{key} {text!r} encodes to {len(ids)} tokens {ids} with this tokenizer; it must be a single token.")
+    return ids[0]
+
+
+@dataclass
+class TaskSampler:
+    """Samples responses for the task and post-processes them like lm-human-preferences."""
+
+    task: TaskParams
+    pad_token_id: int
+    eos_token_id: int | None
+    truncate_token_id: int | None
+
+    @classmethod
+    def from_tokenizer(cls, task: TaskParams, tokenizer) -> TaskSampler:
+        return cls(task, tokenizer.pad_token_id, tokenizer.eos_token_id, single_token_id(tokenizer, task.truncate_token, "task.truncate_token"))
+
+    def sample(self, model: nn.Module, queries: Tensor, generator: torch.Generator, value_head: nn.Module | None = None, num_samples: int = 1):
+        out = sample_responses(
+            model,
+            queries,
+            queries != self.pad_token_id,
+            self.task.response_length,
+            self.task.temperature,
+            self.pad_token_id,
+            generator=generator,
+            eos_token_id=self.eos_token_id,
+            stop_at_eos=self.task.stop_at_eos,
+            value_head=value_head,
+            num_samples=num_samples,
+        )
+        truncated, valid = self.truncate(out.responses)
+        return out, truncated, valid
+
+    def truncate(self, responses: Tensor) -> tuple[Tensor, Tensor]:
+        return truncate_response(responses, self.truncate_token_id, self.task.truncate_after, self.pad_token_id)
+
+    @torch.no_grad()
+    def sample_truncated(self, model: nn.Module, queries: Tensor, generator: torch.Generator, batch_size: int) -> tuple[Tensor, Tensor]:
+        """Truncated responses and validity for many queries, in batches: ((B, R), (B,))."""
+        responses, valids = [], []
+        for rows in iterate_batches(len(queries), batch_size):
+            _, truncated, valid = self.sample(model, queries[rows], generator)
+            responses.append(truncated)
+            valids.append(valid)
+        return torch.cat(responses), torch.cat(valids)

@@ -1,0 +1,147 @@
+"""Sampling and scoring forwards shared by every stage that runs a language model.
+
+- :func:`sample_responses`: lm-human-preferences sampling: top_k=0, top_p=1, logits divided by
+  ``temperature``, a fixed number of tokens that ignores EOS (or an EOS-stop mode), with a KV cache.
+  It also returns, from the same forward passes, the sampled tokens' logprobs and (when a value
+  head is given) the values, so PPO needs no second policy forward to build a rollout.
+- :func:`response_logprobs`: one forward over query+response that applies the LM head to the
+  response positions only (the vocabulary projection is ~20% of a small model's FLOPs, and the
+  query positions' logits are never used).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_pipeline.models import backbone_of
+
+
+@dataclass
+class SampleOutput:
+    responses: Tensor  # (B, R) token ids; after an EOS in stop mode, pad ids
+    logprobs: Tensor  # (B, R) logprob of each sampled token at `temperature`
+    values: Tensor | None  # (B, R) value of the state before each response token
+    mask: Tensor  # (B, R) True for real response tokens
+
+
+def never_pad(logits: Tensor, pad_token_id: int) -> Tensor:
+    """The pad token was added to the vocabulary for bookkeeping only; like OAI (which slices the
+    logits to the original vocabulary) it is never sampled and gets no probability mass."""
+    if pad_token_id < logits.shape[-1]:
+        logits = logits.clone()
+        # finite (not -inf or finfo.min) so temperature scaling cannot overflow and p*log(p) stays 0, not nan
+        logits[..., pad_token_id] = -1e9
+    return logits
+
+
+def position_ids_from_mask(mask: Tensor) -> Tensor:
+    """Positions that skip left padding: 0 at the first real token."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def sample_responses(
+    model: nn.Module,
+    queries: Tensor,
+    query_mask: Tensor,
+    response_length: int,
+    temperature: float,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+    stop_at_eos: bool = False,
+    value_head: nn.Module | None = None,
+    num_samples: int = 1,
+) -> SampleOutput:
+    """Sample ``num_samples`` responses per query (rows repeat each query ``num_samples`` times).
+
+    The query prefix is run once and its KV cache repeated, so best-of-N labelling costs one
+    prefill per query, not N.
+    """
+    from transformers import DynamicCache
+
+    backbone = backbone_of(model)
+    lm_head = model.get_output_embeddings()
+    device = queries.device
+    mask = query_mask.to(torch.long)
+    cache = DynamicCache(config=model.config)
+    out = backbone(input_ids=queries, attention_mask=mask, position_ids=position_ids_from_mask(mask), past_key_values=cache, use_cache=True)
+    hidden = out.last_hidden_state[:, -1]
+    cache = out.past_key_values
+    next_pos = mask.sum(-1)
+    if num_samples > 1:
+        cache.batch_repeat_interleave(num_samples)
+        hidden = hidden.repeat_interleave(num_samples, 0)
+        mask = mask.repeat_interleave(num_samples, 0)
+        next_pos = next_pos.repeat_interleave(num_samples, 0)
+    batch = hidden.shape[0]
+    tokens = torch.full((batch, response_length), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(batch, response_length, device=device)
+    values = torch.zeros(batch, response_length, device=device) if value_head is not None else None
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    for t in range(response_length):
+        logits = never_pad(lm_head(hidden).float(), pad_token_id) / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+        if values is not None:
+            values[:, t] = value_head(hidden).squeeze(-1).float()
+        token = torch.where(alive, token, torch.full_like(token, pad_token_id))
+        tokens[:, t] = token
+        logprobs[:, t] = torch.where(alive, logp.gather(-1, token[:, None]).squeeze(-1), 0.0)
+        # the eos itself is a real token; only what comes after it is padding
+        alive_next = alive & (token != eos_token_id) if stop_at_eos and eos_token_id is not None else alive
+        if t == response_length - 1:
+            break
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
+        out = backbone(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        hidden = out.last_hidden_state[:, -1]
+        next_pos = next_pos + 1
+        alive = alive_next
+    response_mask = tokens != pad_token_id
+    if not stop_at_eos:
+        response_mask = torch.ones_like(response_mask)
+    return SampleOutput(tokens, logprobs, values, response_mask)
+
+
+def response_hidden_states(model: nn.Module, query_responses: Tensor, attention_mask: Tensor, query_length: int) -> Tensor:
+    """Backbone hidden states at the positions that predict each response token: (B, R, d)."""
+    out = backbone_of(model)(
+        input_ids=query_responses,
+        attention_mask=attention_mask.long(),
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
+    return out.last_hidden_state[:, query_length - 1 : -1]
+
+
+def response_logprobs(
+    model: nn.Module,
+    query_responses: Tensor,
+    attention_mask: Tensor,
+    query_length: int,
+    temperature: float,
+    pad_token_id: int,
+    with_entropy: bool = False,
+    value_head: nn.Module | None = None,
+):
+    """Logprobs of the response tokens under ``model`` at ``temperature`` (and optionally entropy
+    and values), from one forward. Returns ``(logprobs, entropy_or_None, values_or_None)``."""
+    hidden = response_hidden_states(model, query_responses, attention_mask, query_length)
+    logits = never_pad(model.get_output_embeddings()(hidden).float(), pad_token_id) / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    labels = query_responses[:, query_length:]
+    logprobs = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    # padding after an EOS (stop mode) is masked downstream; keep it finite here
+    logprobs = torch.where(labels == pad_token_id, torch.zeros_like(logprobs), logprobs)
+    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    values = value_head(hidden).squeeze(-1).float() if value_head is not None else None
+    return logprobs, entropy, values
+
+
+def iterate_batches(n: int, batch_size: int):
+    for start in range(0, n, batch_size):
+        yield slice(start, min(start + batch_size, n))

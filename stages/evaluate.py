@@ -1,0 +1,116 @@
+"""Stage evaluate: base vs policy on held-out queries, the over-optimisation curve, a report."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import torch
+from datasets import load_from_disk
+
+from rlhf_pipeline.evaluation import length_stats, load_snapshot, overoptimization_plot, sample_and_score, summarize
+from rlhf_pipeline.io import atomic_file, write_json
+from rlhf_pipeline.labelers import get_labeler
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
+from rlhf_pipeline.params import Params
+from rlhf_pipeline.reward import RewardModel
+from rlhf_pipeline.rollout import TaskSampler
+from rlhf_pipeline.runner import run_stage
+
+BASE, REWARD, POLICY, QUERIES, SNAPSHOTS = "models/base", "models/reward", "models/policy", "data/queries", "checkpoints/policy/snapshots"
+OUT = Path("evaluation")
+METRICS = "metrics/evaluate.json"
+
+
+def main(params: Params) -> None:
+    cfg = params.evaluate
+    for path, stage in ((BASE, "base_model"), (REWARD, "normalize_reward"), (POLICY, "train_policy")):
+        require_dir(path, stage)
+    tokenizer = load_tokenizer(BASE)
+    base = load_causal_lm(BASE).eval()
+    policy = load_causal_lm(POLICY).eval()
+    reward_model = RewardModel.load(REWARD)
+    sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
+    labeler = get_labeler(params.data.preferences.labeler) if params.data.preferences.source == "simulated" else None
+    test = load_from_disk(QUERIES)["test"]
+    queries = torch.tensor(test["query_ids"][: cfg.num_queries])
+    seed = params.seed + 2  # same stream for base and policy, distinct from training streams
+
+    def evaluate(model):
+        return sample_and_score(model, base, reward_model, queries, sampler, tokenizer, seed, cfg.batch_size, labeler)
+
+    base_set, policy_set = evaluate(base), evaluate(policy)
+    metrics = summarize(base_set, policy_set)
+    metrics["length/base"] = length_stats(base_set, tokenizer.pad_token_id)
+    metrics["length/policy"] = length_stats(policy_set, tokenizer.pad_token_id)
+    metrics.pop("length/base_mean")
+    metrics["queries"] = len(queries)
+
+    # Over-optimisation curve: every PPO snapshot, plus the base model at KL 0.
+    points = [{"update": 0, "sqrt_kl": 0.0, "kl": 0.0, "proxy": base_set.proxy.mean().item(), "gold": _mean(base_set.gold)}]
+    for snapshot in sorted(Path(SNAPSHOTS).glob("update_*.safetensors")):
+        load_snapshot(policy, snapshot)
+        sample = evaluate(policy)
+        kl = sample.kl.mean().item()
+        points.append({"update": int(snapshot.stem.split("_")[1]), "kl": kl, "sqrt_kl": math.sqrt(max(kl, 0.0)), "proxy": sample.proxy.mean().item(), "gold": _mean(sample.gold)})
+    best = max(points, key=lambda p: p["gold"] if p["gold"] is not None else p["proxy"])
+
+    OUT.mkdir(exist_ok=True)
+    rows = []
+    decode = lambda ids: tokenizer.decode([i for i in ids if i != tokenizer.pad_token_id], skip_special_tokens=True)  # noqa: E731
+    for i in range(min(cfg.num_table_rows, len(queries))):
+        rows.append({
+            "query": decode(queries[i].tolist()),
+            "base_response": base_set.texts[i],
+            "policy_response": policy_set.texts[i],
+            "base_proxy": round(base_set.proxy[i].item(), 4),
+            "policy_proxy": round(policy_set.proxy[i].item(), 4),
+            "base_gold": None if base_set.gold is None else round(float(base_set.gold[i]), 4),
+            "policy_gold": None if policy_set.gold is None else round(float(policy_set.gold[i]), 4),
+        })
+    with atomic_file(OUT / "samples.csv", "w") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    write_json(OUT / "samples.json", rows)
+    write_json(OUT / "overoptimization.json", points)
+    png = OUT / "overoptimization.png"
+    tmp_png = OUT / ".overoptimization.tmp.png"
+    overoptimization_plot(points, tmp_png)
+    tmp_png.replace(png)
+    with atomic_file(OUT / "report.md") as handle:
+        handle.write(render_report(metrics, points, best, rows))
+    write_json(METRICS, metrics)
+    print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}, indent=1))
+
+
+def _mean(values):
+    return None if values is None else float(values.mean())
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def render_report(metrics: dict, points: list[dict], best: dict, rows: list[dict]) -> str:
+    lines = ["# Evaluation report", "", f"Held-out test queries: {metrics['queries']}. Base and policy sampled with the same seed.", "", "| metric | value |", "|---|---|"]
+    for key, value in metrics.items():
+        if not isinstance(value, dict) and key != "queries":
+            lines.append(f"| `{key}` | {_fmt(value)} |")
+    lines += ["", "## Reward over-optimisation", "", "![over-optimisation curve](overoptimization.png)", "",
+              "| update | KL | proxy | gold |", "|---|---|---|---|"]
+    lines += [f"| {p['update']} | {p['kl']:.3f} | {p['proxy']:.3f} | {_fmt(p['gold'])} |" for p in points]
+    criterion = "gold" if best["gold"] is not None else "proxy"
+    lines += ["", f"Best checkpoint by {criterion} score: **update {best['update']}** "
+              f"(proxy {best['proxy']:.3f}, gold {_fmt(best['gold'])}, KL {best['kl']:.3f}); "
+              f"its weights are `checkpoints/policy/snapshots/update_{best['update']:05d}.safetensors`" if best["update"] else "", "",
+              "## Samples", "", "Full table: [samples.csv](samples.csv). First rows:", ""]
+    for row in rows[:5]:
+        lines += [f"- **query**: {row['query']!r}", f"  - base ({_fmt(row['base_gold'])} gold): {row['base_response']!r}", f"  - policy ({_fmt(row['policy_gold'])} gold): {row['policy_response']!r}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    run_stage("evaluate", main)

@@ -1,0 +1,87 @@
+"""Stage normalize_reward: refit gain/bias on base-model samples -> models/reward.
+
+Samples always come from the frozen base model, never from a trained policy
+(lm-human-preference-details issue #8). The fit is checked on a fresh sample (fresh queries
+and fresh responses), and, with the default labeler, the Spearman correlation of the reward
+with the gold score is measured on that same fresh sample.
+"""
+
+from __future__ import annotations
+
+import torch
+from datasets import load_from_disk
+from scipy.stats import spearmanr
+
+from rlhf_pipeline.io import atomic_dir, write_json
+from rlhf_pipeline.labelers import get_labeler
+from rlhf_pipeline.modelcard import write_card
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
+from rlhf_pipeline.params import Params
+from rlhf_pipeline.reward import RewardModel, fit_normalization, score_query_responses, set_gain_bias
+from rlhf_pipeline.rollout import TaskSampler
+from rlhf_pipeline.runner import run_stage
+
+BASE, TRAINED, QUERIES = "models/base", "models/reward_unnormalized", "data/queries"
+OUT, METRICS = "models/reward", "metrics/reward.json"
+
+
+def main(params: Params) -> None:
+    cfg = params.reward.normalize
+    require_dir(BASE, "base_model")
+    tokenizer = load_tokenizer(BASE)
+    model = RewardModel.load(TRAINED)
+    base = load_causal_lm(BASE).eval()
+    sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
+    train_queries = torch.tensor(load_from_disk(QUERIES)["train"]["query_ids"])
+    # Disjoint query sets for fitting and checking; a different seed stream from train_reward.
+    generator = torch.Generator().manual_seed(params.seed + 1)
+    order = torch.randperm(len(train_queries), generator=generator)
+    fit_queries = train_queries[order[: cfg.normalize_samples]]
+    eval_queries = train_queries[order[cfg.normalize_samples : cfg.normalize_samples + cfg.eval_samples]]
+    if len(eval_queries) < cfg.eval_samples:
+        # Fewer train queries than fit+eval: reuse queries for the check, still with fresh responses.
+        eval_queries = train_queries[order[: cfg.eval_samples]]
+
+    set_gain_bias(model, 1.0, 0.0)
+    fit_responses, _ = sampler.sample_truncated(base, fit_queries, generator, cfg.batch_size)
+    raw = score_query_responses(model, fit_queries, fit_responses, cfg.batch_size, normalized=False)
+    gain, bias = fit_normalization(model, raw, cfg.target_mean, cfg.target_std)
+
+    eval_responses, _ = sampler.sample_truncated(base, eval_queries, generator, cfg.batch_size)
+    fresh = score_query_responses(model, eval_queries, eval_responses, cfg.batch_size)
+    metrics = {
+        "gain": gain,
+        "bias": bias,
+        "fit/raw_mean": raw.mean().item(),
+        "fit/raw_std": raw.std(unbiased=False).item(),
+        "normalized/mean": fresh.mean().item(),
+        "normalized/std": fresh.std(unbiased=False).item(),
+        "normalized/samples": len(fresh),
+    }
+    if params.data.preferences.source == "simulated":
+        texts = tokenizer.batch_decode(eval_responses, skip_special_tokens=True)
+        gold = get_labeler(params.data.preferences.labeler).score(texts)
+        metrics["gold_correlation"] = float(spearmanr(fresh.numpy(), gold).statistic)
+
+    with atomic_dir(OUT) as tmp:
+        model.save(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_card(
+            tmp,
+            title="Reward model",
+            summary=f"The trained reward model of `{TRAINED}` with gain {gain:.4f} and bias {bias:.4f} fitted so that "
+            f"rewards of {len(fit_queries)} base-model samples have mean {cfg.target_mean} and std {cfg.target_std} "
+            "(reward = gain * head + bias). This is the reward PPO optimises.",
+            base_model=BASE,
+            datasets=["data/preferences", QUERIES],
+            tags=["reward-model", "normalized"],
+            hyperparameters={"reward.normalize": cfg.model_dump(), "task": params.task.model_dump(), "seed": params.seed},
+            metrics=metrics,
+            inputs=[TRAINED, BASE, QUERIES],
+        )
+    write_json(METRICS, metrics)
+    print(f"normalize_reward: gain {gain:.4f} bias {bias:.4f}; fresh sample mean {metrics['normalized/mean']:.3f} std {metrics['normalized/std']:.3f}")
+
+
+if __name__ == "__main__":
+    run_stage("normalize_reward", main)

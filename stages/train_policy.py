@@ -1,0 +1,99 @@
+"""Stage train_policy: PPO against the normalised reward model -> models/policy (+ checkpoints)."""
+
+from __future__ import annotations
+
+import torch
+from datasets import load_from_disk
+
+from rlhf_pipeline.io import atomic_dir, write_json
+from rlhf_pipeline.labelers import get_labeler
+from rlhf_pipeline.logging import open_live
+from rlhf_pipeline.modelcard import content_hash, write_card
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir, resolve_device
+from rlhf_pipeline.params import Params
+from rlhf_pipeline.ppo import Checkpointer, PolicyWithValue, PPOTrainer, fingerprint_of, save_policy
+from rlhf_pipeline.reward import RewardModel
+from rlhf_pipeline.runner import run_stage
+
+BASE, REWARD, QUERIES = "models/base", "models/reward", "data/queries"
+OUT, CHECKPOINTS, METRICS, LIVE = "models/policy", "checkpoints/policy", "metrics/policy.json", "dvclive/train_policy"
+
+
+def build_policy(cfg, device) -> PolicyWithValue:
+    lm = load_causal_lm(BASE, device, cfg.dropout)
+    if cfg.value_model == "shared":
+        return PolicyWithValue(lm)
+    # TRL style: a value model initialised from the reward model (backbone and head).
+    value_init = RewardModel.load(REWARD, device)
+    return PolicyWithValue(lm, value_init.backbone.train(), value_init.head)
+
+
+def main(params: Params) -> None:
+    cfg = params.ppo
+    for path, stage in ((BASE, "base_model"), (REWARD, "normalize_reward")):
+        require_dir(path, stage)
+    plan = resolve_device(cfg.device)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=plan.device.type == "cuda")
+    tokenizer = load_tokenizer(BASE)
+    queries = torch.tensor(load_from_disk(QUERIES)["train"]["query_ids"])
+    frozen_device = "cpu" if cfg.offload_frozen else plan.device
+    ref_model = load_causal_lm(BASE, frozen_device)
+    reward_model = RewardModel.load(REWARD, frozen_device)
+    policy = build_policy(cfg, plan.device)
+    gold = get_labeler(params.data.preferences.labeler) if params.data.preferences.source == "simulated" else None
+    fingerprint = fingerprint_of(params.seed, cfg.model_dump(), params.task.model_dump(), content_hash(f"{REWARD}/reward_head.safetensors"), content_hash(f"{QUERIES}"))
+    checkpointer = Checkpointer(CHECKPOINTS, fingerprint)
+    resuming = (checkpointer.state_dir / "meta.json").is_file()
+
+    with open_live(LIVE, resume=resuming) as live:
+        def log(record: dict) -> None:
+            for key, value in record.items():
+                if key not in ("update",):
+                    live.log_metric(key, value)
+            live.next_step()
+
+        trainer = PPOTrainer(
+            policy, ref_model, reward_model, queries, params.task, cfg, tokenizer, params.seed, plan.device,
+            checkpointer=checkpointer, gold_labeler=gold, log=log, autocast=plan.autocast if plan.autocast_dtype else None,
+        )
+        history = trainer.train()
+
+    last = history[-max(1, len(history) // 4):]
+    first = history[: max(1, len(history) // 4)]
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    metrics = {
+        "updates": len(history),
+        "episodes": history[-1]["episodes"],
+        "device": plan.describe(),
+        "score/first_quarter": mean(first, "objective/score"),
+        "score/last_quarter": mean(last, "objective/score"),
+        "kl/last_quarter": mean(last, "objective/kl"),
+        "kl_coef/final": history[-1]["objective/kl_coef"],
+        "episodes_per_second": mean(history, "episodes_per_second"),
+    }
+    if gold is not None:
+        metrics["gold/first_quarter"] = mean(first, "objective/gold")
+        metrics["gold/last_quarter"] = mean(last, "objective/gold")
+    with atomic_dir(OUT) as tmp:
+        save_policy(policy, tokenizer, tmp)
+        write_card(
+            tmp,
+            title="PPO policy",
+            summary=f"`{BASE}` fine-tuned with PPO (lm-human-preferences details) against `{REWARD}` for "
+            f"{metrics['episodes']} episodes on {plan.describe()}. Loads with `AutoModelForCausalLM.from_pretrained`; "
+            f"the value head is in `value_head.safetensors`.",
+            base_model=BASE,
+            datasets=[QUERIES, "data/preferences"],
+            tags=["ppo", "rlhf", "policy"],
+            hyperparameters={"ppo": cfg.model_dump(), "task": params.task.model_dump(), "seed": params.seed},
+            metrics=metrics,
+            inputs=[BASE, REWARD, QUERIES],
+            extra_front_matter={"device": plan.describe()},
+        )
+    write_json(METRICS, metrics)
+    print(f"train_policy: {metrics['episodes']} episodes, score {metrics['score/first_quarter']:.3f} -> {metrics['score/last_quarter']:.3f}, KL {metrics['kl/last_quarter']:.2f}")
+
+
+if __name__ == "__main__":
+    run_stage("train_policy", main)

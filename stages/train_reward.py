@@ -1,0 +1,88 @@
+"""Stage train_reward: fit the reward model on validated preference labels -> models/reward_unnormalized."""
+
+from __future__ import annotations
+
+import torch
+from datasets import load_from_disk
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.io import atomic_dir, read_json, write_json
+from rlhf_pipeline.logging import open_live
+from rlhf_pipeline.modelcard import write_card
+from rlhf_pipeline.models import freeze_lower_layers, load_causal_lm, load_tokenizer, require_dir
+from rlhf_pipeline.params import Params
+from rlhf_pipeline.reward import RewardModel, best_of_n_accuracy, fit_normalization, preference_tensors, score_query_responses, train_reward_model
+from rlhf_pipeline.rollout import TaskSampler
+from rlhf_pipeline.runner import run_stage
+
+BASE, PREFS, QUERIES, VALIDATION = "models/base", "data/preferences", "data/queries", "data/validation/summary.json"
+OUT, METRICS = "models/reward_unnormalized", "metrics/reward_train.json"
+
+
+def main(params: Params) -> None:
+    cfg = params.reward.train
+    require_dir(BASE, "base_model")
+    if not read_json(VALIDATION).get("success"):
+        raise PipelineError(f"{VALIDATION} says the preference data failed its contract; fix the data and rerun `dvc repro`.")
+    tokenizer = load_tokenizer(BASE)
+    prefs = load_from_disk(PREFS)
+    generator = torch.Generator().manual_seed(params.seed)
+    model = RewardModel.from_base(BASE, tokenizer.pad_token_id, cfg.dropout, generator)
+    trainable = freeze_lower_layers(model.backbone, cfg.freeze_layers)
+
+    normalize_before = {}
+    if cfg.normalize_before:
+        # OAI target_mean_std: start training from rewards already on the target scale.
+        base = load_causal_lm(BASE).eval()
+        queries = torch.tensor(load_from_disk(QUERIES)["train"]["query_ids"][: cfg.normalize_before_samples])
+        sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
+        responses, _ = sampler.sample_truncated(base, queries, generator, params.reward.normalize.batch_size)
+        del base
+        raw = score_query_responses(model.eval(), queries, responses, params.reward.normalize.batch_size, normalized=False)
+        gain, bias = fit_normalization(model, raw, params.reward.normalize.target_mean, params.reward.normalize.target_std)
+        normalize_before = {"gain": gain, "bias": bias, "samples": len(queries)}
+
+    train = preference_tensors(prefs["train"])
+    test = preference_tensors(prefs["test"])
+    with open_live("dvclive/train_reward") as live:
+        def log(record: dict) -> None:
+            for key in ("loss", "accuracy", "lr"):
+                live.log_metric(f"train/{key}", record[key])
+            live.next_step()
+
+        history = train_reward_model(
+            model, *train, lr=cfg.lr, epochs=cfg.epochs, batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
+            adam_eps=cfg.adam_eps, generator=generator, max_grad_norm=cfg.max_grad_norm, log=log,
+        )
+    test_accuracy = best_of_n_accuracy(model, test[0], test[1], test[2], params.reward.normalize.batch_size)
+    tail = history[-max(1, len(history) // 4):]
+    metrics = {
+        "test/accuracy": test_accuracy,
+        "test/rows": len(test[2]),
+        "train/steps": len(history),
+        "train/final_loss": sum(r["loss"] for r in tail) / len(tail),
+        "train/final_accuracy": sum(r["accuracy"] for r in tail) / len(tail),
+        "trainable_parameters": trainable,
+    }
+    with atomic_dir(OUT) as tmp:
+        model.save(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_card(
+            tmp,
+            title="Reward model (before normalisation)",
+            summary=f"Scalar reward head on `{BASE}`, trained one pass over {len(train[2])} best-of-"
+            f"{train[1].shape[1]} labels with softmax cross-entropy (lm-human-preferences). "
+            f"Gain/bias here are from `normalize_before`; the `normalize_reward` stage refits them into `models/reward`.",
+            base_model=BASE,
+            datasets=[PREFS],
+            tags=["reward-model"],
+            hyperparameters={"reward.train": cfg.model_dump(), "task": params.task.model_dump(), "seed": params.seed, "normalize_before": normalize_before},
+            metrics=metrics,
+            inputs=[BASE, PREFS],
+        )
+    write_json(METRICS, metrics)
+    print(f"train_reward: test accuracy {test_accuracy:.3f} on {len(test[2])} held-out rows; saved {OUT}")
+
+
+if __name__ == "__main__":
+    run_stage("train_reward", main)

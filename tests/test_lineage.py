@@ -1,0 +1,329 @@
+"""`rlhf lineage` on a throwaway git + DVC repo with a three-stage chain.
+
+source.txt (dvc add) -> base_model -> models/base -> preferences -> data/preferences
+                                  \\________________________________\\-> train_policy -> models/policy
+The repo is built and reproduced once per module; tests that modify it work on a copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.lineage import build_lineage, lineage_cli
+
+BIN = Path(sys.executable).parent
+DVC = str(BIN / "dvc")
+SOURCE_TEXT = "hello lineage\nsecond line\n"
+
+SCRIPTS = {
+    "scripts/base.py": """
+        import hashlib, pathlib, yaml
+        params = yaml.safe_load(open("params.yaml"))
+        src = pathlib.Path("source.txt").read_bytes()
+        out = pathlib.Path("models/base"); out.mkdir(parents=True, exist_ok=True)
+        (out / "weights.txt").write_text(src.decode().upper() + params["base"]["name"] + "\\n")
+        front = {"source": "source.txt", "source_sha256": hashlib.sha256(src).hexdigest(), "library_name": "transformers"}
+        (out / "README.md").write_text("---\\n" + yaml.safe_dump(front) + "---\\n\\n# Base model\\n")
+    """,
+    "scripts/prefs.py": """
+        import json, pathlib, yaml
+        params = yaml.safe_load(open("params.yaml"))
+        n = params["prefs"]["n_rows"]
+        weights = pathlib.Path("models/base/weights.txt").read_text()
+        out = pathlib.Path("data/preferences"); out.mkdir(parents=True, exist_ok=True)
+        with open(out / "rows.jsonl", "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"query": i, "best": i % 2, "ctx": weights[:5]}) + "\\n")
+        (out / "metrics.json").write_text(json.dumps({"rows": n}))
+        pathlib.Path("data/validation").mkdir(parents=True, exist_ok=True)
+        pathlib.Path("data/validation/summary.json").write_text(json.dumps({"success": True}))
+        pathlib.Path("metrics").mkdir(exist_ok=True)
+        pathlib.Path("metrics/preferences.json").write_text(json.dumps({"rows": n, "agreement": 0.75}))
+    """,
+    "scripts/policy.py": """
+        import json, pathlib, yaml
+        params = yaml.safe_load(open("params.yaml"))["policy"]
+        rows = pathlib.Path("data/preferences/rows.jsonl").read_text().splitlines()
+        base = pathlib.Path("models/base/weights.txt").read_text()
+        out = pathlib.Path("models/policy"); out.mkdir(parents=True, exist_ok=True)
+        (out / "weights.txt").write_text(base + str(len(rows) * params["lr"]))
+        (out / "README.md").write_text("---\\nbase_model: models/base\\ndevice: cpu-test\\n---\\n\\n# Policy\\n")
+        pathlib.Path("metrics").mkdir(exist_ok=True)
+        pathlib.Path("metrics/policy.json").write_text(json.dumps({"reward": 1.5, "steps": params["steps"]}))
+    """,
+}
+
+DVC_YAML = """
+stages:
+  base_model:
+    cmd: python scripts/base.py
+    deps: [scripts/base.py, source.txt]
+    params: [base]
+    outs: [models/base]
+  preferences:
+    cmd: python scripts/prefs.py
+    deps: [scripts/prefs.py, models/base]
+    params: [seed, prefs.n_rows]
+    outs: [data/preferences, data/validation]
+    metrics:
+      - metrics/preferences.json:
+          cache: false
+  train_policy:
+    cmd: python scripts/policy.py
+    deps: [scripts/policy.py, models/base, data/preferences]
+    params: [policy]
+    outs: [models/policy]
+    metrics:
+      - metrics/policy.json:
+          cache: false
+"""
+
+PARAMS = {"seed": 1, "base": {"name": "tiny"}, "prefs": {"n_rows": 6}, "policy": {"lr": 0.1, "steps": 3}}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.pop("RLHF_PROJECT_ROOT", None)
+    return env
+
+
+def _run(cwd: Path, *cmd: str) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return _run(cwd, "git", "-c", "user.name=t", "-c", "user.email=t@t", *args)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lineage") / "proj"
+    root.mkdir()
+    for rel, body in SCRIPTS.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(body).lstrip())
+    (root / "dvc.yaml").write_text(DVC_YAML.lstrip())
+    (root / "params.yaml").write_text(yaml.safe_dump(PARAMS, sort_keys=False))
+    (root / "source.txt").write_text(SOURCE_TEXT)
+    _git(root, "init", "-q")
+    _run(root, DVC, "init", "-q")
+    _run(root, DVC, "add", "-q", "source.txt")
+    _run(root, DVC, "repro", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "run pipeline")
+    return root
+
+
+@pytest.fixture()
+def work(repo, tmp_path, monkeypatch) -> Path:
+    """A private copy of the reproduced repo, as the working directory."""
+    copy = tmp_path / "proj"
+    shutil.copytree(repo, copy, symlinks=True)
+    monkeypatch.chdir(copy)
+    return copy
+
+
+def _lineage_json(capsys, path: str) -> dict:
+    capsys.readouterr()
+    assert lineage_cli(path, as_json=True) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _locked(repo: Path, stage: str, path: str) -> str:
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"][stage]
+    return next(o["md5"] for o in lock["outs"] if o["path"] == path)
+
+
+def _source_md5() -> str:
+    return hashlib.md5(SOURCE_TEXT.encode()).hexdigest()
+
+
+def test_text_report_names_stages_and_sources(repo, monkeypatch, capsys):
+    monkeypatch.chdir(repo)
+    assert lineage_cli("models/policy") == 0
+    out = capsys.readouterr().out
+    for stage in ("train_policy", "preferences", "base_model"):
+        assert stage in out
+    assert "python scripts/policy.py" in out
+    assert "source.txt" in out and _source_md5() in out
+    assert "tracked by source.txt.dvc" in out
+    assert _locked(repo, "train_policy", "models/policy") in out
+    head = _git(repo, "log", "-1", "--format=%H").strip()
+    assert f"{head}  (clean)" in out
+    assert "verdict      up to date" in out
+    assert "policy.lr = 0.1" in out
+    assert "6 rows (data/preferences/metrics.json); Great Expectations: passed" in out
+    assert hashlib.sha256(SOURCE_TEXT.encode()).hexdigest() in out  # base model provenance
+    assert '"reward": 1.5' in out
+    assert "device cpu-test (models/policy/README.md)" in out
+    print(out)  # visible with -s: the sample in the report
+
+
+def test_json_is_an_openlineage_run_event(repo, monkeypatch, capsys):
+    monkeypatch.chdir(repo)
+    event = _lineage_json(capsys, "models/policy")
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    assert event["eventType"] == "COMPLETE"
+    assert event["schemaURL"].endswith("#/$defs/RunEvent")
+    assert event["job"]["namespace"] == "dvc://proj"
+    assert event["job"]["name"] == "train_policy"
+    assert event["job"]["facets"]["sourceCode"] == {**event["job"]["facets"]["sourceCode"], "language": "shell", "sourceCode": lock["train_policy"]["cmd"]}
+    assert event["job"]["facets"]["sourceCodeLocation"]["version"] == _git(repo, "log", "-1", "--format=%H", "--", "dvc.lock").strip()
+    run = event["run"]
+    uuid.UUID(run["runId"])
+    assert _lineage_json(capsys, "models/policy")["run"]["runId"] == run["runId"]  # deterministic
+    assert _lineage_json(capsys, "metrics/policy.json")["run"]["runId"] == run["runId"]  # same stage run
+    assert _lineage_json(capsys, "models/base")["run"]["runId"] != run["runId"]
+    facets = run["facets"]
+    assert facets["parameters"] == {"policy.lr": 0.1, "policy.steps": 3}
+    assert facets["upstreamParameters"]["preferences"] == {"seed": 1, "prefs.n_rows": 6}
+    assert facets["paramsDiff"] == {}
+    assert facets["git"]["dirty"] is False
+    assert facets["stale"] == {"stale": False, "artifactModified": False, "reasons": []}
+    assert facets["metrics"] == {"metrics/policy.json": {"reward": 1.5, "steps": 3}}
+    assert facets["upstreamMetrics"]["metrics/preferences.json"]["agreement"] == 0.75
+    env = facets["environment"]
+    assert set(env) >= {"torch", "transformers", "datasets", "dvc", "prefect", "device"}
+    assert env["device"] == "cpu-test"
+    names = [s["name"] for s in facets["dvcStages"]]
+    assert names[0] == "train_policy" and sorted(names[1:]) == ["base_model", "preferences"]
+
+    inputs = {d["name"]: d["facets"] for d in event["inputs"]}
+    assert set(inputs) == {"scripts/policy.py", "models/base", "data/preferences", "scripts/base.py", "source.txt", "scripts/prefs.py"}
+    assert all(d["namespace"] == "dvc://proj" for d in event["inputs"])
+    source = inputs["source.txt"]
+    assert source["hash"] == _source_md5() and source["producedBy"] is None and source["source"] is True
+    assert source["trackedBy"] == "source.txt.dvc" and source["stale"] is False
+    assert inputs["models/base"]["producedBy"] == "base_model"
+    assert sorted(inputs["models/base"]["consumedBy"]) == ["preferences", "train_policy"]
+    assert inputs["models/base"]["hash"] == _locked(repo, "base_model", "models/base")
+    assert inputs["models/base"]["baseModel"]["source_sha256"] == hashlib.sha256(SOURCE_TEXT.encode()).hexdigest()
+    prefs = inputs["data/preferences"]
+    assert prefs["producedBy"] == "preferences"
+    assert prefs["preferenceData"]["rows"] == 6 and prefs["preferenceData"]["validation"]["success"] is True
+    outputs = {d["name"]: d["facets"] for d in event["outputs"]}
+    assert outputs["models/policy"]["hash"] == _locked(repo, "train_policy", "models/policy")
+    assert outputs["metrics/policy.json"]["metric"] is True
+
+
+def test_files_inside_outputs_metrics_and_dvc_added_sources(repo, monkeypatch, capsys):
+    monkeypatch.chdir(repo / "models")  # paths resolve from the current directory
+    event = _lineage_json(capsys, "policy/README.md")
+    assert event["job"]["name"] == "train_policy"
+    artifact = event["run"]["facets"]["artifact"]
+    assert artifact["output"] == "models/policy" and artifact["status"] == "ok"
+    assert artifact["lockedHash"] == hashlib.md5((repo / "models/policy/README.md").read_bytes()).hexdigest()
+
+    monkeypatch.chdir(repo)
+    event = _lineage_json(capsys, "data/preferences")
+    assert event["job"]["name"] == "preferences"
+    assert {d["name"] for d in event["inputs"]} >= {"models/base", "source.txt"}
+    assert event["run"]["facets"]["metrics"]["metrics/preferences.json"]["rows"] == 6
+
+    event = _lineage_json(capsys, "source.txt")
+    assert event["job"]["name"] == "source.txt.dvc"
+    assert event["inputs"] == [] and event["outputs"][0]["facets"]["hash"] == _source_md5()
+    assert _lineage_json(capsys, "source.txt.dvc")["job"]["name"] == "source.txt.dvc"
+
+
+def test_params_diff_after_editing_params(work, capsys):
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    params["policy"]["lr"] = 0.5
+    params["prefs"]["n_rows"] = 9
+    Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    event = _lineage_json(capsys, "models/policy")
+    diff = event["run"]["facets"]["paramsDiff"]
+    assert diff == {
+        "policy.lr": {"old": 0.1, "new": 0.5, "stages": ["train_policy"]},
+        "prefs.n_rows": {"old": 6, "new": 9, "stages": ["preferences"]},
+    }
+    git = event["run"]["facets"]["git"]
+    assert git["dirty"] is True and "params.yaml" in git["changedSinceCommit"]
+    assert event["run"]["facets"]["stale"]["stale"] is True
+    assert event["run"]["facets"]["stale"]["artifactModified"] is False
+
+    assert lineage_cli("models/policy") == 0
+    out = capsys.readouterr().out
+    assert "policy.lr: 0.1 -> 0.5  (stage train_policy)" in out
+    assert "prefs.n_rows: 6 -> 9  (stage preferences)" in out
+    assert "DIRTY" in out
+
+
+def test_corrupted_input_and_output_are_reported(work, capsys):
+    (work / "models/base/weights.txt").write_text("corrupted\n")
+    event = _lineage_json(capsys, "models/policy")
+    inputs = {d["name"]: d["facets"] for d in event["inputs"]}
+    assert inputs["models/base"]["stale"] is True
+    assert inputs["models/base"]["status"] == "modified"
+    assert inputs["models/base"]["files"]["modified"] == ["models/base/weights.txt"]
+    assert inputs["data/preferences"]["stale"] is False
+    stale = event["run"]["facets"]["stale"]
+    assert stale["stale"] is True and stale["artifactModified"] is False
+    assert any("models/base modified" in r and r.startswith("train_policy:") for r in stale["reasons"])
+    assert lineage_cli("models/policy") == 0
+    out = capsys.readouterr().out
+    assert "MODIFIED (modified models/base/weights.txt)" in out
+    assert "STALE" in out
+
+    # DVC agrees that the corrupted directory no longer matches the lock
+    status = json.loads(_run(work, DVC, "status", "--json"))
+    assert "base_model" in status and "train_policy" in status
+
+    # a modified source and a modified file of the artifact itself
+    (work / "source.txt").write_text("tampered\n")
+    (work / "models/policy/README.md").write_text("no front matter\n")
+    event = _lineage_json(capsys, "models/policy")
+    inputs = {d["name"]: d["facets"] for d in event["inputs"]}
+    assert inputs["source.txt"]["stale"] is True
+    assert inputs["source.txt"]["hash"] == _source_md5()
+    stale = event["run"]["facets"]["stale"]
+    assert stale["artifactModified"] is True
+    assert event["run"]["facets"]["artifact"]["files"]["modified"] == ["models/policy/README.md"]
+    assert _lineage_json(capsys, "models/policy/README.md")["run"]["facets"]["artifact"]["status"] == "modified"
+    assert _lineage_json(capsys, "models/policy/weights.txt")["run"]["facets"]["artifact"]["status"] == "ok"
+
+
+def test_user_errors_name_the_path(repo, tmp_path, monkeypatch):
+    monkeypatch.chdir(repo)
+    with pytest.raises(PipelineError, match="nope/missing.bin") as info:
+        build_lineage("nope/missing.bin")
+    assert "not produced by any DVC stage" in str(info.value)
+    with pytest.raises(PipelineError, match="scripts/base.py") as info:
+        build_lineage("scripts/base.py")
+    assert "base_model" in str(info.value)  # a plain source: says which stage reads it
+    with pytest.raises(PipelineError, match="models/base"):
+        build_lineage("models")  # a folder holding outputs, not an output
+
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    (outside / "x.txt").write_text("x")
+    with pytest.raises(PipelineError, match="x.txt.*not inside a DVC repository"):
+        build_lineage(str(outside / "x.txt"))
+    (outside / ".dvc").mkdir()
+    with pytest.raises(PipelineError, match="x.txt.*no dvc.lock"):
+        build_lineage(str(outside / "x.txt"))
+
+
+def test_real_cli(repo):
+    cmd = [sys.executable, "-m", "rlhf_pipeline.cli", "lineage"]
+    ok = subprocess.run([*cmd, "models/policy", "--json"], cwd=repo, env=_env(), capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["job"]["name"] == "train_policy"
+    bad = subprocess.run([*cmd, "does/not/exist.txt"], cwd=repo, env=_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1
+    assert "does/not/exist.txt" in bad.stderr and "Traceback" not in bad.stderr
