@@ -23,6 +23,7 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; outputs are meant to be shared
     try:
         yield tmp
     except BaseException:
@@ -41,6 +42,7 @@ def atomic_file(target: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    os.chmod(tmp_name, 0o644)
     try:
         with os.fdopen(fd, mode) as handle:
             yield handle
