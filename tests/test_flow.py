@@ -1,0 +1,252 @@
+"""The Prefect retrain flow on a tiny throwaway git+DVC project (no model, no network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at the repo root
+
+from filelock import FileLock  # noqa: E402
+from prefect.client.orchestration import get_client  # noqa: E402
+from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+
+from flows.retrain import (  # noqa: E402
+    DEFAULT_CRON,
+    DEPLOYMENT_NAME,
+    CommandResult,
+    build_deployment,
+    resolve_cron,
+    retrain,
+    stage_exit_code,
+    stage_order,
+)
+
+pytestmark = pytest.mark.prefect
+
+PY = sys.executable
+STAGES = ["prepare", "train_reward", "train_policy", "evaluate"]
+
+# One script for every stage: counts its attempts in counters/NAME (not tracked by DVC), fails as
+# control.json says (not a dependency, so tests can change behaviour without making stages stale),
+# then writes its output from a digest of its inputs so that a change flows downstream.
+STEP = textwrap.dedent(
+    """
+    import hashlib, json, sys
+    from pathlib import Path
+
+    name, out, *deps = sys.argv[1:]
+    counter = Path("counters") / name
+    counter.parent.mkdir(exist_ok=True)
+    attempt = int(counter.read_text()) + 1 if counter.exists() else 1
+    counter.write_text(str(attempt))
+    control = json.loads(Path("control.json").read_text()).get(name, {}) if Path("control.json").exists() else {}
+    if attempt <= control.get("fail_first", 0):
+        print(f"{name}: transient failure on attempt {attempt}", file=sys.stderr)
+        sys.exit(1)
+    if "exit" in control:
+        print(control["message"], file=sys.stderr)
+        sys.exit(control["exit"])
+    files = [f for d in map(Path, deps) for f in (sorted(d.rglob("*")) if d.is_dir() else [d]) if f.is_file()]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    if out.endswith(".json"):
+        Path(out).write_text(json.dumps({"reward": int(digest[:4], 16) / 65536, "eval": {"n": 4}}))
+    else:
+        Path(out).write_text(f"{name} {digest}\\n")
+    """
+)
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True)
+
+
+def _git(repo: Path, *args: str) -> None:
+    _run(["git", "-c", "user.name=test", "-c", "user.email=test@example.com", *args], repo)
+
+
+def _stage(name: str, out: str, deps: list[str], metrics: bool = False) -> dict:
+    spec: dict = {"cmd": f"{PY} step.py {name} {out} {' '.join(deps)}", "deps": ["step.py", *deps]}
+    if metrics:
+        spec["metrics"] = [{out: {"cache": False}}]
+    else:
+        spec["outs"] = [out]
+    return spec
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_harness():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """git+DVC repo: 4 stages, a dvc-added data/labels/preferences.jsonl, a local remote `localremote`."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "step.py").write_text(STEP)
+    (repo / "data" / "labels").mkdir(parents=True)
+    (repo / "data" / "labels" / "README.md").write_text("Drop user preference files here.\n")
+    (repo / "data" / "labels" / "preferences.jsonl").write_text('{"chosen": "a", "rejected": "b"}\n')
+    stages = {  # like the real pipeline: the first stage depends on the whole data/labels folder
+        "prepare": _stage("prepare", "data/prepared.txt", ["data/labels"]),
+        "train_reward": _stage("train_reward", "models/reward/model.txt", ["data/prepared.txt"]),
+        "train_policy": _stage("train_policy", "models/policy/model.txt", ["models/reward/model.txt"]),
+        "evaluate": _stage("evaluate", "metrics.json", ["models/policy/model.txt"], metrics=True),
+    }
+    import yaml
+
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    (repo / ".gitignore").write_text("counters/\ncontrol.json\n")
+    _git(repo, "init", "-q")
+    dvc = [PY, "-m", "dvc"]
+    _run([*dvc, "init", "-q"], repo)
+    _run([*dvc, "remote", "add", "localremote", str(tmp_path / "remote")], repo)
+    _run([*dvc, "add", "-q", "data/labels/preferences.jsonl"], repo)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "tiny project")
+    return repo
+
+
+def _control(repo: Path, **behaviour: dict) -> None:
+    (repo / "control.json").write_text(json.dumps(behaviour))
+
+
+def _counters(repo: Path) -> dict[str, int]:
+    folder = repo / "counters"
+    return {p.name: int(p.read_text()) for p in folder.iterdir()} if folder.exists() else {}
+
+
+def _validator(tmp_path: Path, exit_code: int, message: str) -> list[str]:
+    script = tmp_path / f"validator_{exit_code}.py"
+    script.write_text(f"import sys\nprint({message!r})\nsys.exit({exit_code})\n")
+    return [PY, str(script)]
+
+
+def _artifacts(flow_run_id) -> dict[str, object]:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return {a.key: a for a in found}
+
+
+FAST = {"retry_delay_seconds": 0.0, "lineage_target": None}
+
+
+def test_stage_order_and_exit_code_parsing(project: Path):
+    assert stage_order(project) == STAGES
+    dvc_error = "boom\nERROR: failed to reproduce 'x': failed to run: python s.py, exited with 3"
+    assert stage_exit_code(CommandResult(255, dvc_error)) == 3
+    assert stage_exit_code(CommandResult(255, "ERROR: Unable to acquire lock")) == 1
+    assert stage_exit_code(CommandResult(0, "")) == 0
+
+
+def test_transient_failure_is_retried_and_valid_data_ingested(project: Path, tmp_path: Path):
+    _control(project, train_policy={"fail_first": 2})
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "old.jsonl").write_text('{"chosen": "old", "rejected": "x"}\n')
+    (inbox / "new.jsonl").write_text('{"chosen": "new", "rejected": "y"}\n')
+    os.utime(inbox / "old.jsonl", (1_000_000, 1_000_000))
+
+    state = retrain(
+        repo=str(project), incoming=str(inbox), validate_command=_validator(tmp_path, 0, "ok"),
+        retries=3, retry_delay_seconds=0.0, return_state=True,  # lineage: the real CLI, failure tolerated
+    )
+
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert _counters(project) == {"prepare": 1, "train_reward": 1, "train_policy": 3, "evaluate": 1}
+    assert [s["attempts"] for s in result["stages"]] == [1, 1, 3, 1]
+    assert all(s["result"] == "ran" for s in result["stages"])
+    assert (project / "data/labels/preferences.jsonl").read_text() == (inbox / "new.jsonl").read_text()
+    assert result["ingested"]["changed"] and "dvc add" in result["ingested"]["tracked"]
+    assert (project / "metrics.json").exists() and (project / "models/policy/model.txt").exists()
+    assert any((tmp_path / "remote").rglob("*")), "dvc push to localremote left the remote empty"
+    assert "localremote" in result["push"]
+    artifacts = _artifacts(state.state_details.flow_run_id)
+    assert {"retrain-summary", "retrain-metrics"} <= set(artifacts)
+    summary = artifacts["retrain-summary"].data
+    assert "train_policy | ran | 3" in summary and "Lineage of `models/policy`" in summary
+    table = artifacts["retrain-metrics"].data
+    table = json.loads(table) if isinstance(table, str) else table
+    assert {row["metric"] for row in table} == {"reward", "eval.n"}
+
+
+def test_invalid_preferences_fail_the_run_before_any_stage(project: Path, tmp_path: Path):
+    before = (project / "data/labels/preferences.jsonl").read_text()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"chosen": "same", "rejected": "same"}\n')
+    summary = "Data contract failed for bad.jsonl: 1 row where chosen == rejected"
+
+    state = retrain(repo=str(project), incoming=str(bad), validate_command=_validator(tmp_path, 3, summary), return_state=True, **FAST)
+
+    assert state.is_failed()
+    assert "chosen == rejected" in state.message and "nothing was replaced" in state.message
+    assert _counters(project) == {}, "a stage ran after the contract failure"
+    assert not (project / "models").exists() and not (project / "metrics.json").exists()
+    assert (project / "data/labels/preferences.jsonl").read_text() == before
+
+
+def test_parameter_error_is_not_retried(project: Path):
+    _control(project, train_reward={"exit": 2, "message": "params.yaml is invalid: ppo.lr: must be > 0"})
+
+    state = retrain(repo=str(project), retries=3, return_state=True, **FAST)
+
+    assert state.is_failed()
+    assert "ppo.lr: must be > 0" in state.message and "exit code 2" in state.message
+    assert _counters(project) == {"prepare": 1, "train_reward": 1}, "exit 2 was retried or later stages ran"
+    assert not (project / "models/policy").exists()
+    summary = _artifacts(state.state_details.flow_run_id)["retrain-summary"].data
+    assert "# Retrain: failed" in summary and "ppo.lr: must be > 0" in summary
+
+
+def test_unchanged_project_runs_nothing(project: Path):
+    first = retrain(repo=str(project), return_state=True, **FAST)
+    assert first.is_completed(), first.message
+    after_first = _counters(project)
+    assert after_first == dict.fromkeys(STAGES, 1)
+
+    second = retrain(repo=str(project), return_state=True, **FAST)
+
+    assert second.is_completed(), second.message
+    assert _counters(project) == after_first
+    result = second.result()
+    assert result["status"] == "all stages up to date" and result["stages"] == []
+    assert "all stages up to date" in result["summary"]
+    assert "retrain-summary" in _artifacts(second.state_details.flow_run_id)
+
+
+def test_overlapping_run_does_not_touch_the_workspace(project: Path):
+    lock_path = project / ".dvc" / "tmp" / "retrain.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock_path)):
+        state = retrain(repo=str(project), lock_timeout=0.5, return_state=True, **FAST)
+    assert state.is_failed()
+    assert "another retrain run holds" in state.message
+    assert _counters(project) == {}
+
+
+def test_schedule_is_registered(project: Path):
+    assert resolve_cron(project) == DEFAULT_CRON
+    (project / "params.yaml").write_text("schedule:\n  cron: '15 4 * * 2'\n")
+    assert resolve_cron(project, "0 5 * * *") == "0 5 * * *"
+
+    deployment_id = build_deployment(str(project)).apply()  # the deployment `serve` serves
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(f"retrain/{DEPLOYMENT_NAME}")
+        assert deployment.id == deployment_id
+        assert [s.schedule.cron for s in deployment.schedules] == ["15 4 * * 2"]
+        assert deployment.schedules[0].active
+        assert deployment.parameters["repo"] == str(project.resolve())
+        assert deployment.global_concurrency_limit is not None and deployment.global_concurrency_limit.limit == 1

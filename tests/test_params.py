@@ -1,0 +1,119 @@
+"""params.yaml schema and the `rlhf check-params` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_pipeline.errors import ParamsError
+from rlhf_pipeline.params import Params, load_params, parse_params
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = yaml.safe_load((REPO / "params.yaml").read_text())
+
+
+def test_shipped_params_validate():
+    params = load_params(REPO / "params.yaml")
+    assert params.task.response_length > params.task.truncate_after
+
+
+def test_schema_defaults_are_the_reference_values():
+    p = Params()
+    assert (p.data.queries.query_length, p.task.response_length, p.task.temperature) == (64, 24, 0.7)
+    assert (p.reward.train.lr, p.reward.train.epochs, p.ppo.lr, p.ppo.ppo_epochs) == (5e-5, 1, 1e-5, 4)
+    assert (p.ppo.gamma, p.ppo.lam, p.ppo.cliprange, p.ppo.cliprange_value, p.ppo.vf_coef) == (1.0, 0.95, 0.2, 0.2, 0.1)
+    assert (p.ppo.kl.init_coef, p.ppo.kl.target, p.ppo.kl.horizon) == (0.15, 6.0, 10000)
+    assert (p.task.truncate_token, p.task.truncate_after, p.task.penalty_reward) == (".", 16, -1.0)
+    assert p.reward.normalize.normalize_samples == 256
+    assert p.ppo.whiten_rewards and p.ppo.value_model == "shared"
+
+
+def broken(path: str, value):
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    node = raw
+    *parents, leaf = path.split(".")
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    return raw
+
+
+@pytest.mark.parametrize(
+    "path, value, expected",
+    [
+        ("ppo.lr", -1.0, "ppo.lr: Input should be greater than 0"),
+        ("ppo.lr", "fast", "ppo.lr: Input should be a valid number"),
+        ("ppo.nminibatches", 3, "ppo.nminibatches: must divide ppo.batch_size"),
+        ("ppo.microbatch_size", 5, "ppo.microbatch_size: must divide the minibatch size"),
+        ("task.truncate_after", 40, "task.truncate_after: must be < task.response_length"),
+        ("reward.train.microbatch_size", 5, "reward.train.microbatch_size: must divide reward.train.batch_size"),
+        ("ppo.kl.estimator", "k2", "ppo.kl.estimator: Input should be 'k1' or 'k3'"),
+        ("data.queries.pad_side", "middle", "data.queries.pad_side"),
+        ("ppo.total_episodes", 4, "ppo.total_episodes: must be >= ppo.batch_size"),
+        ("data.queries.test_fraction", 1.5, "data.queries.test_fraction: Input should be less than 1"),
+    ],
+)
+def test_each_rule_is_refused_with_its_key_path(path, value, expected):
+    with pytest.raises(ParamsError) as info:
+        parse_params(broken(path, value))
+    assert any(line.startswith(expected) for line in info.value.problems), info.value.problems
+    assert all("(got " in line for line in info.value.problems)
+
+
+def test_unknown_keys_are_refused():
+    raw = broken("ppo.lr", 1e-5)
+    raw["ppo"]["learning_rate"] = 1e-5
+    with pytest.raises(ParamsError) as info:
+        parse_params(raw)
+    assert info.value.problems == ["ppo.learning_rate: unknown key (typo? see params.yaml and rlhf_pipeline/params.py) (got 1e-05)"]
+
+
+def test_several_problems_are_all_reported():
+    raw = broken("ppo.lr", -1.0)
+    raw["seed"] = -3
+    with pytest.raises(ParamsError) as info:
+        parse_params(raw)
+    assert {line.split(":")[0] for line in info.value.problems} == {"seed", "ppo.lr"}
+
+
+def run_cli(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_accepts_the_shipped_file():
+    result = run_cli("check-params")
+    assert result.returncode == 0 and result.stdout.strip() == "ok"
+
+
+def test_cli_refuses_broken_file_with_exit_2_and_no_traceback(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text(yaml.safe_dump(broken("ppo.cliprange", 0)))
+    result = run_cli("check-params", str(bad))
+    assert result.returncode == 2
+    assert "ppo.cliprange: Input should be greater than 0 (got 0)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("content, message", [("a: [1, 2", "is not valid YAML"), ("- 1\n- 2\n", "<root>: must be a mapping")])
+def test_cli_refuses_malformed_yaml(tmp_path, content, message):
+    bad = tmp_path / "params.yaml"
+    bad.write_text(content)
+    result = run_cli("check-params", str(bad))
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_missing_file(tmp_path):
+    result = run_cli("check-params", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2 and "not found" in result.stderr
+
+
+def test_stage_validates_params_with_the_same_messages(tmp_path):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(broken("base_model.dropout", 2.0)))
+    result = subprocess.run([sys.executable, str(REPO / "stages/base_model.py")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "base_model.dropout: Input should be less than 1 (got 2.0)" in result.stderr
+    assert not (tmp_path / "models").exists()

@@ -1,0 +1,159 @@
+"""One end-to-end `dvc repro` of the whole pipeline on a tiny configuration.
+
+The repo's dvc.yaml, stages and library are copied into a fresh git+DVC project whose
+params.yaml points base_model.source at a tiny warmed-up Llama; every stage runs for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_pipeline.models import read_model_card
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+TINY_PARAMS = {
+    "seed": 3,
+    "data": {
+        "corpus": {"num_passages": 160, "passage_tokens": 40, "batch_size": 32},
+        "queries": {"query_length": 12, "test_fraction": 0.2},
+        "preferences": {"num_labels": 64, "num_test_labels": 16, "batch_size": 32},
+        "validation": {"min_rows": 32},
+    },
+    "task": {"response_length": 8, "truncate_after": 2},
+    "reward": {
+        "train": {"batch_size": 16, "microbatch_size": 8, "lr": 1.0e-3, "normalize_before_samples": 16},
+        "normalize": {"normalize_samples": 32, "eval_samples": 32, "batch_size": 32},
+    },
+    "ppo": {"total_episodes": 64, "batch_size": 16, "nminibatches": 2, "microbatch_size": 8, "freeze_layers": 1, "checkpoint_every": 2, "lr": 1.0e-4},
+    "evaluate": {"num_queries": 16, "batch_size": 16, "num_table_rows": 8},
+}
+
+
+def sh(args, cwd, check=True, timeout=900):
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    env.pop("RLHF_PROJECT_ROOT", None)
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, args))} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, tiny_base_dir):
+    root = tmp_path_factory.mktemp("e2e")
+    for item in ("dvc.yaml", "stages", "rlhf_pipeline", "data/labels", "data/raw", ".dvc/plots", ".dvcignore"):
+        source = REPO / item
+        if source.is_dir():
+            shutil.copytree(source, root / item, ignore=shutil.ignore_patterns("__pycache__"))
+        elif source.exists():
+            (root / item).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, root / item)
+    # The tiny source model (a local directory source; base_model keeps its dedicated pad token).
+    source = root / "tiny_source"
+    shutil.copytree(tiny_base_dir, source)
+    params = json.loads(json.dumps(TINY_PARAMS))
+    params["base_model"] = {"source": str(source)}
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    (root / ".gitignore").write_text("/models/\n/checkpoints/\n/dvclive/\n/tiny_source/\n")
+    sh(["git", "init", "-q"], root)
+    sh(["dvc", "init", "-q"], root)
+    sh(["git", "add", "-A"], root)
+    sh(["git", "commit", "-qm", "tiny project"], root)
+    result = sh(["dvc", "repro"], root)
+    sh(["git", "add", "-A"], root)
+    sh(["git", "commit", "-qm", "repro"], root)
+    return root, result
+
+
+def test_every_stage_ran_and_wrote_its_outputs(project):
+    root, result = project
+    for stage in ("base_model", "corpus", "queries", "preferences", "validate_preferences", "train_reward", "normalize_reward", "train_policy", "evaluate"):
+        assert f"Running stage '{stage}'" in result.stdout, stage
+    for path in ("models/base", "models/reward", "models/policy", "data/preferences", "evaluation/report.md", "evaluation/overoptimization.png", "evaluation/samples.csv"):
+        assert (root / path).exists(), path
+    for model in ("base", "reward", "policy"):
+        card = read_model_card(root / "models" / model)
+        assert {"base_model", "license", "library_name", "tags"} <= set(card), model
+
+
+def test_metrics_are_declared_and_sane(project):
+    root, _ = project
+    shown = json.loads(sh(["dvc", "metrics", "show", "--json"], root).stdout)
+    metrics = {}
+    for files in shown.values():
+        for content in files.get("data", {}).values():
+            metrics.update(content.get("data", {}))
+    assert 0.0 <= metrics["test/accuracy"] <= 1.0
+    assert 0.0 <= metrics["labels/ceiling_accuracy"] <= 1.0
+    assert abs(metrics["normalized/mean"]) < 1.0
+    for key in ("gold/base_mean", "gold/policy_mean", "proxy/base_mean", "proxy/policy_mean", "kl/mean", "win_rate/gold", "win_rate/proxy"):
+        assert key in metrics, key
+    points = json.loads((root / "evaluation/overoptimization.json").read_text())
+    assert [p["update"] for p in points] == [0, 2, 4]
+
+
+def test_second_repro_is_a_no_op(project):
+    root, _ = project
+    result = sh(["dvc", "repro"], root)
+    assert "Running stage" not in result.stdout
+    assert "up to date" in result.stdout.lower()
+
+
+def test_plots_render_offline(project, tmp_path):
+    root, _ = project
+    sh(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], root)
+    html = (tmp_path / "plots/index.html").read_text()
+    assert "over-optimisation" in html.lower() and "objective" in html
+
+
+def test_lineage_of_the_policy_reaches_the_sources(project):
+    root, _ = project
+    result = sh([sys.executable, "-m", "rlhf_pipeline.cli", "lineage", "models/policy", "--json"], root)
+    event = json.loads(result.stdout)
+    assert event["job"]["name"] == "train_policy"
+    names = {item["name"] for item in event["inputs"]}
+    assert {"models/base", "data/preferences", "models/reward"} <= names
+
+
+def test_changing_a_normalisation_param_reruns_only_downstream(project):
+    root, _ = project
+    original = (root / "params.yaml").read_text()
+    params = yaml.safe_load(original)
+    params["reward"]["normalize"]["target_std"] = 2.0
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    try:
+        result = sh(["dvc", "repro", "--dry"], root)
+    finally:
+        (root / "params.yaml").write_text(original)
+    ran = {line.split("'")[1] for line in result.stdout.splitlines() if line.startswith("Running stage")}
+    assert ran == {"normalize_reward", "train_policy", "evaluate"}
+
+
+def test_bad_preference_data_stops_the_pipeline_and_touches_nothing(project, tmp_path):
+    root, _ = project
+    clone = tmp_path / "clone"
+    shutil.copytree(root, clone, symlinks=True)
+    reward_before = (clone / "models/reward/reward_head.safetensors").read_bytes()
+    bad = [{"prompt": "Tell me.", "chosen": "Same answer.", "rejected": "Same answer."} for _ in range(40)]
+    (clone / "data/labels/bad.jsonl").write_text("\n".join(json.dumps(r) for r in bad) + "\n")
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["data"]["preferences"]["source"] = "data/labels/bad.jsonl"
+    (clone / "params.yaml").write_text(yaml.safe_dump(params))
+    result = sh(["dvc", "repro"], clone, check=False)
+    assert result.returncode != 0
+    assert "Running stage 'validate_preferences'" in result.stdout
+    assert "Running stage 'train_reward'" not in result.stdout
+    assert (clone / "models/reward/reward_head.safetensors").read_bytes() == reward_before
+    summary = json.loads((clone / "data/validation/summary.json").read_text())
+    assert summary["success"] is False
