@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.functional import truncate_response
 from rlhf_pipeline.params import TaskParams
-from rlhf_pipeline.sampling import iterate_batches, sample_responses
+from rlhf_pipeline.sampling import iterate_batches, left_align, sample_responses
 
 
 def single_token_id(tokenizer, text: str | None, key: str) -> int | None:
@@ -69,3 +69,11 @@ class TaskSampler:
             responses.append(truncated)
             valids.append(valid)
         return torch.cat(responses), torch.cat(valids)
+
+
+def load_queries(path: str, split: str, pad_token_id: int, limit: int | None = None) -> Tensor:
+    """Query ids of a split of the queries dataset as a left-padded (B, Q) tensor."""
+    from datasets import load_from_disk
+
+    rows = load_from_disk(path)[split]["query_ids"]
+    return left_align(torch.tensor(rows[:limit] if limit is not None else rows, dtype=torch.long), pad_token_id)

@@ -37,6 +37,17 @@ def never_pad(logits: Tensor, pad_token_id: int) -> Tensor:
     return logits
 
 
+def left_align(queries: Tensor, pad_token_id: int) -> Tensor:
+    """Move each row's padding to the left: sampling continues from the last position, and PPO
+    reads the state that predicts response token 0 at index query_length - 1."""
+    out = torch.full_like(queries, pad_token_id)
+    for i, row in enumerate(queries):
+        real = row[row != pad_token_id]
+        if len(real):
+            out[i, queries.shape[1] - len(real) :] = real
+    return out
+
+
 def position_ids_from_mask(mask: Tensor) -> Tensor:
     """Positions that skip left padding: 0 at the first real token."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)

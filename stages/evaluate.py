@@ -8,7 +8,6 @@ import math
 from pathlib import Path
 
 import torch
-from datasets import load_from_disk
 
 from rlhf_pipeline.evaluation import length_stats, load_snapshot, overoptimization_plot, sample_and_score, summarize
 from rlhf_pipeline.io import atomic_file, write_json
@@ -16,7 +15,7 @@ from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import Params
 from rlhf_pipeline.reward import RewardModel
-from rlhf_pipeline.rollout import TaskSampler
+from rlhf_pipeline.rollout import TaskSampler, load_queries
 from rlhf_pipeline.runner import run_stage
 
 BASE, REWARD, POLICY, QUERIES, SNAPSHOTS = "models/base", "models/reward", "models/policy", "data/queries", "checkpoints/policy/snapshots"
@@ -34,8 +33,7 @@ def main(params: Params) -> None:
     reward_model = RewardModel.load(REWARD)
     sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
     labeler = get_labeler(params.data.preferences.labeler) if params.data.preferences.source == "simulated" else None
-    test = load_from_disk(QUERIES)["test"]
-    queries = torch.tensor(test["query_ids"][: cfg.num_queries])
+    queries = load_queries(QUERIES, "test", tokenizer.pad_token_id, cfg.num_queries)
     seed = params.seed + 2  # same stream for base and policy, distinct from training streams
 
     def evaluate(model):

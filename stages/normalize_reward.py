@@ -9,7 +9,6 @@ with the gold score is measured on that same fresh sample.
 from __future__ import annotations
 
 import torch
-from datasets import load_from_disk
 from scipy.stats import spearmanr
 
 from rlhf_pipeline.io import atomic_dir, write_json
@@ -18,7 +17,7 @@ from rlhf_pipeline.modelcard import write_card
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import Params
 from rlhf_pipeline.reward import RewardModel, fit_normalization, score_query_responses, set_gain_bias
-from rlhf_pipeline.rollout import TaskSampler
+from rlhf_pipeline.rollout import TaskSampler, load_queries
 from rlhf_pipeline.runner import run_stage
 
 BASE, TRAINED, QUERIES = "models/base", "models/reward_unnormalized", "data/queries"
@@ -32,7 +31,7 @@ def main(params: Params) -> None:
     model = RewardModel.load(TRAINED)
     base = load_causal_lm(BASE).eval()
     sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
-    train_queries = torch.tensor(load_from_disk(QUERIES)["train"]["query_ids"])
+    train_queries = load_queries(QUERIES, "train", tokenizer.pad_token_id)
     # Disjoint query sets for fitting and checking; a different seed stream from train_reward.
     generator = torch.Generator().manual_seed(params.seed + 1)
     order = torch.randperm(len(train_queries), generator=generator)

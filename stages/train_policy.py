@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from datasets import load_from_disk
 
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import get_labeler
@@ -13,6 +12,7 @@ from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir, re
 from rlhf_pipeline.params import Params
 from rlhf_pipeline.ppo import Checkpointer, PolicyWithValue, PPOTrainer, fingerprint_of, save_policy
 from rlhf_pipeline.reward import RewardModel
+from rlhf_pipeline.rollout import load_queries
 from rlhf_pipeline.runner import run_stage
 
 BASE, REWARD, QUERIES = "models/base", "models/reward", "data/queries"
@@ -36,7 +36,7 @@ def main(params: Params) -> None:
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=plan.device.type == "cuda")
     tokenizer = load_tokenizer(BASE)
-    queries = torch.tensor(load_from_disk(QUERIES)["train"]["query_ids"])
+    queries = load_queries(QUERIES, "train", tokenizer.pad_token_id)
     frozen_device = "cpu" if cfg.offload_frozen else plan.device
     ref_model = load_causal_lm(BASE, frozen_device)
     reward_model = RewardModel.load(REWARD, frozen_device)

@@ -12,7 +12,7 @@ from rlhf_pipeline.modelcard import write_card
 from rlhf_pipeline.models import freeze_lower_layers, load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import Params
 from rlhf_pipeline.reward import RewardModel, best_of_n_accuracy, fit_normalization, preference_tensors, score_query_responses, train_reward_model
-from rlhf_pipeline.rollout import TaskSampler
+from rlhf_pipeline.rollout import TaskSampler, load_queries
 from rlhf_pipeline.runner import run_stage
 
 BASE, PREFS, QUERIES, VALIDATION = "models/base", "data/preferences", "data/queries", "data/validation/summary.json"
@@ -34,7 +34,7 @@ def main(params: Params) -> None:
     if cfg.normalize_before:
         # OAI target_mean_std: start training from rewards already on the target scale.
         base = load_causal_lm(BASE).eval()
-        queries = torch.tensor(load_from_disk(QUERIES)["train"]["query_ids"][: cfg.normalize_before_samples])
+        queries = load_queries(QUERIES, "train", tokenizer.pad_token_id, cfg.normalize_before_samples)
         sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
         responses, _ = sampler.sample_truncated(base, queries, generator, params.reward.normalize.batch_size)
         del base

@@ -1,0 +1,296 @@
+"""The data contract of preference labels: a Great Expectations suite written in code.
+
+It runs on a *flat* pandas frame, the same for every source (see
+:func:`rlhf_pipeline.preferences.to_flat_frame` and :func:`~rlhf_pipeline.preferences.internal_to_flat`):
+``query``, ``sample0`` .. ``sample{N-1}``, ``best`` (and ``margin`` when present). Pairwise data
+is ``query=prompt, sample0=chosen, sample1=rejected, best=0``; messages use the user's names.
+
+Checks (each expectation carries a readable ``meta.check`` name used in the summary):
+
+- every required column exists; texts are strings, ``best`` is an integer; no nulls;
+- no empty or whitespace-only text; no invalid UTF-8 (U+FFFD / lone surrogates) and no control
+  characters other than newline and tab;
+- all samples of a row differ (chosen != rejected); ``best`` in ``[0, N)``; no duplicate rows;
+- text length <= ``max_text_chars``; token length <= ``max_tokens`` (when a tokenizer is given);
+- at least ``min_rows`` rows; the most common ``best`` value covers at most ``max_label_share``
+  of the rows (best-of-N data only: pairwise data has ``best=0`` by construction).
+
+Row-wise conditions GX has no expectation for are computed in pandas first, as helper columns
+whose names start with ``_``, and the expectations are set on those.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.corpus import replace_surrogates
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.preferences import BAD_CHARACTERS, PAIRWISE, display_names, sample_columns
+
+INTEGER_TYPES = ["int", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "Int64", "Int32"]
+EXAMPLES = 3
+
+
+@dataclass
+class ContractResult:
+    success: bool
+    failures: list[dict[str, Any]]  # {check, expectation, column, count, observed, examples}
+    gx_json: dict
+    rows: int = 0
+    expectations: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# the suite
+# --------------------------------------------------------------------------------------------
+def _text_columns(frame) -> list[str]:
+    return ["query", *sample_columns(frame.columns)]
+
+
+def expected_samples(frame) -> list[str]:
+    """sample0 .. sample{N-1} with N = 1 + the highest sample index present (at least 2)."""
+    present = sample_columns(frame.columns)
+    n = max([int(c[6:]) + 1 for c in present] + [2])
+    return [f"sample{i}" for i in range(n)]
+
+
+def add_helper_columns(frame, tokenizer=None):
+    """Helper columns for the row-wise checks; returns a copy."""
+    frame = frame.copy()
+    texts = [c for c in _text_columns(frame) if c in frame.columns]
+    if "best" in frame.columns:
+        shares = frame["best"].map(frame["best"].value_counts(normalize=True, dropna=True)).fillna(0.0)
+        frame["_label_share"] = shares.astype(float)
+    if tokenizer is not None and texts:
+        lengths = []
+        for column in texts:
+            values = [v if isinstance(v, str) else "" for v in frame[column].tolist()]
+            ids = tokenizer(values, add_special_tokens=False)["input_ids"] if values else []
+            lengths.append([len(x) for x in ids])
+        frame["_max_tokens"] = [max(row) for row in zip(*lengths)] if len(frame) else []
+    return frame
+
+
+def build_suite(frame, validation, label_check: bool = True, min_rows: int | None = None):
+    """The ExpectationSuite for ``frame`` (with helper columns) under ``data.validation``."""
+    import great_expectations as gx
+    import great_expectations.expectations as gxe
+
+    min_rows = validation.min_rows if min_rows is None else min_rows
+    samples = expected_samples(frame)
+    required = ["query", *samples, "best"]
+    present = [c for c in required if c in frame.columns]
+    texts = [c for c in ["query", *samples] if c in frame.columns]
+    suite = gx.ExpectationSuite(name="preferences")
+
+    def add(expectation, check):
+        expectation.meta = {"check": check}
+        suite.add_expectation(expectation)
+
+    for column in required:
+        add(gxe.ExpectColumnToExist(column=column), "missing column")
+    add(gxe.ExpectTableRowCountToBeBetween(min_value=min_rows), f"row count >= min_rows ({min_rows})")
+    for column in present:
+        add(gxe.ExpectColumnValuesToNotBeNull(column=column), "no nulls")
+    for column in texts:
+        add(gxe.ExpectColumnValuesToBeOfType(column=column, type_="str"), "text type (string)")
+        add(gxe.ExpectColumnValuesToMatchRegex(column=column, regex=r"\S"), "no empty or whitespace-only text")
+        add(gxe.ExpectColumnValuesToNotMatchRegex(column=column, regex=BAD_CHARACTERS), "no invalid UTF-8 or control characters")
+        add(gxe.ExpectColumnValueLengthsToBeBetween(column=column, max_value=validation.max_text_chars), f"text length <= max_text_chars ({validation.max_text_chars})")
+    sample_present = [c for c in samples if c in frame.columns]
+    if len(sample_present) >= 2:
+        add(gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(column_list=sample_present), "distinct samples in a row (chosen != rejected)")
+    if "best" in frame.columns:
+        add(gxe.ExpectColumnValuesToBeInTypeList(column="best", type_list=INTEGER_TYPES), "best type (integer)")
+        add(gxe.ExpectColumnValuesToBeBetween(column="best", min_value=0, max_value=len(samples) - 1), f"best within [0, {len(samples)})")
+        if label_check:
+            add(gxe.ExpectColumnMaxToBeBetween(column="_label_share", max_value=validation.max_label_share),
+                f"labels not degenerate (most common best share <= max_label_share {validation.max_label_share})")
+    if present:
+        add(gxe.ExpectCompoundColumnsToBeUnique(column_list=present), "no duplicate rows")
+    if "_max_tokens" in frame.columns:
+        add(gxe.ExpectColumnValuesToBeBetween(column="_max_tokens", max_value=validation.max_tokens), f"token length <= max_tokens ({validation.max_tokens})")
+    if "margin" in frame.columns:
+        add(gxe.ExpectColumnValuesToNotBeNull(column="margin"), "no nulls")
+    return suite
+
+
+def ephemeral_context():
+    """An in-memory GX context with progress bars off (analytics are off via the environment).
+
+    It must exist before a suite is built: GX 1.x binds suites to the current context."""
+    import great_expectations as gx
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    context = gx.get_context(mode="ephemeral")
+    context.variables.progress_bars = ProgressBarsConfig(globally=False, metric_calculations=False)
+    return context
+
+
+def run_suite(context, frame, suite) -> Any:
+    """Validate ``frame`` (the whole dataframe as one batch) against ``suite``."""
+    batch_definition = context.data_sources.add_pandas("preferences").add_dataframe_asset("frame").add_batch_definition_whole_dataframe("all")
+    batch = batch_definition.get_batch(batch_parameters={"dataframe": frame})
+    return batch.validate(suite, result_format={"result_format": "SUMMARY", "partial_unexpected_count": 20})
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):  # numpy scalar
+        return _json_safe(value.item())
+    return value
+
+
+def _failure(result, frame, user_columns: list[str], names: dict[str, str]) -> dict[str, Any]:
+    config = result.expectation_config
+    kwargs = config.kwargs
+    columns = kwargs.get("column_list") or ([kwargs["column"]] if "column" in kwargs else [])
+    label = lambda c: names.get(c, c)  # noqa: E731
+    shown = ", ".join(label(c) for c in columns if not c.startswith("_") and label(c)) or "(table)"
+    details = result.result or {}
+    indices = list(details.get("partial_unexpected_index_list") or [])[:EXAMPLES]
+    examples = []
+    for index in indices:
+        row = {"row": int(index)}
+        row.update({label(c): _json_safe(frame.at[index, c]) for c in user_columns if label(c)})
+        examples.append(row)
+    exception = (result.exception_info or {}).get("exception_message") if result.exception_info else None
+    observed = _json_safe(details.get("observed_value"))
+    if config.type == "expect_column_to_exist":
+        observed = "not found; the columns are " + ", ".join(label(c) for c in user_columns if label(c))
+    return {
+        "check": (config.meta or {}).get("check", config.type),
+        "expectation": config.type,
+        "column": shown,
+        "count": details.get("unexpected_count"),
+        "observed": observed,
+        "examples": examples,
+        **({"error": exception} if exception else {}),
+    }
+
+
+def validate_dataframe(df, validation_params, tokenizer=None, label_check: bool = True, min_rows: int | None = None, names: dict[str, str] | None = None) -> ContractResult:
+    """Run the contract on a flat frame.
+
+    Args:
+        df: the flat frame (``query``, ``sample0..``, ``best``, optional ``margin``).
+        validation_params: ``params.data.validation``.
+        tokenizer: enables the token-length check (skipped, with a note, when None).
+        label_check: the degenerate-label check; off for pairwise data (best is always 0).
+        min_rows: overrides ``validation_params.min_rows`` (e.g. for a test split).
+        names: flat column -> the user's column name, for messages.
+    """
+    import pandas as pd
+
+    names = names or {}
+    frame = df.reset_index(drop=True).copy()
+    for column in frame.columns:
+        if not pd.api.types.is_numeric_dtype(frame[column]):
+            # object dtype: GX checks types per value, and nothing is coerced to text
+            frame[column] = pd.Series([replace_surrogates(v) for v in frame[column].tolist()], dtype=object)
+    user_columns = [c for c in frame.columns if not str(c).startswith("_")]
+    frame = add_helper_columns(frame, tokenizer)
+    context = ephemeral_context()
+    suite = build_suite(frame, validation_params, label_check=label_check, min_rows=min_rows)
+    result = run_suite(context, frame, suite)
+    failures = [_failure(r, frame, user_columns, names) for r in result.results if not r.success]
+    notes = [] if tokenizer is not None else ["token lengths not checked (no tokenizer)"]
+    return ContractResult(not failures, failures, result.to_json_dict(), len(frame), len(result.results), notes)
+
+
+# --------------------------------------------------------------------------------------------
+# reporting
+# --------------------------------------------------------------------------------------------
+_SHOW_RE = re.compile(BAD_CHARACTERS)
+
+
+def _show(value, width: int = 60) -> str:
+    """A short, printable rendering of a cell (control/invalid characters escaped)."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        text = value if len(value) <= width else value[: width - 3] + "..."
+        return '"' + _SHOW_RE.sub(lambda m: f"\\u{ord(m.group()):04x}", text.replace('"', '\\"')) + '"'
+    return repr(value)
+
+
+def format_summary(result: ContractResult, title: str = "") -> str:
+    """Readable summary: each failed check, its column, the count and up to 3 example rows."""
+    head = f"{title}: " if title else ""
+    if result.success:
+        return f"{head}ok: {result.rows} rows passed {result.expectations} expectations"
+    lines = [f"{head}FAILED: {len(result.failures)} of {result.expectations} expectations on {result.rows} rows"]
+    for failure in result.failures:
+        count = failure["count"]
+        what = f"{count} row(s)" if count is not None else f"observed {failure['observed']}"
+        lines.append(f"- {failure['check']} [column {failure['column']}]: {what}")
+        if failure.get("error"):
+            lines.append(f"    error: {failure['error']}")
+        for example in failure["examples"]:
+            cells = ", ".join(f"{k}={_show(v)}" for k, v in example.items() if k != "row")
+            lines.append(f"    row {example['row']}: {cells}")
+    lines.extend(f"note: {n}" for n in result.notes)
+    return "\n".join(lines)
+
+
+def summary_payload(results: dict[str, ContractResult]) -> dict:
+    """``summary.json``: overall success, rows, and every failure tagged with its split."""
+    return {
+        "success": all(r.success for r in results.values()),
+        "rows": sum(r.rows for r in results.values()),
+        "splits": {name: {"rows": r.rows, "success": r.success, "expectations": r.expectations} for name, r in results.items()},
+        "failures": [{"split": name, **f} for name, r in results.items() for f in r.failures],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# rlhf validate-preferences FILE
+# --------------------------------------------------------------------------------------------
+def load_validation_params(params_path: str | Path):
+    """``data.validation`` from ``params_path``, or the schema defaults when the file is missing."""
+    from rlhf_pipeline.params import ValidationParams, load_params
+
+    if Path(params_path).is_file():
+        return load_params(params_path).data.validation
+    return ValidationParams()
+
+
+def optional_tokenizer(directory: str | Path = "models/base"):
+    """The base model's tokenizer when ``directory`` holds one, else None."""
+    if not (Path(directory) / "tokenizer_config.json").is_file():
+        return None
+    from rlhf_pipeline.models import load_tokenizer
+
+    return load_tokenizer(directory)
+
+
+def validate_file_cli(path: str, params_path: str = "params.yaml", result_path: str | None = None, tokenizer_dir: str = "models/base") -> int:
+    """``rlhf validate-preferences FILE``: contract check of a user preference file.
+
+    Prints ``ok: N rows passed M expectations`` or the failure summary; writes the GX JSON to
+    ``result_path`` if given; returns 0 (passed) or 3 (refused).
+    """
+    from rlhf_pipeline.corpus import read_table
+    from rlhf_pipeline.errors import DataContractError
+    from rlhf_pipeline.io import write_json
+    from rlhf_pipeline.preferences import detect_format, to_flat_frame
+
+    validation = load_validation_params(params_path)
+    frame = read_table(path)
+    if frame.empty and not len(frame.columns):
+        raise PipelineError(f"{path} holds no rows.")
+    fmt = detect_format(frame.columns, path)
+    flat = to_flat_frame(frame, fmt)
+    result = validate_dataframe(flat, validation, optional_tokenizer(tokenizer_dir), label_check=fmt != PAIRWISE, names=display_names(fmt))
+    if result_path:
+        write_json(result_path, result.gx_json)
+    print(format_summary(result, title=f"{path} ({fmt.replace('_', '-')})"))
+    return 0 if result.success else DataContractError.exit_code
+
+

@@ -1,0 +1,228 @@
+"""The text corpus that queries are cut from.
+
+lm-human-preferences draws its queries from BookCorpus. This project cannot download it, so the
+default (``data.corpus.source: generated``) asks the base model itself for short paragraphs on a
+few hundred built-in topic prompts. A user corpus can replace it:
+
+- ``*.txt``: passages are paragraphs separated by blank lines (the lines of a paragraph are
+  joined with a space). A file without any blank line is read as one passage per line.
+- ``*.jsonl`` / ``*.parquet``: one passage per row, in column ``data.corpus.text_column``.
+- anything else that is not an existing path: a Hugging Face hub dataset id, loaded with
+  ``datasets.load_dataset(source, split=data.corpus.split)`` (needs a warm cache or
+  ``HF_DATASETS_OFFLINE=0``).
+
+Empty and whitespace-only passages are dropped everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.sampling import iterate_batches, sample_responses
+
+GENERATED = "generated"
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+SUBJECTS = [
+    "the ocean", "a small village", "autumn leaves", "a busy train station", "learning to cook",
+    "an old library", "a thunderstorm", "friendship", "a first day at school", "the night sky",
+    "a family dinner", "a lost dog", "mountain hiking", "a rainy afternoon", "city traffic",
+    "a birthday party", "a garden in spring", "a long flight", "a football match", "moving to a new home",
+    "a winter morning", "a street market", "an art museum", "a job interview", "the desert",
+    "a piano lesson", "a summer festival", "a broken phone", "a road trip", "a snowy forest",
+    "a coffee shop", "a science fair", "grandparents", "a river at dawn", "a power outage",
+    "a new neighbour", "a bakery", "a camping trip", "an exam", "a concert",
+    "a lighthouse", "a farm", "a hospital waiting room", "a bicycle ride", "a quiet beach",
+    "a robot", "a lazy Sunday", "an island",
+]
+STYLES = [
+    "Write a short paragraph about {subject}.",
+    "Describe {subject} in a few sentences.",
+    "Tell a short story about {subject}.",
+    "Write a cheerful paragraph about {subject}.",
+    "Write a gloomy paragraph about {subject}.",
+    "Write a few sentences about a memory of {subject}.",
+    "Explain to a child what {subject} is like.",
+    "Write a short diary entry about {subject}.",
+]
+
+
+def topic_prompts() -> list[str]:
+    """The built-in prompts: every subject in every style (48 x 8 = 384)."""
+    return [style.format(subject=subject) for subject in SUBJECTS for style in STYLES]
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a user turn asking for ``prompt``: the chat template when the tokenizer
+    has one (instruct models answer in paragraphs), else the plain text."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt + "\n", add_special_tokens=False)
+
+
+def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack token lists into (ids, mask), padded on the left (the sampler reads the last position)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row) :] = True
+    return ids, mask
+
+
+@torch.no_grad()
+def generate_passages(model, tokenizer, num_passages: int, passage_tokens: int, temperature: float, batch_size: int, seed: int) -> list[str]:
+    """Sample ``num_passages`` passages from ``model``, deterministic for a given seed and model.
+
+    Passage ``i`` answers prompt ``order[i % P]`` of :func:`topic_prompts` (``order`` a seeded
+    permutation, so a small corpus still spans many topics); sampling stops at EOS or after
+    ``passage_tokens`` tokens.
+    """
+    prompts = topic_prompts()
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(prompts), generator=generator).tolist()
+    encoded = [encode_prompt(tokenizer, prompts[order[i % len(prompts)]]) for i in range(num_passages)]
+    pad_id = tokenizer.pad_token_id
+    texts: list[str] = []
+    for rows in iterate_batches(num_passages, batch_size):
+        ids, mask = left_pad(encoded[rows], pad_id)
+        out = sample_responses(
+            model, ids, mask, passage_tokens, temperature, pad_id,
+            generator=generator, eos_token_id=tokenizer.eos_token_id, stop_at_eos=True,
+        )
+        texts.extend(tokenizer.batch_decode(out.responses.tolist(), skip_special_tokens=True))
+    return texts
+
+
+# --------------------------------------------------------------------------------------------
+# local files and hub datasets
+# --------------------------------------------------------------------------------------------
+def is_local_source(source: str) -> bool:
+    """A path (existing, or named like a supported file) rather than a hub dataset id."""
+    return Path(source).exists() or source.lower().endswith(LOCAL_SUFFIXES + (".json",)) or source.startswith(("/", "./", "../"))
+
+
+_SURROGATES = re.compile(r"[\ud800-\udfff]")
+
+
+def replace_surrogates(value):
+    """Lone surrogates (from JSON escapes like "\\ud800") -> U+FFFD, the mark of invalid UTF-8.
+
+    pandas' string dtype (and arrow) cannot hold surrogates at all; U+FFFD can, and the data
+    contract flags it."""
+    return _SURROGATES.sub("\ufffd", value) if isinstance(value, str) else value
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSON-lines file; blank lines are skipped. Invalid UTF-8 bytes and lone
+    surrogate escapes become U+FFFD (visible to the data contract) instead of crashing."""
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise PipelineError(f"{path}: line {number} is not valid JSON ({error.msg}); each line must be one JSON object.") from None
+            if not isinstance(row, dict):
+                raise PipelineError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object with named columns.")
+            rows.append({key: replace_surrogates(value) for key, value in row.items()})
+    return rows
+
+
+def read_table(path: str | Path):
+    """A .jsonl or .parquet file as a pandas DataFrame (PipelineError if missing or unreadable)."""
+    import pandas as pd
+
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"{path} not found (paths are relative to the project root, e.g. data/raw/corpus.jsonl).")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return pd.DataFrame(read_jsonl(path))
+    if suffix == ".parquet":
+        try:
+            return pd.read_parquet(path)
+        except Exception as error:  # pyarrow raises several unrelated types
+            raise PipelineError(f"{path} is not a readable Parquet file: {error}") from None
+    raise PipelineError(f"{path}: unsupported file type {suffix!r}; use .jsonl or .parquet.")
+
+
+def read_txt_passages(path: Path) -> list[str]:
+    """Paragraphs separated by blank lines; one passage per line if the file has no blank line."""
+    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    paragraphs = re.split(r"\n\s*\n", text)
+    if len(paragraphs) == 1:
+        return text.splitlines()
+    return [" ".join(line.strip() for line in p.splitlines() if line.strip()) for p in paragraphs]
+
+
+def column_texts(values, column: str, where: str) -> list[str]:
+    """The string values of ``column``; non-strings (other than nulls) are refused."""
+    texts = []
+    for value in values:
+        if value is None or (isinstance(value, float) and value != value):
+            continue
+        if not isinstance(value, str):
+            raise PipelineError(f"{where}: column {column!r} must hold text, found a {type(value).__name__} ({value!r}).")
+        texts.append(value)
+    return texts
+
+
+def load_local_passages(source: str, text_column: str) -> list[str]:
+    path = Path(source)
+    if not path.is_file():
+        raise PipelineError(f"data.corpus.source: {source} not found (paths are relative to the project root; put corpora in data/raw/).")
+    if path.suffix.lower() == ".txt":
+        return read_txt_passages(path)
+    if path.suffix.lower() not in LOCAL_SUFFIXES:
+        raise PipelineError(f"data.corpus.source: {source} has unsupported type {path.suffix!r}; use .txt, .jsonl or .parquet.")
+    frame = read_table(path)
+    if text_column not in frame.columns:
+        raise PipelineError(
+            f"data.corpus.text_column: column {text_column!r} is not in {source}; its columns are "
+            f"{list(map(str, frame.columns))}. Set data.corpus.text_column to one of them."
+        )
+    return column_texts(frame[text_column].tolist(), text_column, source)
+
+
+def load_hub_dataset(source: str, split: str | None, key: str):
+    """``datasets.load_dataset(source, split=split)`` with offline failures turned into one clear error."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(source, split=split)
+    except Exception as error:  # offline/connection/not-found errors come in many types
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PipelineError(
+            f"{key}: could not load hub dataset {source!r} (split {split!r}): {first}. It is not a local file "
+            f"either. Hub downloads are off (HF_DATASETS_OFFLINE=1): pre-download it with network access, export "
+            f"HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0, or point {key} at a local file."
+        ) from None
+
+
+def load_hub_passages(source: str, split: str, text_column: str) -> list[str]:
+    dataset = load_hub_dataset(source, split, "data.corpus.source")
+    if text_column not in dataset.column_names:
+        raise PipelineError(
+            f"data.corpus.text_column: column {text_column!r} is not in hub dataset {source!r}; its columns are "
+            f"{dataset.column_names}. Set data.corpus.text_column to one of them."
+        )
+    return column_texts(dataset[text_column], text_column, source)
+
+
+def clean_passages(texts: list[str], source: str) -> list[str]:
+    """Strip passages and drop empty ones; refuse a corpus with nothing left."""
+    kept = [t.strip() for t in texts if t and t.strip()]
+    if not kept:
+        raise PipelineError(f"data.corpus.source: {source} holds no non-empty passage.")
+    return kept

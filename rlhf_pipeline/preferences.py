@@ -1,0 +1,369 @@
+"""Preference labels in the pipeline's internal best-of-N format.
+
+One row per query, in both splits:
+
+=============  ====================  ===========================================================
+column         type                  meaning
+=============  ====================  ===========================================================
+query          str                   the prompt text
+query_ids      list[int]             query_length ids, padded on data.queries.pad_side
+samples        list[str]             the N candidate responses
+sample_ids     list[list[int]]       N x response_length ids, right-padded with the pad id
+best           int                   index of the preferred sample
+gold           list[float] | None    the labeler's scores (simulated labels only)
+margin         float                 optional pairwise margin (0.0 when not given)
+=============  ====================  ===========================================================
+
+Two ways to fill it:
+
+- **simulated** (default): sample N responses per query from the frozen base model exactly as the
+  task samples them (fixed length, OAI truncation), score them with a programmatic labeler
+  (:mod:`rlhf_pipeline.labelers`) and pick ``best ~ softmax(score / label_temperature)``
+  (argmax at temperature 0).
+- **user data**: a .jsonl/.parquet file or a hub dataset in *pairwise* format (``prompt``,
+  ``chosen``, ``rejected``, optional ``margin``) -> N=2 with ``samples=[chosen, rejected]`` and
+  ``best=0``; or in *best-of-N* format (``query``, ``sample0`` .. ``sampleK``, ``best``).
+  The format is detected from the columns. A ``split`` column (``train``/``test``) is honoured.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.queries import pad_tokens
+from rlhf_pipeline.sampling import left_align
+
+PAIRWISE, BEST_OF_N, SIMULATED = "pairwise", "best_of_n", "simulated"
+PAIRWISE_COLUMNS = ("prompt", "chosen", "rejected")
+SAMPLE_COLUMN = re.compile(r"^sample(\d+)$")
+VALIDATE_HINT = "Run `rlhf validate-preferences FILE` for a full report of the problems in a preference file."
+
+# Characters the data contract refuses: C0/C1 control characters other than \t and \n, DEL, and
+# the marks of invalid UTF-8: U+FFFD (what undecodable bytes become) and lone surrogates.
+BAD_CHARACTERS = r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufffd]"
+_BAD_CHARACTERS_RE = re.compile(BAD_CHARACTERS)
+
+
+def features():
+    """The datasets Features of the internal format."""
+    from datasets import Features, List, Value
+
+    return Features(
+        {
+            "query": Value("string"),
+            "query_ids": List(Value("int64")),
+            "samples": List(Value("string")),
+            "sample_ids": List(List(Value("int64"))),
+            "best": Value("int64"),
+            "gold": List(Value("float64")),
+            "margin": Value("float64"),
+        }
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# labels from scores
+# --------------------------------------------------------------------------------------------
+def pick_best(scores: np.ndarray, temperature: float, rng: np.random.Generator) -> np.ndarray:
+    """Index of the preferred sample per row of ``scores`` (B, N).
+
+    temperature 0: argmax, with exact ties broken uniformly at random (VADER gives many
+    neutral texts the same 0.0; "always the first" would plant a positional label that no
+    reward model can learn and skew the label distribution). Otherwise one draw from
+    ``softmax(scores / temperature)``, which simulates a noisy labeler.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    if temperature == 0:
+        best = []
+        for row in scores:
+            maxima = np.flatnonzero(row == row.max())
+            best.append(maxima[0] if len(maxima) == 1 else rng.choice(maxima))
+        return np.array(best, dtype=np.int64)
+    logits = scores / temperature
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    return np.array([rng.choice(scores.shape[1], p=p) for p in probs], dtype=np.int64)
+
+
+def ceiling_accuracy(gold: np.ndarray, best: np.ndarray) -> float:
+    """Fraction of rows whose label is the gold argmax (first index on ties): about the best
+    accuracy a reward model can reach on these labels. 1.0 at label_temperature 0 unless gold
+    scores tie (a tied row counts as 1/k in expectation, as it would for any reward model)."""
+    gold = np.asarray(gold)
+    return float((gold.argmax(axis=1) == np.asarray(best)).mean()) if len(gold) else float("nan")
+
+
+def sample_problem(samples: list[str]) -> str | None:
+    """Why a row of candidates would fail the data contract, or None.
+
+    Simulated rows with such a problem are skipped (and counted) rather than written, so the
+    default pipeline never refuses its own labels.
+    """
+    if any(not s.strip() for s in samples):
+        return "empty_sample"
+    if len(set(samples)) < len(samples):
+        return "duplicate_samples"
+    if any(_BAD_CHARACTERS_RE.search(s) for s in samples):
+        return "bad_characters"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# simulated labels
+# --------------------------------------------------------------------------------------------
+@dataclass
+class SimulatedSplit:
+    columns: dict[str, list]
+    skipped: dict[str, int] = field(default_factory=dict)  # queries given up on, by reason
+    resampled: int = 0  # queries whose candidates were drawn again
+    queries_used: int = 0
+    valid_responses: int = 0
+    responses: int = 0
+
+
+def sample_candidates(model, tokenizer, sampler, query_ids: list[list[int]], num_samples: int, generator: torch.Generator):
+    """``num_samples`` truncated responses per query: (texts per query, ids per query, valid (B*N,))."""
+    batch = left_align(torch.tensor(query_ids, dtype=torch.long), tokenizer.pad_token_id)
+    _, truncated, valid = sampler.sample(model, batch, generator, num_samples=num_samples)
+    texts = tokenizer.batch_decode(truncated.tolist(), skip_special_tokens=True)
+    ids = truncated.view(len(batch), num_samples, -1).tolist()
+    return [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(batch))], ids, valid
+
+
+@torch.no_grad()
+def simulate_preferences(
+    model,
+    tokenizer,
+    sampler,
+    query_ids: list[list[int]],
+    queries: list[str],
+    num_rows: int,
+    num_samples: int,
+    labeler,
+    label_temperature: float,
+    batch_size: int,
+    generator: torch.Generator,
+    rng: np.random.Generator,
+    split_name: str = "train",
+    max_resamples: int = 3,
+) -> SimulatedSplit:
+    """Label the first ``num_rows`` usable queries with best-of-``num_samples`` choices.
+
+    ``sampler`` is a :class:`rlhf_pipeline.rollout.TaskSampler` (task sampling + truncation).
+    Queries are taken in order, ``batch_size`` at a time. When a query's candidates would break
+    the data contract (see :func:`sample_problem`: e.g. two identical responses), its candidates
+    are drawn again, up to ``max_resamples`` times; a query that still fails is skipped and the
+    next one is used. Deterministic for given generators.
+    """
+    result = SimulatedSplit({k: [] for k in ("query", "query_ids", "samples", "sample_ids", "best", "gold", "margin")})
+    cols = result.columns
+    start = 0
+    while len(cols["best"]) < num_rows:
+        if start >= len(query_ids):
+            raise PipelineError(
+                f"data.preferences: {split_name} needs {num_rows} labelled queries (data.preferences."
+                f"{'num_labels' if split_name == 'train' else 'num_test_labels'}) but data/queries/{split_name} has only "
+                f"{len(query_ids)} queries, of which {sum(result.skipped.values())} were skipped ({result.skipped}). "
+                f"Lower the count or make a bigger corpus (data.corpus.num_passages)."
+            )
+        stop = min(start + min(batch_size, num_rows - len(cols["best"])), len(query_ids))
+        texts, ids, valid = sample_candidates(model, tokenizer, sampler, query_ids[start:stop], num_samples, generator)
+        for _ in range(max_resamples):
+            redo = [i for i, samples in enumerate(texts) if sample_problem(samples) is not None]
+            if not redo:
+                break
+            result.resampled += len(redo)
+            new_texts, new_ids, new_valid = sample_candidates(model, tokenizer, sampler, [query_ids[start + i] for i in redo], num_samples, generator)
+            valid = valid.view(-1, num_samples).clone()
+            for j, i in enumerate(redo):
+                texts[i], ids[i], valid[i] = new_texts[j], new_ids[j], new_valid.view(-1, num_samples)[j]
+        scores = np.asarray(labeler.score([t for samples in texts for t in samples]), dtype=np.float64).reshape(len(texts), num_samples)
+        result.responses += valid.numel()
+        result.valid_responses += int(valid.sum())
+        for row, samples in enumerate(texts):
+            if len(cols["best"]) == num_rows:
+                break
+            result.queries_used = start + row + 1
+            problem = sample_problem(samples)
+            if problem is not None:
+                result.skipped[problem] = result.skipped.get(problem, 0) + 1
+                continue
+            cols["query"].append(queries[start + row])
+            cols["query_ids"].append(query_ids[start + row])
+            cols["samples"].append(samples)
+            cols["sample_ids"].append(ids[row])
+            cols["best"].append(int(pick_best(scores[row : row + 1], label_temperature, rng)[0]))
+            cols["gold"].append(scores[row].tolist())
+            cols["margin"].append(0.0)
+        start = stop
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# user data
+# --------------------------------------------------------------------------------------------
+def sample_columns(columns) -> list[str]:
+    """``sample0``, ``sample1``, ... present in ``columns``, ordered by their number."""
+    found = [(int(m.group(1)), c) for c in map(str, columns) if (m := SAMPLE_COLUMN.match(c))]
+    return [c for _, c in sorted(found)]
+
+
+def detect_format(columns, where: str) -> str:
+    """``pairwise`` or ``best_of_n`` from the column names (PipelineError naming them if neither)."""
+    columns = [str(c) for c in columns]
+    if any(c in columns for c in PAIRWISE_COLUMNS):
+        return PAIRWISE
+    if "query" in columns or sample_columns(columns):
+        return BEST_OF_N
+    raise PipelineError(
+        f"{where}: cannot tell the preference format from its columns {columns}. Use pairwise columns "
+        f"(prompt, chosen, rejected, optional margin) or best-of-N columns (query, sample0, sample1, ..., best)."
+    )
+
+
+def to_flat_frame(frame, fmt: str):
+    """The uniform flat frame the contract checks: ``query``, ``sample0..``, ``best`` (+ ``margin``).
+
+    Lenient on purpose: missing columns stay missing and nulls stay null, so the contract can
+    report them. Pairwise data becomes ``query=prompt, sample0=chosen, sample1=rejected, best=0``.
+    """
+    flat = frame.copy()
+    if fmt == PAIRWISE:
+        flat = flat.rename(columns={"prompt": "query", "chosen": "sample0", "rejected": "sample1"})
+        flat["best"] = 0
+    keep = ["query", *sample_columns(flat.columns), "best"] + [c for c in ("margin",) if c in flat.columns]
+    return flat[[c for c in keep if c in flat.columns]].reset_index(drop=True)
+
+
+def display_names(fmt: str) -> dict[str, str]:
+    """Flat column -> the user's column name, for messages (None: not the user's, not shown)."""
+    if fmt == PAIRWISE:
+        return {"query": "prompt", "sample0": "chosen", "sample1": "rejected", "best": None}
+    return {}
+
+
+def tokenize_query(tokenizer, text: str, query_length: int, pad_side: str) -> list[int]:
+    """The LAST ``query_length`` tokens of ``text`` (the end of a prompt is what the response
+    continues), padded to ``query_length`` on ``pad_side``."""
+    ids = tokenizer.encode(text, add_special_tokens=False)[-query_length:]
+    return pad_tokens(ids, query_length, tokenizer.pad_token_id, pad_side)
+
+
+def tokenize_response(tokenizer, text: str, response_length: int) -> list[int]:
+    """The FIRST ``response_length`` tokens of ``text``, right-padded."""
+    ids = tokenizer.encode(text, add_special_tokens=False)[:response_length]
+    return pad_tokens(ids, response_length, tokenizer.pad_token_id, "right")
+
+
+def _require_text(frame, columns: list[str], where: str) -> None:
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise PipelineError(f"{where}: missing column(s) {missing}; its columns are {list(map(str, frame.columns))}. {VALIDATE_HINT}")
+    for column in columns:
+        bad = [i for i, v in enumerate(frame[column].tolist()) if not isinstance(v, str)]
+        if bad:
+            raise PipelineError(f"{where}: column {column!r} has {len(bad)} null or non-text value(s) (first at row {bad[0]}). {VALIDATE_HINT}")
+
+
+def _margins(frame) -> list[float]:
+    if "margin" not in frame.columns:
+        return [0.0] * len(frame)
+    return [0.0 if v is None or v != v else float(v) for v in frame["margin"].tolist()]
+
+
+def _internal(tokenizer, queries, samples, best, margins, query_length, response_length, pad_side) -> dict[str, list]:
+    return {
+        "query": list(queries),
+        "query_ids": [tokenize_query(tokenizer, q, query_length, pad_side) for q in queries],
+        "samples": [list(s) for s in samples],
+        "sample_ids": [[tokenize_response(tokenizer, t, response_length) for t in row] for row in samples],
+        "best": [int(b) for b in best],
+        "gold": [None] * len(queries),
+        "margin": list(margins),
+    }
+
+
+def pairwise_to_internal(frame, tokenizer, query_length: int, response_length: int, pad_side: str = "left", where: str = "preferences") -> dict[str, list]:
+    """Pairwise rows (``prompt``, ``chosen``, ``rejected``, optional ``margin``) -> internal
+    columns with N=2, ``samples=[chosen, rejected]`` and ``best=0``."""
+    _require_text(frame, list(PAIRWISE_COLUMNS), where)
+    samples = list(zip(frame["chosen"].tolist(), frame["rejected"].tolist()))
+    return _internal(tokenizer, frame["prompt"].tolist(), samples, [0] * len(frame), _margins(frame), query_length, response_length, pad_side)
+
+
+def best_of_n_to_internal(frame, tokenizer, query_length: int, response_length: int, pad_side: str = "left", where: str = "preferences") -> dict[str, list]:
+    """Best-of-N rows (``query``, ``sample0`` .. ``sampleK``, ``best``) -> internal columns."""
+    names = sample_columns(frame.columns)
+    expected = [f"sample{i}" for i in range(max(len(names), 2))]
+    _require_text(frame, ["query", *expected], where)
+    if "best" not in frame.columns:
+        raise PipelineError(f"{where}: missing column 'best' (index of the preferred sample); its columns are {list(map(str, frame.columns))}. {VALIDATE_HINT}")
+    best = frame["best"].tolist()
+    if any(not isinstance(b, (int, np.integer)) or not 0 <= b < len(expected) for b in best):
+        raise PipelineError(f"{where}: column 'best' must hold integers in [0, {len(expected)}). {VALIDATE_HINT}")
+    samples = list(zip(*(frame[c].tolist() for c in expected)))
+    return _internal(tokenizer, frame["query"].tolist(), samples, best, _margins(frame), query_length, response_length, pad_side)
+
+
+def user_to_internal(frame, fmt: str, tokenizer, query_length: int, response_length: int, pad_side: str, where: str) -> dict[str, list]:
+    convert = pairwise_to_internal if fmt == PAIRWISE else best_of_n_to_internal
+    return convert(frame, tokenizer, query_length, response_length, pad_side, where)
+
+
+def internal_to_flat(columns) -> "pd.DataFrame":  # noqa: F821
+    """Internal rows (a datasets split or a dict of columns) -> the contract's flat frame."""
+    import pandas as pd
+
+    samples = list(columns["samples"])
+    width = max((len(s) for s in samples), default=0)
+    data = {"query": list(columns["query"])}
+    for i in range(width):
+        data[f"sample{i}"] = [s[i] if i < len(s) else None for s in samples]
+    data["best"] = list(columns["best"])
+    if "margin" in (columns.column_names if hasattr(columns, "column_names") else columns):
+        data["margin"] = list(columns["margin"])
+    return pd.DataFrame(data)
+
+
+def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -> tuple[dict[str, "pd.DataFrame"], str]:  # noqa: F821
+    """Raw train/test frames of a user preference source and its format.
+
+    A ``split`` column (train/test) or the hub dataset's ``test`` split is used when present;
+    otherwise a seeded ``test_fraction`` of the rows is held out.
+    """
+    from rlhf_pipeline.corpus import is_local_source, load_hub_dataset, read_table
+    from rlhf_pipeline.queries import split_indices
+
+    if is_local_source(source):
+        frame = read_table(source)
+        frames = {"all": frame}
+    else:
+        dataset = load_hub_dataset(source, None, "data.preferences.source")
+        if split not in dataset:
+            raise PipelineError(f"data.preferences.split: hub dataset {source!r} has no split {split!r}; it has {list(dataset)}.")
+        frames = {"train": dataset[split].to_pandas()}
+        if "test" in dataset and split != "test":
+            frames["test"] = dataset["test"].to_pandas()
+        else:
+            frames = {"all": frames["train"]}
+    first = next(iter(frames.values()))
+    if len(first) == 0:
+        raise PipelineError(f"data.preferences.source: {source} has no rows.")
+    fmt = detect_format(first.columns, source)
+    if "all" not in frames:
+        return frames, fmt
+    frame = frames["all"]
+    if "split" in frame.columns:
+        values = set(map(str, frame["split"].unique()))
+        if not values <= {"train", "test"} or "train" not in values or "test" not in values:
+            raise PipelineError(f"{source}: column 'split' must hold both 'train' and 'test' (and nothing else); found {sorted(values)}.")
+        return {name: frame[frame["split"] == name].drop(columns="split").reset_index(drop=True) for name in ("train", "test")}, fmt
+    if len(frame) < 2:
+        raise PipelineError(f"{source}: at least 2 rows are needed to hold out a test split.")
+    train_idx, test_idx = split_indices(len(frame), test_fraction, seed)
+    return {"train": frame.iloc[train_idx].reset_index(drop=True), "test": frame.iloc[test_idx].reset_index(drop=True)}, fmt

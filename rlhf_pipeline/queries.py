@@ -1,0 +1,152 @@
+"""Queries: corpus passages turned into fixed-length token prompts, as lm-human-preferences does.
+
+OAI's query generator (``lm_tasks.py``) does, for each passage::
+
+    tokens = encode(text)
+    if start_token: keep the tokens after its first occurrence (skip the passage if absent)
+    tokens = tokens[:query_length]
+    if end_token:   cut after its last occurrence, inclusive (skip the passage if absent)
+    pad to query_length with the padding token
+
+With ``start_text = end_text = "."`` a query therefore starts at a sentence boundary and ends
+with a full sentence. :func:`preprocess_query` is that procedure as a pure function on token id
+lists; start and end texts may span several tokens (the token *subsequence* is matched).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import NamedTuple
+
+import numpy as np
+
+from rlhf_pipeline.errors import PipelineError
+
+# Drop reasons, in the order the rules are applied; the stage's metrics count each one.
+NO_START = "no_start"  # start_text does not occur in the passage
+NOTHING_AFTER_START = "nothing_after_start"  # its first occurrence is at the very end
+NO_END = "no_end"  # end_text does not occur in the first query_length tokens kept
+EMPTY = "empty"  # no token at all (empty passage, no start/end rule)
+DROP_REASONS = (NO_START, NOTHING_AFTER_START, NO_END, EMPTY)
+
+
+class QueryResult(NamedTuple):
+    tokens: list[int] | None  # the kept tokens, unpadded (at most query_length); None if dropped
+    reason: str | None  # one of DROP_REASONS when dropped, else None
+
+
+def find_subsequence(tokens: list[int], pattern: list[int]) -> int:
+    """Index where ``pattern`` first occurs in ``tokens``, or -1."""
+    n = len(pattern)
+    for i in range(len(tokens) - n + 1):
+        if tokens[i : i + n] == pattern:
+            return i
+    return -1
+
+
+def rfind_subsequence(tokens: list[int], pattern: list[int]) -> int:
+    """Index where ``pattern`` last occurs in ``tokens``, or -1."""
+    n = len(pattern)
+    for i in range(len(tokens) - n, -1, -1):
+        if tokens[i : i + n] == pattern:
+            return i
+    return -1
+
+
+def preprocess_query(tokens: list[int], start_tokens: list[int] | None, end_tokens: list[int] | None, query_length: int) -> QueryResult:
+    """Apply the OAI query rules to one passage's token ids (see the module docstring).
+
+    Difference from OAI, on purpose: when the start text's first occurrence is the last token,
+    OAI silently keeps the *whole* passage (``if first_index < len(tokens)``), so that query
+    does not start at a sentence boundary. This project's specification drops such a passage
+    instead (reason ``nothing_after_start``).
+    """
+    if start_tokens:
+        index = find_subsequence(tokens, start_tokens)
+        if index < 0:
+            return QueryResult(None, NO_START)
+        first = index + len(start_tokens)
+        if first >= len(tokens):
+            return QueryResult(None, NOTHING_AFTER_START)
+        tokens = tokens[first:]
+    tokens = list(tokens[:query_length])
+    if end_tokens:
+        index = rfind_subsequence(tokens, end_tokens)
+        if index < 0:
+            return QueryResult(None, NO_END)
+        tokens = tokens[: index + len(end_tokens)]
+    if not tokens:
+        return QueryResult(None, EMPTY)
+    return QueryResult(tokens, None)
+
+
+def pad_tokens(tokens: list[int], length: int, pad_token_id: int, side: str = "left") -> list[int]:
+    """Pad ``tokens`` (at most ``length`` of them) to exactly ``length`` on ``side``."""
+    if len(tokens) > length:
+        raise ValueError(f"pad_tokens: {len(tokens)} tokens exceed length {length}")
+    padding = [pad_token_id] * (length - len(tokens))
+    return padding + list(tokens) if side == "left" else list(tokens) + padding
+
+
+def text_tokens(tokenizer, text: str | None, key: str) -> list[int] | None:
+    """Token ids of a start/end text (no special tokens); None when the rule is disabled."""
+    if text is None:
+        return None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise PipelineError(f"{key} {text!r} encodes to no token at all; use a visible text such as '.' or null to disable the rule.")
+    return ids
+
+
+def split_indices(n: int, test_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded shuffle of ``range(n)`` split into (train, test); both non-empty when ``n >= 2``."""
+    order = np.random.default_rng(seed).permutation(n).tolist()
+    n_test = min(max(1, round(n * test_fraction)), n - 1)
+    return order[n_test:], order[:n_test]
+
+
+def build_queries(
+    texts: list[str],
+    tokenizer,
+    query_length: int,
+    start_text: str | None,
+    end_text: str | None,
+    pad_side: str,
+    test_fraction: float,
+    seed: int,
+) -> tuple[dict[str, dict[str, list]], dict[str, int]]:
+    """Preprocess every passage and split the kept queries.
+
+    Returns ``({"train": columns, "test": columns}, counts)`` where ``columns`` has
+    ``query_ids`` (padded to ``query_length`` on ``pad_side``) and ``query`` (decoded, no pads),
+    and ``counts`` has ``passages``, ``kept``, ``dropped_<reason>``, ``train`` and ``test``.
+    """
+    start_tokens = text_tokens(tokenizer, start_text, "data.queries.start_text")
+    end_tokens = text_tokens(tokenizer, end_text, "data.queries.end_text")
+    pad_id = tokenizer.pad_token_id
+    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+    kept: list[list[int]] = []
+    drops: Counter[str] = Counter()
+    for tokens in encoded:
+        result = preprocess_query(tokens, start_tokens, end_tokens, query_length)
+        if result.tokens is None:
+            drops[result.reason] += 1
+        else:
+            kept.append(result.tokens)
+    counts = {"passages": len(encoded), "kept": len(kept), **{f"dropped_{r}": drops[r] for r in DROP_REASONS}}
+    if len(kept) < 2:
+        raise PipelineError(
+            f"Only {len(kept)} of {len(encoded)} corpus passages survive the query rules (data.queries.start_text="
+            f"{start_text!r}, end_text={end_text!r}, query_length={query_length}; drops: {dict(drops)}); at least 2 are "
+            f"needed for a train/test split. Use a bigger corpus (data.corpus.num_passages / passage_tokens) or relax the rules."
+        )
+    train_idx, test_idx = split_indices(len(kept), test_fraction, seed)
+    splits = {}
+    for name, indices in (("train", train_idx), ("test", test_idx)):
+        rows = [kept[i] for i in indices]
+        splits[name] = {
+            "query_ids": [pad_tokens(r, query_length, pad_id, pad_side) for r in rows],
+            "query": tokenizer.batch_decode(rows, skip_special_tokens=False),
+        }
+        counts[name] = len(rows)
+    return splits, counts

@@ -1,0 +1,38 @@
+"""Stage corpus: the passages queries are cut from -> data/corpus (datasets, column ``text``).
+
+``data.corpus.source``: ``generated`` (sampled from models/base on built-in topic prompts), a
+local .txt/.jsonl/.parquet file, or a hub dataset id; see rlhf_pipeline/corpus.py.
+"""
+
+from __future__ import annotations
+
+from datasets import Dataset
+
+from rlhf_pipeline.corpus import GENERATED, clean_passages, generate_passages, is_local_source, load_hub_passages, load_local_passages
+from rlhf_pipeline.io import atomic_dir
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
+from rlhf_pipeline.params import Params
+from rlhf_pipeline.runner import run_stage
+
+BASE, OUT = "models/base", "data/corpus"
+
+
+def main(params: Params) -> None:
+    cfg = params.data.corpus
+    if cfg.source == GENERATED:
+        require_dir(BASE, "base_model")
+        tokenizer = load_tokenizer(BASE)
+        model = load_causal_lm(BASE).eval()
+        texts = generate_passages(model, tokenizer, cfg.num_passages, cfg.passage_tokens, cfg.temperature, cfg.batch_size, params.seed)
+    elif is_local_source(cfg.source):
+        texts = load_local_passages(cfg.source, cfg.text_column)
+    else:
+        texts = load_hub_passages(cfg.source, cfg.split, cfg.text_column)
+    passages = clean_passages(texts, cfg.source)
+    with atomic_dir(OUT) as tmp:
+        Dataset.from_dict({"text": passages}).save_to_disk(str(tmp))
+    print(f"corpus: {len(passages)} passages from {cfg.source} -> {OUT} ({len(texts) - len(passages)} empty dropped)")
+
+
+if __name__ == "__main__":
+    run_stage("corpus", main)

@@ -1,0 +1,93 @@
+"""Stage preferences: best-of-N labels in the internal format -> data/preferences (train/test).
+
+``data.preferences.source``: ``simulated`` (labeler on base-model samples of data/queries), or a
+user file (.jsonl/.parquet under data/labels/) / hub dataset in pairwise or best-of-N format.
+See rlhf_pipeline/preferences.py for the formats.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from datasets import Dataset, DatasetDict, load_from_disk
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.io import atomic_dir, write_json
+from rlhf_pipeline.labelers import get_labeler
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
+from rlhf_pipeline.params import Params
+from rlhf_pipeline.preferences import SIMULATED, ceiling_accuracy, features, load_user_frames, simulate_preferences, user_to_internal
+from rlhf_pipeline.rollout import TaskSampler
+from rlhf_pipeline.runner import run_stage
+
+BASE, QUERIES, OUT, METRICS = "models/base", "data/queries", "data/preferences", "metrics/preferences.json"
+
+
+def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
+    cfg = params.data.preferences
+    try:
+        queries = load_from_disk(QUERIES)
+    except FileNotFoundError:
+        raise PipelineError(f"{QUERIES} is missing; run `dvc repro queries` first.") from None
+    width = len(queries["train"][0]["query_ids"])
+    if width != params.data.queries.query_length:
+        raise PipelineError(f"{QUERIES} holds queries of {width} tokens but data.queries.query_length is {params.data.queries.query_length}; rerun `dvc repro queries`.")
+    model = load_causal_lm(BASE).eval()
+    sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
+    labeler = get_labeler(cfg.labeler)
+    generator = torch.Generator().manual_seed(params.seed)
+    rng = np.random.default_rng(params.seed)
+    splits, metrics, gold, best = {}, {"format": SIMULATED, "labeler": labeler.name}, [], []
+    valid = total = 0
+    for name, count in (("train", cfg.num_labels), ("test", cfg.num_test_labels)):
+        part = queries[name]
+        result = simulate_preferences(
+            model, tokenizer, sampler, list(part["query_ids"]), list(part["query"]), count, cfg.num_samples, labeler,
+            cfg.label_temperature, cfg.batch_size, generator, rng, split_name=name,
+        )
+        splits[name] = result.columns
+        gold.extend(result.columns["gold"])
+        best.extend(result.columns["best"])
+        valid, total = valid + result.valid_responses, total + result.responses
+        metrics[f"{name}/queries_used"] = result.queries_used
+        metrics[f"{name}/ceiling_accuracy"] = ceiling_accuracy(np.array(result.columns["gold"]), np.array(result.columns["best"]))
+        metrics[f"{name}/resampled"] = result.resampled
+        for reason, n in sorted(result.skipped.items()):
+            metrics[f"{name}/skipped/{reason}"] = n
+    metrics["labels/ceiling_accuracy"] = ceiling_accuracy(np.array(gold), np.array(best))
+    metrics["labels/mean_gold"] = float(np.mean(gold))
+    metrics["labels/tied_fraction"] = float(np.mean([g.count(max(g)) > 1 for g in gold]))  # rows whose best is a coin flip
+    metrics["labels/truncation_valid_fraction"] = valid / total
+    return splits, metrics
+
+
+def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
+    cfg, q = params.data.preferences, params.data.queries
+    frames, fmt = load_user_frames(cfg.source, cfg.split, q.test_fraction, params.seed)
+    splits = {
+        name: user_to_internal(frame, fmt, tokenizer, q.query_length, params.task.response_length, q.pad_side, f"{cfg.source} ({name} split)")
+        for name, frame in frames.items()
+    }
+    return splits, {"format": fmt, "labels/ceiling_accuracy": None}
+
+
+def main(params: Params) -> None:
+    cfg = params.data.preferences
+    require_dir(BASE, "base_model")
+    tokenizer = load_tokenizer(BASE)
+    splits, metrics = simulated_splits(params, tokenizer) if cfg.source == SIMULATED else user_splits(params, tokenizer)
+    for name, columns in splits.items():
+        metrics[f"rows/{name}"] = len(columns["best"])
+        counts = np.bincount(columns["best"], minlength=len(columns["samples"][0]) if columns["samples"] else 0)
+        for index, n in enumerate(counts):
+            metrics[f"labels/best_share/{name}/{index}"] = float(n / max(1, len(columns["best"])))
+    with atomic_dir(OUT) as tmp:
+        DatasetDict({name: Dataset.from_dict(columns, features=features()) for name, columns in splits.items()}).save_to_disk(str(tmp))
+        write_json(tmp / "format.json", {"format": metrics["format"], "source": cfg.source})
+    write_json(METRICS, metrics)
+    print(f"preferences: {metrics['rows/train']} train + {metrics['rows/test']} test rows ({metrics['format']}) -> {OUT}; "
+          f"ceiling accuracy {metrics['labels/ceiling_accuracy']}")
+
+
+if __name__ == "__main__":
+    run_stage("preferences", main)

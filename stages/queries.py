@@ -1,0 +1,36 @@
+"""Stage queries: OAI query preprocessing of data/corpus -> data/queries (train/test) + metrics."""
+
+from __future__ import annotations
+
+from datasets import Dataset, DatasetDict, Features, List, Value, load_from_disk
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.io import atomic_dir, write_json
+from rlhf_pipeline.models import load_tokenizer, require_dir
+from rlhf_pipeline.params import Params
+from rlhf_pipeline.queries import build_queries
+from rlhf_pipeline.runner import run_stage
+
+BASE, CORPUS, OUT, METRICS = "models/base", "data/corpus", "data/queries", "metrics/queries.json"
+FEATURES = Features({"query_ids": List(Value("int64")), "query": Value("string")})
+
+
+def main(params: Params) -> None:
+    cfg = params.data.queries
+    require_dir(BASE, "base_model")
+    tokenizer = load_tokenizer(BASE)
+    try:
+        corpus = load_from_disk(CORPUS)
+    except FileNotFoundError:
+        raise PipelineError(f"{CORPUS} is missing; run `dvc repro corpus` first.") from None
+    splits, counts = build_queries(
+        corpus["text"], tokenizer, cfg.query_length, cfg.start_text, cfg.end_text, cfg.pad_side, cfg.test_fraction, params.seed
+    )
+    with atomic_dir(OUT) as tmp:
+        DatasetDict({name: Dataset.from_dict(columns, features=FEATURES) for name, columns in splits.items()}).save_to_disk(str(tmp))
+    write_json(METRICS, counts)
+    print(f"queries: {counts['kept']} of {counts['passages']} passages kept -> {OUT} (train {counts['train']}, test {counts['test']}); {counts}")
+
+
+if __name__ == "__main__":
+    run_stage("queries", main)

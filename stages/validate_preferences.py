@@ -1,0 +1,52 @@
+"""Stage validate_preferences: the Great Expectations contract on data/preferences -> data/validation.
+
+Always writes ``data/validation/result.json`` (GX results per split) and ``summary.json``
+(``{"success", "rows", "splits", "failures"}``); exits 3 when the contract fails, so nothing
+downstream trains on bad labels. ``min_rows`` applies to the train split.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from datasets import load_from_disk
+
+from rlhf_pipeline.contract import format_summary, optional_tokenizer, summary_payload, validate_dataframe
+from rlhf_pipeline.errors import DataContractError, PipelineError
+from rlhf_pipeline.io import atomic_dir, read_json, write_json
+from rlhf_pipeline.params import Params
+from rlhf_pipeline.preferences import PAIRWISE, display_names, internal_to_flat
+from rlhf_pipeline.runner import run_stage
+
+BASE, PREFS, OUT = "models/base", "data/preferences", "data/validation"
+
+
+def main(params: Params) -> None:
+    cfg = params.data.validation
+    try:
+        prefs = load_from_disk(PREFS)
+    except FileNotFoundError:
+        raise PipelineError(f"{PREFS} is missing; run `dvc repro preferences` first.") from None
+    info = Path(PREFS, "format.json")
+    fmt = read_json(info)["format"] if info.is_file() else "best_of_n"
+    tokenizer = optional_tokenizer(BASE)
+    results = {}
+    for name in ("train", "test"):
+        if name not in prefs:
+            raise PipelineError(f"{PREFS} has no {name!r} split (it has {list(prefs)}); rerun `dvc repro preferences`.")
+        results[name] = validate_dataframe(
+            internal_to_flat(prefs[name]), cfg, tokenizer, label_check=fmt != PAIRWISE,
+            min_rows=cfg.min_rows if name == "train" else 1, names=display_names(fmt),
+        )
+    summary = summary_payload(results)
+    with atomic_dir(OUT) as tmp:
+        write_json(tmp / "result.json", {name: r.gx_json for name, r in results.items()})
+        write_json(tmp / "summary.json", summary)
+    text = "\n".join(format_summary(r, title=f"{PREFS} {name}") for name, r in results.items())
+    if not summary["success"]:
+        raise DataContractError(f"the preference data failed its contract (details in {OUT}/summary.json):\n{text}")
+    print(text)
+
+
+if __name__ == "__main__":
+    run_stage("validate_preferences", main)

@@ -1,0 +1,133 @@
+"""Shared fixtures: a tiny base model materialised like stages/base_model.py does it, and helpers
+to run a stage script in a temporary project directory."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+torch.set_num_threads(1)  # the test machine has 2 shared cores
+
+REPO = Path(__file__).resolve().parents[1]
+PAD_TOKEN = "<|pad|>"
+
+
+def warm_up_tiny_model(model, tokenizer, steps: int = 100, seed: int = 0) -> None:
+    """A few optimizer steps on the tiny corpus, so the tiny model writes words and periods.
+
+    A randomly initialised byte-level model samples control bytes and broken UTF-8 about half
+    the time, which the preference data contract (rightly) refuses and which never yields a
+    query; a model that has seen TINY_TEXT for a second behaves like a (very small) real one.
+    """
+    from rlhf_pipeline.tiny import TINY_TEXT
+
+    torch.manual_seed(seed)
+    batch = tokenizer(TINY_TEXT, add_special_tokens=False, padding=True, return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def materialize_tiny_base(directory: str | os.PathLike, warm_up: bool = True) -> Path:
+    """models/base for the tiny model: build_tiny_model, load it the way the base_model stage
+    loads a local source, (warm it up), add the dedicated pad token, save."""
+    from rlhf_pipeline.models import add_dedicated_pad_token, load_source_model
+    from rlhf_pipeline.tiny import build_tiny_model
+
+    directory = Path(directory)
+    source = build_tiny_model(directory.parent / f"{directory.name}-source")
+    model, tokenizer, _ = load_source_model(str(source))
+    if warm_up:
+        warm_up_tiny_model(model, tokenizer)
+    add_dedicated_pad_token(model, tokenizer, PAD_TOKEN)
+    model.eval()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_base_dir(tmp_path_factory) -> Path:
+    """Path of a tiny base model directory (config, weights, tokenizer with a dedicated pad)."""
+    return materialize_tiny_base(tmp_path_factory.mktemp("tiny") / "base")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_base_dir):
+    from rlhf_pipeline.models import load_tokenizer
+
+    return load_tokenizer(tiny_base_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_base_dir):
+    from rlhf_pipeline.models import load_causal_lm
+
+    return load_causal_lm(tiny_base_dir).eval()
+
+
+def tiny_params(**overrides) -> dict:
+    """A params.yaml mapping sized for the tiny model; ``overrides`` are dotted keys."""
+    params = {
+        "seed": 1,
+        "data": {
+            "corpus": {"source": "generated", "num_passages": 12, "passage_tokens": 24, "batch_size": 6},
+            "queries": {"query_length": 16, "test_fraction": 0.25},
+            "preferences": {"num_samples": 4, "num_labels": 8, "num_test_labels": 4, "batch_size": 4},
+            "validation": {"min_rows": 4, "max_label_share": 1.0},
+        },
+        "task": {"response_length": 8, "truncate_after": 4},
+        "reward": {"train": {"batch_size": 4, "microbatch_size": 4}},
+    }
+    for dotted, value in overrides.items():
+        node = params
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return params
+
+
+class Project(type(Path())):
+    """The temporary project root; ``write_params(**dotted_overrides)`` rewrites params.yaml."""
+
+    def write_params(self, **overrides) -> Path:
+        path = self / "params.yaml"
+        path.write_text(yaml.safe_dump(tiny_params(**overrides)))
+        return path
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch, tiny_base_dir) -> Project:
+    """A temporary project root (the cwd) with models/base -> the tiny model and a tiny params.yaml."""
+    root = Project(tmp_path)
+    (root / "models").mkdir()
+    (root / "models" / "base").symlink_to(tiny_base_dir, target_is_directory=True)
+    monkeypatch.chdir(root)
+    root.write_params()
+    return root
+
+
+def run_stage_script(name: str, argv: list[str] | None = None) -> int:
+    """Run ``stages/<name>.py`` as ``__main__`` in-process (cwd = the project); returns the exit code."""
+    old_argv = sys.argv
+    sys.argv = [f"stages/{name}.py", *(argv or [])]
+    try:
+        runpy.run_path(str(REPO / "stages" / f"{name}.py"), run_name="__main__")
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    finally:
+        sys.argv = old_argv
+    return 0

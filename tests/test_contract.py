@@ -1,0 +1,146 @@
+"""The Great Expectations contract: clean files pass, each planted defect is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import yaml
+from conftest import run_stage_script
+
+from rlhf_pipeline.contract import format_summary, validate_dataframe, validate_file_cli
+from rlhf_pipeline.params import ValidationParams
+from rlhf_pipeline.preferences import PAIRWISE, display_names, to_flat_frame
+
+ROWS = 80
+
+
+def pairwise_rows(n=ROWS):
+    return [{"prompt": f"Prompt number {i}.", "chosen": f"A kind and helpful answer {i}.", "rejected": f"A rude answer {i}."} for i in range(n)]
+
+
+def best_of_n_rows(n=ROWS):
+    return [{"query": f"Query {i}:", **{f"sample{k}": f"Sample {k} for query {i}." for k in range(4)}, "best": i % 4} for i in range(n)]
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def check(tmp_path, capsys, rows, name="prefs.jsonl", params=None, **kwargs):
+    """Run validate_file_cli on ``rows``; returns (exit code, printed output)."""
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pd.DataFrame(rows).to_parquet(path)
+    else:
+        write_jsonl(path, rows)
+    params_path = tmp_path / "params.yaml"
+    if params:
+        params_path.write_text(yaml.safe_dump({"data": {"validation": params}}))
+    code = validate_file_cli(str(path), params_path=str(params_path), **kwargs)
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fmt", ["pairwise", "best_of_n"])
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_clean_file_passes(tmp_path, capsys, fmt, suffix):
+    rows = pairwise_rows() if fmt == "pairwise" else best_of_n_rows()
+    result = tmp_path / "gx.json"
+    code, out = check(tmp_path, capsys, rows, name=f"prefs.{suffix}", result_path=str(result))
+    assert code == 0, out
+    assert out.strip().endswith("expectations") and f"ok: {ROWS} rows passed" in out
+    assert json.loads(result.read_text())["success"] is True
+
+
+def with_row(rows, index, **changes):
+    rows = [dict(r) for r in rows]
+    rows[index].update(changes)
+    return rows
+
+
+DEFECTS = {
+    "null": (with_row(pairwise_rows(), 3, chosen=None), "no nulls [column chosen]: 1 row(s)"),
+    "empty": (with_row(pairwise_rows(), 4, rejected="  \n "), "no empty or whitespace-only text [column rejected]: 1 row(s)"),
+    "control character": (with_row(pairwise_rows(), 5, chosen="bell \x07 here"), "no invalid UTF-8 or control characters [column chosen]"),
+    "lone surrogate": (with_row(pairwise_rows(), 6, prompt="bad \ud800 escape"), "no invalid UTF-8 or control characters [column prompt]"),
+    "chosen == rejected": (with_row(pairwise_rows(), 7, rejected="A kind and helpful answer 7."), "distinct samples in a row (chosen != rejected) [column chosen, rejected]: 1 row(s)"),
+    "duplicate samples": (with_row(best_of_n_rows(), 8, sample3="Sample 1 for query 8."), "distinct samples in a row (chosen != rejected) [column sample0, sample1, sample2, sample3]"),
+    "best out of range": (with_row(best_of_n_rows(), 9, best=4), "best within [0, 4) [column best]: 1 row(s)"),
+    "negative best": (with_row(best_of_n_rows(), 9, best=-1), "best within [0, 4)"),
+    "duplicate rows": (pairwise_rows() + pairwise_rows()[:2], "no duplicate rows [column prompt, chosen, rejected]: 4 row(s)"),
+    "too long": (with_row(pairwise_rows(), 10, chosen="x" * 4001), "text length <= max_text_chars (4000) [column chosen]: 1 row(s)"),
+    "too few rows": (pairwise_rows(10), "row count >= min_rows (64) [column (table)]: observed 10"),
+    "degenerate labels": ([dict(r, best=0 if i else 1) for i, r in enumerate(best_of_n_rows())], "labels not degenerate (most common best share <= max_label_share 0.95)"),
+    "missing column": ([{k: v for k, v in r.items() if k != "rejected"} for r in pairwise_rows()], "missing column [column rejected]: observed not found; the columns are prompt, chosen"),
+    "missing best": ([{k: v for k, v in r.items() if k != "best"} for r in best_of_n_rows()], "missing column [column best]"),
+    "wrong type": (with_row(best_of_n_rows(), 2, sample0=17), "text type (string) [column sample0]: 1 row(s)"),
+}
+
+
+@pytest.mark.parametrize("defect", list(DEFECTS))
+def test_each_defect_is_refused_by_name(tmp_path, capsys, defect):
+    rows, expected = DEFECTS[defect]
+    code, out = check(tmp_path, capsys, rows)
+    assert code == 3
+    assert "FAILED" in out and expected in out, out
+
+
+def test_invalid_utf8_bytes_in_file(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "prefs.jsonl", pairwise_rows())
+    raw = path.read_bytes().replace(b"A rude answer 11.", b"A rude \xff\xfe answer 11.")
+    path.write_bytes(raw)
+    assert validate_file_cli(str(path), params_path=str(tmp_path / "none.yaml")) == 3
+    out = capsys.readouterr().out
+    assert "no invalid UTF-8 or control characters [column rejected]: 1 row(s)" in out
+    assert "row 11:" in out and "\\ufffd" in out  # the example row, escaped
+
+
+def test_token_length_needs_a_tokenizer(tmp_path, capsys, tiny_base_dir):
+    rows = with_row(pairwise_rows(), 12, chosen="word " * 60)
+    code, out = check(tmp_path, capsys, rows, params={"max_tokens": 40}, tokenizer_dir=str(tiny_base_dir))
+    assert code == 3 and "token length <= max_tokens (40) [column (table)]: 1 row(s)" in out and "row 12:" in out
+    code, out = check(tmp_path, capsys, rows, params={"max_tokens": 40}, tokenizer_dir=str(tmp_path / "no-model"))
+    assert code == 0 and "note: token lengths not checked" not in out  # ok line only
+
+
+def test_summary_lists_at_most_three_examples():
+    rows = pairwise_rows()
+    for i in range(5):
+        rows[i]["chosen"] = rows[i]["rejected"]
+    flat = to_flat_frame(pd.DataFrame(rows), PAIRWISE)
+    result = validate_dataframe(flat, ValidationParams(), label_check=False, names=display_names(PAIRWISE))
+    assert not result.success and result.rows == ROWS
+    [failure] = result.failures
+    assert failure["count"] == 5 and len(failure["examples"]) == 3
+    assert failure["examples"][0] == {"row": 0, "prompt": "Prompt number 0.", "chosen": "A rude answer 0.", "rejected": "A rude answer 0."}
+    text = format_summary(result)
+    assert text.count("    row ") == 3 and "5 row(s)" in text
+    assert result.gx_json["success"] is False and len(result.gx_json["results"]) == result.expectations
+
+
+def test_validate_preferences_stage(project, capsys):
+    from rlhf_pipeline.io import read_json
+
+    (project / "data" / "labels").mkdir(parents=True)
+    write_jsonl(project / "data" / "labels" / "pairs.jsonl", pairwise_rows(40))
+    project.write_params(**{"data.preferences.source": "data/labels/pairs.jsonl", "data.validation.min_rows": 20})
+    assert run_stage_script("preferences") == 0
+    assert run_stage_script("validate_preferences") == 0
+    summary = read_json(project / "data" / "validation" / "summary.json")
+    assert summary["success"] is True and summary["rows"] == 40 and summary["failures"] == []
+    assert set(read_json(project / "data" / "validation" / "result.json")) == {"train", "test"}
+    assert "ok:" in capsys.readouterr().out
+
+    rows = pairwise_rows(40)
+    rows[1]["rejected"] = rows[1]["chosen"]
+    write_jsonl(project / "data" / "labels" / "pairs.jsonl", rows)
+    assert run_stage_script("preferences") == 0
+    before = sorted(p.name for p in (project / "data").iterdir())
+    assert run_stage_script("validate_preferences") == 3
+    err = capsys.readouterr().err
+    assert "distinct samples in a row (chosen != rejected)" in err
+    summary = read_json(project / "data" / "validation" / "summary.json")
+    assert summary["success"] is False and summary["failures"][0]["check"].startswith("distinct samples")
+    assert sorted(p.name for p in (project / "data").iterdir()) == before

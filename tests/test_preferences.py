@@ -1,0 +1,247 @@
+"""Preference labels: best picking, ceiling accuracy, simulation on the tiny model, converters, stage."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import run_stage_script
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.labelers import Labeler, get_labeler
+from rlhf_pipeline.params import TaskParams
+from rlhf_pipeline.preferences import (
+    BEST_OF_N,
+    PAIRWISE,
+    best_of_n_to_internal,
+    ceiling_accuracy,
+    detect_format,
+    left_align,
+    load_user_frames,
+    pairwise_to_internal,
+    pick_best,
+    sample_problem,
+    simulate_preferences,
+    to_flat_frame,
+)
+from rlhf_pipeline.queries import pad_tokens
+from rlhf_pipeline.rollout import TaskSampler
+from rlhf_pipeline.tiny import TINY_TEXT
+
+
+class CountE(Labeler):
+    """A fake labeler: more letters 'e' is better (ties broken by length)."""
+
+    name = "count_e"
+
+    def score(self, texts):
+        return [t.count("e") + 0.001 * len(t) for t in texts]
+
+
+SENTENCES = [s.strip() + "." for text in TINY_TEXT for s in text.split(".") if s.strip() and len(s) < 40]
+
+
+def tiny_queries(tokenizer, n: int, length: int = 16):
+    rows = [tokenizer.encode(" " + SENTENCES[i % len(SENTENCES)] + " " + SENTENCES[(i * 7 + 3) % len(SENTENCES)], add_special_tokens=False)[:length] for i in range(n)]
+    return [pad_tokens(r, length, tokenizer.pad_token_id, "left") for r in rows], [tokenizer.decode(r) for r in rows]
+
+
+# --------------------------------------------------------------------------------------------
+# picking and ceiling
+# --------------------------------------------------------------------------------------------
+def test_label_temperature_zero_is_argmax():
+    scores = np.array([[0.1, 0.9, 0.3], [-2.0, -1.0, -3.0], [0.0, 0.2, 0.2]])
+    assert pick_best(scores, 0.0, np.random.default_rng(0)).tolist()[:2] == [1, 1]
+    tied = np.tile(np.array([[0.5, -1.0, 0.5, 0.5]]), (300, 1))  # ties broken at random among maxima
+    picks = pick_best(tied, 0.0, np.random.default_rng(0))
+    assert set(picks.tolist()) == {0, 2, 3}
+    assert picks.tolist() == pick_best(tied, 0.0, np.random.default_rng(0)).tolist()
+
+
+def test_label_temperature_samples_softmax():
+    scores = np.tile(np.array([[0.0, np.log(3.0)]]), (4000, 1))  # p = (0.25, 0.75) at T=1
+    picks = pick_best(scores, 1.0, np.random.default_rng(0))
+    assert abs(picks.mean() - 0.75) < 0.03
+    cold = pick_best(scores, 0.01, np.random.default_rng(0))
+    assert cold.tolist() == [1] * 4000
+    assert pick_best(scores[:50], 1.0, np.random.default_rng(7)).tolist() == pick_best(scores[:50], 1.0, np.random.default_rng(7)).tolist()
+
+
+def test_ceiling_accuracy_by_hand():
+    gold = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.4], [0.0, -1.0]])
+    assert ceiling_accuracy(gold, np.array([1, 0, 0, 1])) == 0.5
+    assert ceiling_accuracy(gold, gold.argmax(1)) == 1.0
+
+
+def test_sample_problem():
+    assert sample_problem(["a", "b"]) is None
+    assert sample_problem(["a", " \n"]) == "empty_sample"
+    assert sample_problem(["a", "a"]) == "duplicate_samples"
+    assert sample_problem(["a", "b\x07"]) == "bad_characters"
+    assert sample_problem(["a\tb\nc", "b"]) is None
+
+
+def test_vader_labeler_prefers_positive_text():
+    labeler = get_labeler("vader")
+    good, bad = labeler.score(["What a wonderful, happy day!", "This is awful and sad."])
+    assert good > 0 > bad
+    with pytest.raises(PipelineError, match="unknown labeler"):
+        get_labeler("nope")
+
+
+def test_left_align():
+    ids = torch.tensor([[5, 6, 0, 0], [0, 7, 8, 9], [0, 0, 0, 0]])
+    assert left_align(ids, 0).tolist() == [[0, 0, 5, 6], [0, 7, 8, 9], [0, 0, 0, 0]]
+
+
+# --------------------------------------------------------------------------------------------
+# simulation on the tiny model
+# --------------------------------------------------------------------------------------------
+def simulate(model, tokenizer, seed=0, num_rows=6, temperature=0.0, n=4):
+    task = TaskParams(response_length=8, truncate_after=4, temperature=0.7)
+    sampler = TaskSampler.from_tokenizer(task, tokenizer)
+    query_ids, queries = tiny_queries(tokenizer, 12)
+    return simulate_preferences(
+        model, tokenizer, sampler, query_ids, queries, num_rows, n, CountE(), temperature, 4,
+        torch.Generator().manual_seed(seed), np.random.default_rng(seed),
+    )
+
+
+def test_simulated_shapes_and_labels(tiny_model, tiny_tokenizer):
+    result = simulate(tiny_model, tiny_tokenizer)
+    cols, pad = result.columns, tiny_tokenizer.pad_token_id
+    assert len(cols["best"]) == 6 and result.queries_used >= 6
+    assert all(len(q) == 16 for q in cols["query_ids"])
+    for samples, ids, gold, best in zip(cols["samples"], cols["sample_ids"], cols["gold"], cols["best"]):
+        assert len(samples) == 4 and len(ids) == 4 and all(len(r) == 8 for r in ids)
+        assert 0 <= best < 4 and gold[best] == max(gold)  # temperature 0 = argmax
+        assert gold == pytest.approx(CountE().score(samples))
+        for text, row in zip(samples, ids):
+            assert tiny_tokenizer.decode([t for t in row if t != pad], skip_special_tokens=True) == text
+            # OAI truncation: after the first '.' at index >= truncate_after only padding
+            dot = tiny_tokenizer.encode(".", add_special_tokens=False)[0]
+            stops = [j for j, t in enumerate(row) if t == dot and j >= 4]
+            if stops:
+                assert all(t == pad for t in row[stops[0] + 1 :])
+    untied = [g.count(max(g)) == 1 for g in cols["gold"]]
+    expected = np.mean([b == int(np.argmax(g)) for g, b in zip(cols["gold"], cols["best"])])
+    assert ceiling_accuracy(np.array(cols["gold"]), np.array(cols["best"])) == expected
+    assert all(b == int(np.argmax(g)) for g, b, u in zip(cols["gold"], cols["best"], untied) if u)
+    assert cols["margin"] == [0.0] * 6
+
+
+def test_simulation_is_deterministic_and_seeded(tiny_model, tiny_tokenizer):
+    first = simulate(tiny_model, tiny_tokenizer, seed=3, temperature=1.0).columns
+    assert simulate(tiny_model, tiny_tokenizer, seed=3, temperature=1.0).columns == first
+    assert simulate(tiny_model, tiny_tokenizer, seed=4, temperature=1.0).columns["samples"] != first["samples"]
+
+
+def test_simulation_refuses_too_few_queries(tiny_model, tiny_tokenizer):
+    with pytest.raises(PipelineError, match="num_labels"):
+        simulate(tiny_model, tiny_tokenizer, num_rows=50)
+
+
+# --------------------------------------------------------------------------------------------
+# user formats
+# --------------------------------------------------------------------------------------------
+PAIRS = pd.DataFrame({"prompt": ["The movie was", "She walked to the market and then"], "chosen": ["great fun.", "bought bread."],
+                      "rejected": ["bad.", "the weather is fine and the sky is blue and"], "margin": [1.5, None]})
+
+
+def test_pairwise_to_internal(tiny_tokenizer):
+    tok, pad = tiny_tokenizer, tiny_tokenizer.pad_token_id
+    cols = pairwise_to_internal(PAIRS, tok, query_length=5, response_length=6, pad_side="left")
+    assert cols["samples"] == [["great fun.", "bad."], ["bought bread.", "the weather is fine and the sky is blue and"]]
+    assert cols["best"] == [0, 0] and cols["gold"] == [None, None] and cols["margin"] == [1.5, 0.0]
+    long_prompt = tok.encode("She walked to the market and then", add_special_tokens=False)
+    assert cols["query_ids"][1] == long_prompt[-5:]  # the LAST query_length tokens
+    short = tok.encode("The movie was", add_special_tokens=False)
+    assert cols["query_ids"][0] == [pad] * (5 - len(short)) + short if len(short) < 5 else short[-5:]
+    rejected = tok.encode("the weather is fine and the sky is blue and", add_special_tokens=False)
+    assert cols["sample_ids"][1][1] == rejected[:6]  # the FIRST response_length tokens
+    chosen = tok.encode("great fun.", add_special_tokens=False)[:6]
+    assert cols["sample_ids"][0][0] == chosen + [pad] * (6 - len(chosen))  # right padded
+    right = pairwise_to_internal(PAIRS, tok, query_length=40, response_length=6, pad_side="right")
+    assert right["query_ids"][0][: len(short)] == short
+
+
+def test_best_of_n_to_internal(tiny_tokenizer):
+    frame = pd.DataFrame({"query": ["q one", "q two"], "sample0": ["a", "b"], "sample2": ["e", "f"], "sample1": ["c", "d"], "best": [2, 0]})
+    cols = best_of_n_to_internal(frame, tiny_tokenizer, 4, 3)
+    assert cols["samples"] == [["a", "c", "e"], ["b", "d", "f"]] and cols["best"] == [2, 0]
+    assert all(len(r) == 3 and all(len(x) == 3 for x in r) for r in cols["sample_ids"])
+    with pytest.raises(PipelineError, match="best"):
+        best_of_n_to_internal(frame.assign(best=[3, 0]), tiny_tokenizer, 4, 3)
+    with pytest.raises(PipelineError, match="null"):
+        best_of_n_to_internal(frame.assign(sample1=["c", None]), tiny_tokenizer, 4, 3)
+
+
+def test_detect_format_and_flat_frame():
+    assert detect_format(PAIRS.columns, "f") == PAIRWISE
+    assert detect_format(["query", "sample0", "sample1", "best"], "f") == BEST_OF_N
+    with pytest.raises(PipelineError, match=r"\['text', 'label'\]"):
+        detect_format(["text", "label"], "f")
+    flat = to_flat_frame(PAIRS, PAIRWISE)
+    assert list(flat.columns) == ["query", "sample0", "sample1", "best", "margin"] and flat["best"].tolist() == [0, 0]
+
+
+def test_user_split_column_and_seeded_split(tmp_path):
+    rows = [{"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"r{i}", "split": "test" if i % 4 == 0 else "train"} for i in range(8)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    frames, fmt = load_user_frames(str(path), "train", 0.5, seed=0)
+    assert fmt == PAIRWISE and len(frames["train"]) == 6 and frames["test"]["prompt"].tolist() == ["p0", "p4"]
+    path.write_text("\n".join(json.dumps({k: v for k, v in r.items() if k != "split"}) for r in rows))
+    frames, _ = load_user_frames(str(path), "train", 0.25, seed=0)
+    assert (len(frames["train"]), len(frames["test"])) == (6, 2)
+    assert load_user_frames(str(path), "train", 0.25, seed=0)[0]["test"].equals(frames["test"])
+
+
+# --------------------------------------------------------------------------------------------
+# the stage
+# --------------------------------------------------------------------------------------------
+def write_corpus(project, n=40):
+    lines = [f"Start. {SENTENCES[i % len(SENTENCES)]} {SENTENCES[(3 * i + 1) % len(SENTENCES)]}" for i in range(n)]
+    (project / "corpus.txt").write_text("\n".join(lines) + "\n")
+
+
+def test_preferences_stage_simulated(project):
+    from datasets import load_from_disk
+
+    from rlhf_pipeline.io import read_json
+
+    write_corpus(project)
+    project.write_params(**{"data.corpus.source": "corpus.txt"})
+    assert run_stage_script("corpus") == 0 and run_stage_script("queries") == 0
+    assert run_stage_script("preferences") == 0
+    prefs = load_from_disk(str(project / "data" / "preferences"))
+    assert (len(prefs["train"]), len(prefs["test"])) == (8, 4)
+    assert set(prefs["train"].column_names) == {"query", "query_ids", "samples", "sample_ids", "best", "gold", "margin"}
+    metrics = read_json(project / "metrics" / "preferences.json")
+    both = [prefs[split][:] for split in ("train", "test")]
+    gold, best = np.array([g for b in both for g in b["gold"]]), np.array([x for b in both for x in b["best"]])
+    assert metrics["labels/ceiling_accuracy"] == pytest.approx(ceiling_accuracy(gold, best))
+    assert metrics["rows/train"] == 8 and metrics["rows/test"] == 4
+    assert sum(metrics[f"labels/best_share/train/{i}"] for i in range(4)) == pytest.approx(1.0)
+    assert -1.0 <= metrics["labels/mean_gold"] <= 1.0
+    first = prefs["train"][:]
+    assert run_stage_script("preferences") == 0  # same seed, same labels
+    assert load_from_disk(str(project / "data" / "preferences"))["train"][:] == first
+
+
+def test_preferences_stage_user_pairwise(project):
+    from datasets import load_from_disk
+
+    rows = [{"prompt": f"Prompt number {i}.", "chosen": f"A good answer {i}.", "rejected": f"A bad answer {i}."} for i in range(10)]
+    (project / "data" / "labels").mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(project / "data" / "labels" / "pairs.parquet")
+    project.write_params(**{"data.preferences.source": "data/labels/pairs.parquet"})
+    assert run_stage_script("preferences") == 0
+    prefs = load_from_disk(str(project / "data" / "preferences"))
+    assert len(prefs["train"]) + len(prefs["test"]) == 10 and len(prefs["test"]) >= 1
+    row = prefs["train"][0]
+    assert row["best"] == 0 and row["gold"] is None and len(row["samples"]) == 2 and len(row["query_ids"]) == 16
+    assert json.loads((project / "data" / "preferences" / "format.json").read_text())["format"] == PAIRWISE
