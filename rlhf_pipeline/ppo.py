@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -268,6 +269,15 @@ class PPOTrainer:
         self.gold_labeler, self.log = gold_labeler, log
         self.autocast = autocast
         self.pad_id = tokenizer.pad_token_id
+        # Data parallel (torchrun / `accelerate launch`): each rank rolls out batch_size/world
+        # episodes and DDP averages gradients; statistics that steer training (KL) are averaged.
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        if cfg.batch_size % self.world_size or (cfg.batch_size // self.world_size) % cfg.nminibatches:
+            raise PipelineError(f"ppo.batch_size ({cfg.batch_size}) must split evenly over {self.world_size} processes and then into ppo.nminibatches ({cfg.nminibatches}).")
+        self.local_batch = cfg.batch_size // self.world_size
+        if (self.local_batch // cfg.nminibatches) % cfg.microbatch_size:
+            raise PipelineError(f"ppo.microbatch_size ({cfg.microbatch_size}) must divide the per-process minibatch ({self.local_batch // cfg.nminibatches}).")
         self.sampler = TaskSampler.from_tokenizer(task, tokenizer)
         self.query_length = queries.shape[1]
         self.num_updates = cfg.total_episodes // cfg.batch_size
@@ -277,6 +287,11 @@ class PPOTrainer:
         freeze_lower_layers(backbone_of(policy.lm), self.freeze)
         # lm_head is tied to the (frozen) input embeddings in most small LMs; untied heads train.
         self.use_trunk = self.freeze > 0 and supports_trunk_split(policy.lm) and supports_trunk_split(ref_model)
+        self.train_module = policy
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.train_module = DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
         self.optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.adam_eps)
         self.kl_ctl = (F.AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive else F.FixedKLController(cfg.kl.init_coef))
         self.history: list[dict] = []
@@ -301,14 +316,14 @@ class PPOTrainer:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
             take = min(self.cfg.batch_size - len(rows), n - offset)
             rows.extend(order[offset : offset + take].tolist())
-        return self.queries[rows].to(self.device)
+        return self.queries[rows[self.rank :: self.world_size]].to(self.device)
 
     # ---- 1-3: rollout -----------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, update: int) -> Rollout:
         t0 = time.perf_counter()
         queries = self.batch_queries(update)
-        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + update)
+        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + update * 1_009 + self.rank)
         self.policy.eval()
         with self._ctx():
             sampled, truncated, valid = self.sampler.sample(self.policy.lm, queries, generator, value_head=self.policy.value_head if self.policy.shared else None)
@@ -365,18 +380,18 @@ class PPOTrainer:
         query_responses = ro.query_responses
         attn = query_responses != self.pad_id
         generator = torch.Generator().manual_seed(self.seed * 7_919 + update)
-        minibatch_size = cfg.batch_size // cfg.nminibatches
+        minibatch_size = self.local_batch // cfg.nminibatches
         sums: dict[str, float] = {}
         count = 0
         self.policy.train()
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         for _ in range(cfg.ppo_epochs):
-            for minibatch in F.minibatch_indices(cfg.batch_size, cfg.nminibatches, cfg.microbatch_size, generator):
+            for minibatch in F.minibatch_indices(self.local_batch, cfg.nminibatches, cfg.microbatch_size, generator):
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro in minibatch:
                     micro = micro.to(self.device)
                     with self._ctx():
-                        logprobs, entropy, vpred = self.policy(
+                        logprobs, entropy, vpred = self.train_module(
                             query_responses[micro], attn[micro], self.query_length, self.task.temperature, self.pad_id,
                             self.freeze if self.use_trunk else 0, ro.trunk[micro] if self.use_trunk else None,
                         )
@@ -410,9 +425,22 @@ class PPOTrainer:
         stats["lr"] = lr
         return stats
 
+    def all_mean(self, value: Tensor) -> float:
+        if self.world_size > 1:
+            value = value.detach().clone()
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            value /= self.world_size
+        return value.item()
+
     # ---- the loop ---------------------------------------------------------------------------
     def resume_if_possible(self) -> None:
-        if self.checkpointer is not None and self.checkpointer.prepare():
+        if self.checkpointer is None:
+            return
+        if self.rank == 0:
+            self.checkpointer.prepare()  # drops a checkpoint of other params/inputs
+        if self.world_size > 1:
+            dist.barrier()
+        if (self.checkpointer.state_dir / "meta.json").is_file():
             self.start_update, self.history = self.checkpointer.load(self.policy, self.optimizer, self.kl_ctl)
             print(f"train_policy: resuming from update {self.start_update} ({self.checkpointer.state_dir})")
 
@@ -428,7 +456,7 @@ class PPOTrainer:
             t_train = time.perf_counter()
             opt_stats = self.optimize(ro, advantages, returns, update)
             kl_per_seq = (F.kl_penalty(ro.logprobs, ro.ref_logprobs, self.cfg.kl.estimator) * ro.mask).sum(-1)
-            mean_kl = kl_per_seq.mean().item()
+            mean_kl = self.all_mean(kl_per_seq.mean())
             kl_coef = self.kl_ctl.value
             self.kl_ctl.update(mean_kl, self.cfg.batch_size)
             elapsed = time.perf_counter() - started
@@ -459,7 +487,10 @@ class PPOTrainer:
             bar.set_postfix(score=f"{record['objective/score']:.3f}", kl=f"{mean_kl:.2f}")
             done = update + 1
             if self.checkpointer is not None and (done % self.cfg.checkpoint_every == 0 or done == self.num_updates):
-                self.checkpointer.save(done, self.policy, self.optimizer, self.kl_ctl, self.history)
+                if self.rank == 0:
+                    self.checkpointer.save(done, self.policy, self.optimizer, self.kl_ctl, self.history)
+                if self.world_size > 1:
+                    dist.barrier()
         bar.close()
         return self.history
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from contextlib import nullcontext
+
 import torch
 
 from rlhf_pipeline.io import atomic_dir, write_json
@@ -32,7 +35,15 @@ def main(params: Params) -> None:
     cfg = params.ppo
     for path, stage in ((BASE, "base_model"), (REWARD, "normalize_reward")):
         require_dir(path, stage)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     plan = resolve_device(cfg.device)
+    if distributed:  # launched by `accelerate launch` or `torchrun`
+        import torch.distributed as dist
+
+        if plan.device.type == "cuda":
+            torch.cuda.set_device(plan.device)
+        dist.init_process_group(backend="nccl" if plan.device.type == "cuda" else "gloo")
+    is_main = not distributed or int(os.environ.get("RANK", "0")) == 0
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=plan.device.type == "cuda")
     tokenizer = load_tokenizer(BASE)
@@ -46,8 +57,10 @@ def main(params: Params) -> None:
     checkpointer = Checkpointer(CHECKPOINTS, fingerprint)
     resuming = (checkpointer.state_dir / "meta.json").is_file()
 
-    with open_live(LIVE, resume=resuming) as live:
+    with open_live(LIVE, resume=resuming) if is_main else nullcontext() as live:
         def log(record: dict) -> None:
+            if live is None:
+                return
             for key, value in record.items():
                 if key not in ("update",):
                     live.log_metric(key, value)
@@ -57,7 +70,9 @@ def main(params: Params) -> None:
             policy, ref_model, reward_model, queries, params.task, cfg, tokenizer, params.seed, plan.device,
             checkpointer=checkpointer, gold_labeler=gold, log=log, autocast=plan.autocast if plan.autocast_dtype else None,
         )
-        history = trainer.train()
+        history = trainer.train(progress=is_main)
+    if not is_main:
+        return
 
     last = history[-max(1, len(history) // 4):]
     first = history[: max(1, len(history) // 4)]

@@ -237,3 +237,22 @@ def test_stage_killed_with_sigkill_resumes_bit_identical(policy_project, tmp_pat
     a = (tmp_path / "whole/models/policy/model.safetensors").read_bytes()
     b = (tmp_path / "killed/models/policy/model.safetensors").read_bytes()
     assert a == b, "resumed weights differ from an uninterrupted run"
+
+
+def test_data_parallel_run_with_two_processes(policy_project, tmp_path):
+    """`torchrun --nproc_per_node 2` (what `accelerate launch` sets up): gloo DDP on CPU, each
+    rank rolls out half the batch, only rank 0 writes the model and metrics."""
+    out = tmp_path / "ddp"
+    for item in ("models", "data", "params.yaml"):
+        (shutil.copytree if (policy_project / item).is_dir() else shutil.copy)(policy_project / item, out / item)
+    params = yaml.safe_load((out / "params.yaml").read_text())
+    params["ppo"]["total_episodes"] = 32
+    (out / "params.yaml").write_text(yaml.safe_dump(params))
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {**os.environ, "RLHF_PROJECT_ROOT": str(out), "GIT_DIR": "/nonexistent", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", "29533", str(REPO / "stages/train_policy.py")],
+                            cwd=out, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    metrics = json.loads((out / "metrics/policy.json").read_text())
+    assert metrics["episodes"] == 32 and metrics["updates"] == 2
+    assert (out / "models/policy/model.safetensors").is_file()

