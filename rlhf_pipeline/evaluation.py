@@ -91,7 +91,6 @@ def summarize(base: SampleSet, policy: SampleSet) -> dict:
         "proxy/policy_mean": policy.proxy.mean().item(),
         "kl/mean": policy.kl.mean().item(),
         "win_rate/proxy": win_rate(policy.proxy.numpy(), base.proxy.numpy()),
-        "length/base_mean": (base.responses != -1).float().sum(-1).mean().item(),
         "valid/base": base.valid.float().mean().item(),
         "valid/policy": policy.valid.float().mean().item(),
     }

@@ -123,6 +123,7 @@ class RewardTrainParams(Strict):
     normalize_before: bool = True
     normalize_before_samples: int = Field(256, gt=0)
     margin_column: str | None = Field("margin", description="Optional per-row margin column (pairwise data).")
+    pooling: Literal["last", "mean"] = Field("last", description="Head input: the last token's hidden state (reference) or the mean over response tokens.")
     max_grad_norm: float | None = Field(None, gt=0.0)
 
 

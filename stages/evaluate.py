@@ -43,7 +43,6 @@ def main(params: Params) -> None:
     metrics = summarize(base_set, policy_set)
     metrics["length/base"] = length_stats(base_set, tokenizer.pad_token_id)
     metrics["length/policy"] = length_stats(policy_set, tokenizer.pad_token_id)
-    metrics.pop("length/base_mean")
     metrics["queries"] = len(queries)
 
     # Over-optimisation curve: every PPO snapshot, plus the base model at KL 0.

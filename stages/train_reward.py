@@ -27,7 +27,7 @@ def main(params: Params) -> None:
     tokenizer = load_tokenizer(BASE)
     prefs = load_from_disk(PREFS)
     generator = torch.Generator().manual_seed(params.seed)
-    model = RewardModel.from_base(BASE, tokenizer.pad_token_id, cfg.dropout, generator)
+    model = RewardModel.from_base(BASE, tokenizer.pad_token_id, cfg.dropout, generator, cfg.pooling)
     trainable = freeze_lower_layers(model.backbone, cfg.freeze_layers)
 
     normalize_before = {}

@@ -30,6 +30,7 @@ def test_schema_defaults_are_the_reference_values():
     assert (p.task.truncate_token, p.task.truncate_after, p.task.penalty_reward) == (".", 16, -1.0)
     assert p.reward.normalize.normalize_samples == 256
     assert p.ppo.whiten_rewards and p.ppo.value_model == "shared"
+    assert p.reward.train.pooling == "last" and p.reward.train.batch_size == 32
 
 
 def broken(path: str, value):
@@ -52,6 +53,7 @@ def broken(path: str, value):
         ("task.truncate_after", 40, "task.truncate_after: must be < task.response_length"),
         ("reward.train.microbatch_size", 5, "reward.train.microbatch_size: must divide reward.train.batch_size"),
         ("ppo.kl.estimator", "k2", "ppo.kl.estimator: Input should be 'k1' or 'k3'"),
+        ("reward.train.pooling", "max", "reward.train.pooling: Input should be 'last' or 'mean'"),
         ("data.queries.pad_side", "middle", "data.queries.pad_side"),
         ("ppo.total_episodes", 4, "ppo.total_episodes: must be >= ppo.batch_size"),
         ("data.queries.test_fraction", 1.5, "data.queries.test_fraction: Input should be less than 1"),

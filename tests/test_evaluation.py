@@ -1,0 +1,57 @@
+"""Evaluation metrics on hand-made numbers: per-sequence KL, win rate, the summary."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_pipeline.evaluation import SampleSet, length_stats, sequence_kl, summarize, win_rate
+
+
+def test_sequence_kl_sums_logprob_differences_over_real_tokens():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -0.2, -0.3]])
+    ref = torch.tensor([[-1.5, -1.0, -2.5], [-0.1, -0.7, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    # row 0: 0.5 - 1.0 + 2.0 = 1.5; row 1: 0 + 0.5 (third token masked out) = 0.5
+    torch.testing.assert_close(sequence_kl(logprobs, ref, mask), torch.tensor([1.5, 0.5]))
+    torch.testing.assert_close(sequence_kl(logprobs, ref), torch.tensor([1.5, 9.2]))
+
+
+def test_win_rate_counts_ties_as_half():
+    assert win_rate([1.0, 2.0, 3.0, 0.0], [0.0, 2.0, 4.0, -1.0]) == pytest.approx((1 + 0.5 + 0 + 1) / 4)
+    assert win_rate(torch.tensor([0.3]), torch.tensor([0.2])) == 1.0
+    with pytest.raises(ValueError):
+        win_rate([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError):
+        win_rate([], [])
+
+
+def sample_set(proxy, gold, kl, valid, responses):
+    return SampleSet(torch.tensor(responses), torch.tensor(valid), torch.tensor(proxy), None if gold is None else np.array(gold),
+                     torch.tensor(kl), ["x"] * len(proxy))
+
+
+def test_summarize_by_hand():
+    pad = 9
+    base = sample_set([0.0, 1.0], [0.1, 0.3], [0.0, 0.0], [True, False], [[1, 2, pad], [1, pad, pad]])
+    policy = sample_set([2.0, 1.0], [0.4, 0.2], [1.0, 3.0], [True, True], [[1, 2, 3], [1, 2, pad]])
+    metrics = summarize(base, policy)
+    assert metrics["proxy/base_mean"] == pytest.approx(0.5)
+    assert metrics["proxy/policy_mean"] == pytest.approx(1.5)
+    assert metrics["kl/mean"] == pytest.approx(2.0)
+    assert metrics["win_rate/proxy"] == pytest.approx(0.75)  # 2 > 0, 1 == 1
+    assert metrics["win_rate/gold"] == pytest.approx(0.5)  # 0.4 > 0.1, 0.2 < 0.3
+    assert metrics["gold/base_mean"] == pytest.approx(0.2)
+    assert metrics["gold/base_std"] == pytest.approx(0.1)
+    assert metrics["gold/policy_mean"] == pytest.approx(0.3)
+    assert metrics["gold/improvement_in_base_std"] == pytest.approx(1.0)
+    assert metrics["valid/base"] == pytest.approx(0.5) and metrics["valid/policy"] == pytest.approx(1.0)
+    assert length_stats(base, pad) == {"mean": 1.5, "min": 1.0, "max": 2.0}
+    assert length_stats(policy, pad) == {"mean": 2.5, "min": 2.0, "max": 3.0}
+
+
+def test_summarize_without_a_gold_labeler_has_no_gold_metrics():
+    base = sample_set([0.0], None, [0.0], [True], [[1]])
+    policy = sample_set([1.0], None, [0.5], [True], [[1]])
+    assert not any(key.startswith("gold/") or key == "win_rate/gold" for key in summarize(base, policy))

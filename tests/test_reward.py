@@ -1,0 +1,139 @@
+"""Reward model on the tiny Llama: head init, the shared-prefix scorer, normalisation, training."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf_pipeline.functional import best_of_n_loss
+from rlhf_pipeline.models import freeze_lower_layers, load_tokenizer
+from rlhf_pipeline.reward import (
+    RewardModel,
+    best_of_n_accuracy,
+    fit_normalization,
+    init_reward_head,
+    masked_mean_hidden,
+    score_query_responses,
+    train_reward_model,
+)
+
+
+@pytest.fixture(scope="module")
+def pad(tiny_base_dir):
+    return load_tokenizer(tiny_base_dir).pad_token_id
+
+
+def make_rm(tiny_base_dir, pad, pooling="last", seed=0):
+    return RewardModel.from_base(tiny_base_dir, pad, generator=torch.Generator().manual_seed(seed), pooling=pooling).eval()
+
+
+def batch(pad, rows=6, n=3, q=5, r=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    queries = torch.randint(0, 250, (rows, q), generator=g)
+    queries[:2, :2] = pad  # left padding
+    samples = torch.randint(0, 250, (rows, n, r), generator=g)
+    samples[0, -1, 2:] = pad  # a truncated (right-padded) response
+    return queries, samples
+
+
+def test_head_init_statistics():
+    """OAI fc_layer: weight ~ N(0, 1/sqrt(d_in + 1)), bias 0. For d_in = 4095 the std is 1/64."""
+    head = torch.nn.Linear(4095, 1000)
+    init_reward_head(head, torch.Generator().manual_seed(0))
+    assert head.bias.abs().max().item() == 0.0
+    assert head.weight.mean().item() == pytest.approx(0.0, abs=1e-3)
+    assert head.weight.std().item() == pytest.approx(1 / 64, rel=0.01)
+
+
+def test_gain_and_bias_start_at_one_and_zero(tiny_base_dir, pad):
+    rm = make_rm(tiny_base_dir, pad)
+    assert rm.gain.item() == 1.0 and rm.bias.item() == 0.0
+    raw = torch.tensor([0.5, -2.0])
+    assert torch.equal(rm.normalize(raw), raw)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_shared_prefix_scores_equal_full_forward(tiny_base_dir, pad, pooling):
+    """score_best_of_n (query once, KV cache reused for N responses) == forward on each query+response."""
+    rm = make_rm(tiny_base_dir, pad, pooling)
+    queries, samples = batch(pad)
+    fast = rm.score_best_of_n(queries, samples, normalized=False)
+    rows, n, r = samples.shape
+    concatenated = torch.cat([queries.repeat_interleave(n, 0), samples.reshape(rows * n, r)], 1)
+    slow = rm.raw_scores(concatenated, query_length=queries.shape[1]).view(rows, n)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_last_pooling_reads_the_last_real_token(tiny_base_dir, pad):
+    """Right padding after a response must not change its score."""
+    rm = make_rm(tiny_base_dir, pad)
+    queries, samples = batch(pad, rows=1, n=1)
+    short = samples[:, :, :2]
+    padded = torch.cat([short, torch.full((1, 1, 3), pad)], -1)
+    torch.testing.assert_close(rm.score_best_of_n(queries, short), rm.score_best_of_n(queries, padded), atol=1e-5, rtol=1e-5)
+
+
+def test_masked_mean_hidden_by_hand():
+    hidden = torch.tensor([[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], [[1.0, 1.0], [7.0, 7.0], [9.0, 9.0]]])
+    mask = torch.tensor([[True, False, True], [False, False, False]])
+    torch.testing.assert_close(masked_mean_hidden(hidden, mask), torch.tensor([[3.0, 4.0], [0.0, 0.0]]))
+
+
+def test_fit_normalization_hits_the_target(tiny_base_dir, pad):
+    """gain = sigma_T / sigma_D, bias = mu_T - gain * mu_D (population std), applied to fresh scores."""
+    rm = make_rm(tiny_base_dir, pad)
+    raw = torch.tensor([1.0, 2.0, 3.0, 6.0])  # mean 3, population std sqrt(3.5)
+    gain, bias = fit_normalization(rm, raw, target_mean=0.0, target_std=1.0)
+    assert gain == pytest.approx(1 / math.sqrt(3.5))
+    assert bias == pytest.approx(-3 / math.sqrt(3.5))
+    normalized = rm.normalize(raw)
+    assert normalized.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert normalized.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-6)
+    queries, samples = batch(pad, n=1)
+    raw_model = rm.score_best_of_n(queries, samples, normalized=False)[:, 0]
+    torch.testing.assert_close(score_query_responses(rm, queries, samples[:, 0], batch_size=4), gain * raw_model + bias)
+
+
+def test_constant_scores_cannot_be_normalised(tiny_base_dir, pad):
+    from rlhf_pipeline.errors import PipelineError
+
+    with pytest.raises(PipelineError, match="std 0"):
+        fit_normalization(make_rm(tiny_base_dir, pad), torch.ones(8), 0.0, 1.0)
+
+
+def test_save_and_load_round_trip(tiny_base_dir, pad, tmp_path):
+    rm = make_rm(tiny_base_dir, pad, "mean")
+    fit_normalization(rm, torch.tensor([0.0, 1.0, 4.0]), 0.5, 2.0)
+    rm.save(tmp_path)
+    loaded = RewardModel.load(tmp_path)
+    assert loaded.pooling == "mean"
+    queries, samples = batch(pad)
+    torch.testing.assert_close(loaded.score_best_of_n(queries, samples), rm.score_best_of_n(queries, samples))
+
+
+def test_training_anneals_the_lr_to_zero_and_learns(tiny_base_dir, pad):
+    """One epoch of 4 steps over 32 labels: lr = lr0 * (1 - start/32) per step (OAI), the loss
+    falls on a learnable rule (prefer the sample whose first token id is largest), and with
+    the lowest block frozen only the top block and the head change."""
+    rm = make_rm(tiny_base_dir, pad).train()
+    trainable = freeze_lower_layers(rm.backbone, 1)
+    assert 0 < trainable < sum(p.numel() for p in rm.parameters())
+    frozen_before = rm.backbone.layers[0].mlp.down_proj.weight.detach().clone()
+    top_before = rm.backbone.layers[1].mlp.down_proj.weight.detach().clone()
+    queries, samples = batch(pad, rows=32, n=4, seed=1)
+    best = samples[:, :, 0].argmax(-1)
+    with torch.no_grad():
+        initial_loss = best_of_n_loss(rm.score_best_of_n(queries, samples), best)[0].item()
+    history = train_reward_model(rm, queries, samples, best, None, lr=1e-2, epochs=1, batch_size=8, microbatch_size=4,
+                                 adam_eps=1e-5, generator=torch.Generator().manual_seed(0))
+    assert [h["lr"] for h in history] == pytest.approx([1e-2, 0.75e-2, 0.5e-2, 0.25e-2])
+    assert torch.equal(rm.backbone.layers[0].mlp.down_proj.weight, frozen_before)
+    assert not torch.equal(rm.backbone.layers[1].mlp.down_proj.weight, top_before)
+    with torch.no_grad():
+        final_loss = best_of_n_loss(rm.score_best_of_n(queries, samples), best)[0].item()
+    assert final_loss < initial_loss
+    assert not rm.training  # back in eval mode
+    accuracy = best_of_n_accuracy(rm, queries, samples, best, batch_size=16)
+    assert 0.0 <= accuracy <= 1.0
