@@ -100,10 +100,13 @@ def render_report(metrics: dict, points: list[dict], best: dict, rows: list[dict
               "| update | KL | proxy | gold |", "|---|---|---|---|"]
     lines += [f"| {p['update']} | {p['kl']:.3f} | {p['proxy']:.3f} | {_fmt(p['gold'])} |" for p in points]
     criterion = "gold" if best["gold"] is not None else "proxy"
-    lines += ["", f"Best checkpoint by {criterion} score: **update {best['update']}** "
-              f"(proxy {best['proxy']:.3f}, gold {_fmt(best['gold'])}, KL {best['kl']:.3f}); "
-              f"its weights are `checkpoints/policy/snapshots/update_{best['update']:05d}.safetensors`" if best["update"] else "", "",
-              "## Samples", "", "Full table: [samples.csv](samples.csv). First rows:", ""]
+    scores = f"(proxy {best['proxy']:.3f}, gold {_fmt(best['gold'])}, KL {best['kl']:.3f})"
+    if best["update"]:
+        verdict = (f"Best checkpoint by {criterion} score: **update {best['update']}** {scores}; "
+                   f"its weights are `checkpoints/policy/snapshots/update_{best['update']:05d}.safetensors`.")
+    else:
+        verdict = f"Best checkpoint by {criterion} score: **the base model (update 0)** {scores}: no PPO checkpoint improved on it."
+    lines += ["", verdict, "", "## Samples", "", "Full table: [samples.csv](samples.csv). First rows:", ""]
     for row in rows[:5]:
         lines += [f"- **query**: {row['query']!r}", f"  - base ({_fmt(row['base_gold'])} gold): {row['base_response']!r}", f"  - policy ({_fmt(row['policy_gold'])} gold): {row['policy_response']!r}"]
     return "\n".join(lines) + "\n"

@@ -55,3 +55,27 @@ def test_summarize_without_a_gold_labeler_has_no_gold_metrics():
     base = sample_set([0.0], None, [0.0], [True], [[1]])
     policy = sample_set([1.0], None, [0.5], [True], [[1]])
     assert not any(key.startswith("gold/") or key == "win_rate/gold" for key in summarize(base, policy))
+
+
+def load_evaluate_stage():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "stages" / "evaluate.py"
+    spec = importlib.util.spec_from_file_location("evaluate_stage", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("best_update, expected", [
+    (4, "**update 4** (proxy 0.500, gold 0.300, KL 1.000); its weights are `checkpoints/policy/snapshots/update_00004.safetensors`"),
+    (0, "**the base model (update 0)** (proxy -0.500, gold 0.100, KL 0.000): no PPO checkpoint improved on it"),
+])
+def test_report_names_the_best_checkpoint(best_update, expected):
+    render_report = load_evaluate_stage().render_report
+    points = [{"update": 0, "kl": 0.0, "proxy": -0.5, "gold": 0.1}, {"update": 4, "kl": 1.0, "proxy": 0.5, "gold": 0.3}]
+    best = next(p for p in points if p["update"] == best_update)
+    report = render_report({"queries": 2, "kl/mean": 1.0}, points, best, [])
+    assert f"Best checkpoint by gold score: {expected}" in report
+    assert "| 4 | 1.000 | 0.500 | 0.300 |" in report
