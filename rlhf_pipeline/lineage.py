@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import uuid
 from collections import deque
@@ -98,10 +99,20 @@ def _is_under(path: str, parent: str) -> bool:
 
 
 def _load_yaml(path: Path) -> Any:
+    """Read YAML as DVC writes it (YAML 1.2): ``1e-05`` in dvc.lock is a float, not the string
+    PyYAML's 1.1 rules make of it, so it compares equal to ``1.0e-5`` in params.yaml."""
     import yaml
 
+    class Yaml12Floats(yaml.SafeLoader):
+        pass
+
+    Yaml12Floats.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
     with open(path, encoding="utf-8") as handle:
-        return yaml.safe_load(handle)
+        return yaml.load(handle, Loader=Yaml12Floats)  # noqa: S506 (a SafeLoader subclass)
+
+
+# YAML 1.2 core-schema floats that YAML 1.1 reads as strings: an exponent without a dot.
+_YAML12_FLOAT = re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$")
 
 
 def _entry(raw: dict, base: str) -> Entry:

@@ -327,3 +327,15 @@ def test_real_cli(repo):
     bad = subprocess.run([*cmd, "does/not/exist.txt"], cwd=repo, env=_env(), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1
     assert "does/not/exist.txt" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_dvc_lock_exponent_floats_equal_params_floats(tmp_path):
+    """dvc.lock (YAML 1.2) writes 1e-05; params.yaml says 1.0e-5: the same number, not a change."""
+    from rlhf_pipeline.lineage import _load_yaml
+
+    path = tmp_path / "x.yaml"
+    path.write_text("lock: 1e-05\nparams: 1.0e-5\nbig: -2E+3\ncount: 7\nquoted: '1e-05'\nword: e5\n")
+    data = _load_yaml(path)
+    assert data["lock"] == data["params"] == 1e-5 and isinstance(data["lock"], float)
+    assert data["big"] == -2000.0 and data["count"] == 7
+    assert data["quoted"] == "1e-05" and data["word"] == "e5"
