@@ -209,6 +209,19 @@ def transformer_layers(backbone: nn.Module) -> nn.ModuleList:
     raise PipelineError(f"Cannot find the transformer blocks of {type(backbone).__name__} to freeze them.")
 
 
+def adam(params, lr: float, eps: float) -> torch.optim.Adam:
+    """Adam with the fused kernel where torch has one for these tensors (CPU and CUDA fp32/bf16).
+
+    Why: the default multi-tensor step of a 135M-parameter model takes ~0.7 s on two cores, the
+    fused one ~0.1 s (measured here), and PPO takes ``ppo_epochs * nminibatches`` steps per update.
+    """
+    params = list(params)
+    try:
+        return torch.optim.Adam(params, lr=lr, eps=eps, fused=True)
+    except (RuntimeError, TypeError):  # a device or dtype without a fused kernel
+        return torch.optim.Adam(params, lr=lr, eps=eps)
+
+
 def freeze_lower_layers(backbone: nn.Module, num_layers: int) -> int:
     """Freeze the input embeddings and the lowest ``num_layers`` blocks; returns trainable params."""
     if num_layers <= 0:

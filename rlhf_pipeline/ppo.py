@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from rlhf_pipeline import functional as F
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
 from rlhf_pipeline.io import atomic_dir
-from rlhf_pipeline.models import backbone_of, freeze_lower_layers, transformer_layers
+from rlhf_pipeline.models import adam, backbone_of, freeze_lower_layers, transformer_layers
 from rlhf_pipeline.params import PPOParams, TaskParams
 from rlhf_pipeline.reward import RewardModel, score_query_responses
 from rlhf_pipeline.rollout import TaskSampler
@@ -292,7 +292,7 @@ class PPOTrainer:
             from torch.nn.parallel import DistributedDataParallel
 
             self.train_module = DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
-        self.optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.adam_eps)
+        self.optimizer = adam((p for p in policy.parameters() if p.requires_grad), lr=cfg.lr, eps=cfg.adam_eps)
         self.kl_ctl = (F.AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive else F.FixedKLController(cfg.kl.init_coef))
         self.history: list[dict] = []
         self.start_update = 0

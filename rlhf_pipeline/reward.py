@@ -261,9 +261,10 @@ def train_reward_model(
     from tqdm import tqdm
 
     from rlhf_pipeline.functional import best_of_n_loss, linear_anneal
+    from rlhf_pipeline.models import adam
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=lr, eps=adam_eps)
+    optimizer = adam(params, lr=lr, eps=adam_eps)
     num_labels = len(best)
     total = num_labels * epochs
     steps_per_epoch = num_labels // batch_size
