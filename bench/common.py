@@ -93,6 +93,19 @@ def materialise_model(kind: str) -> Path:
     return target
 
 
+def benchmark_parser(doc: str):
+    """The options every benchmark takes: which model, the seed, and how to report."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODEL_NAMES), default="smollm2", help="smollm2 (the embedded GGUF), smollm2-random (its architecture, random weights) or tiny")
+    parser.add_argument("--tiny", action="store_const", const="tiny", dest="model", help="shorthand for --model tiny (quick check)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--markdown", action="store_true", help="emit the report as markdown")
+    parser.add_argument("--output", help="also write the report to this file")
+    return parser
+
+
 def trl_cpu_arguments(seed: int) -> dict:
     """TRL config fields both benchmarks share: fp32 on the CPU, and nothing timed but training
     (no logging, saving, evaluation, progress bars or gradient checkpointing)."""

@@ -26,7 +26,6 @@ Usage: ``.venv/bin/python bench/ppo_throughput.py [--model smollm2|smollm2-rando
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MODEL_NAMES, emit, trl_cpu_arguments, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup  # noqa: E402
+from common import MODEL_NAMES, benchmark_parser, emit, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup, trl_cpu_arguments  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -208,22 +207,17 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
 
 # --------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODEL_NAMES), default="smollm2", help="smollm2 (the embedded GGUF), smollm2-random (its architecture, random weights) or tiny")
-    parser.add_argument("--tiny", action="store_const", const="tiny", dest="model", help="shorthand for --model tiny (quick check)")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--updates", type=int, default=2, help="timed PPO updates per implementation (after 1 warmup update)")
     parser.add_argument("--batch", type=int, default=16, help="episodes per update")
     parser.add_argument("--microbatch", type=int, default=16, help="episodes per forward/backward (both sides)")
     parser.add_argument("--query-tokens", type=int, default=64)
     parser.add_argument("--response-tokens", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="ours only on cuda (bf16 autocast, TF32, as ppo.device auto picks); TRL runs on CPU")
     parser.add_argument("--only", choices=["shared", "separate", "trl"], action="append", help="run only these sides (repeatable)")
     parser.add_argument("--profile", action="store_true", help="run each side under torch.profiler (timed updates only) and append its top ops by self CPU time; timings then include profiler overhead")
     parser.add_argument("--profile-rows", type=int, default=30, help="rows of the --profile op table")
-    parser.add_argument("--markdown", action="store_true", help="emit the report as markdown")
-    parser.add_argument("--output", help="also write the report to this file")
     args = parser.parse_args(argv)
     if args.batch % args.microbatch:
         parser.error("--microbatch must divide --batch")

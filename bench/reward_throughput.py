@@ -17,7 +17,6 @@ Usage: ``.venv/bin/python bench/reward_throughput.py [--model smollm2|smollm2-ra
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MODEL_NAMES, emit, trl_cpu_arguments, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup  # noqa: E402
+from common import MODEL_NAMES, benchmark_parser, emit, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup, trl_cpu_arguments  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -115,18 +114,13 @@ def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
 
 # --------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODEL_NAMES), default="smollm2", help="smollm2 (the embedded GGUF), smollm2-random (its architecture, random weights) or tiny")
-    parser.add_argument("--tiny", action="store_const", const="tiny", dest="model", help="shorthand for --model tiny (quick check)")
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per implementation (after 1 warmup step)")
     parser.add_argument("--batch-pairs", type=int, default=8, help="preference pairs per optimizer step")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--response-tokens", type=int, default=24)
     parser.add_argument("--lr", type=float, default=5e-5)
-    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--only", choices=["ours", "trl"], help="run one side only (debugging)")
-    parser.add_argument("--markdown", action="store_true", help="emit the report as markdown")
-    parser.add_argument("--output", help="also write the report to this file")
     args = parser.parse_args(argv)
 
     warnings.filterwarnings("ignore")
