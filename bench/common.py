@@ -106,6 +106,22 @@ def benchmark_parser(doc: str):
     return parser
 
 
+def prepare(args):
+    """Quiet warnings, fix threads and seeds, and materialise ``args.model``: (model dir, tokenizer)."""
+    import logging
+    import warnings
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    hf_logging.set_verbosity_error()
+    setup(args.seed)
+    model_dir = materialise_model(args.model)
+    return model_dir, AutoTokenizer.from_pretrained(str(model_dir))
+
+
 def trl_cpu_arguments(seed: int) -> dict:
     """TRL config fields both benchmarks share: fp32 on the CPU, and nothing timed but training
     (no logging, saving, evaluation, progress bars or gradient checkpointing)."""

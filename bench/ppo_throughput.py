@@ -27,17 +27,15 @@ Usage: ``.venv/bin/python bench/ppo_throughput.py [--model smollm2|smollm2-rando
 from __future__ import annotations
 
 import gc
-import logging
 import sys
 import tempfile
 import time
-import warnings
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MODEL_NAMES, benchmark_parser, emit, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup, trl_cpu_arguments  # noqa: E402
+from common import MODEL_NAMES, benchmark_parser, emit, environment_lines, prepare, random_token_ids, render_report, render_table, seed_everything, trl_cpu_arguments  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -224,16 +222,7 @@ def main(argv=None) -> None:
     if args.device == "cuda" and (not args.only or "trl" in args.only):
         parser.error("--device cuda times this project only: add --only shared and/or --only separate")
 
-    warnings.filterwarnings("ignore")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    setup(args.seed)
-    from transformers import AutoTokenizer
-
-    model_dir = materialise_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model_dir, tokenizer = prepare(args)
     queries = random_token_ids(tokenizer, (args.batch * (args.updates + 1), args.query_tokens), torch.Generator().manual_seed(args.seed))
 
     profiles: dict[str, object] = {}

@@ -18,16 +18,14 @@ Usage: ``.venv/bin/python bench/reward_throughput.py [--model smollm2|smollm2-ra
 from __future__ import annotations
 
 import gc
-import logging
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MODEL_NAMES, benchmark_parser, emit, environment_lines, materialise_model, random_token_ids, render_report, render_table, seed_everything, setup, trl_cpu_arguments  # noqa: E402
+from common import MODEL_NAMES, benchmark_parser, emit, environment_lines, prepare, random_token_ids, render_report, render_table, seed_everything, trl_cpu_arguments  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -123,16 +121,7 @@ def main(argv=None) -> None:
     parser.add_argument("--only", choices=["ours", "trl"], help="run one side only (debugging)")
     args = parser.parse_args(argv)
 
-    warnings.filterwarnings("ignore")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    setup(args.seed)
-    from transformers import AutoTokenizer
-
-    model_dir = materialise_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model_dir, tokenizer = prepare(args)
     num_pairs = args.batch_pairs * (args.steps + 1)
     data = make_data(tokenizer, num_pairs, args.prompt_tokens, args.response_tokens, args.seed)
 
