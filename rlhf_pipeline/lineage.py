@@ -21,6 +21,7 @@ of our own:
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import json
 import os
@@ -98,17 +99,25 @@ def _is_under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
-def _load_yaml(path: Path) -> Any:
-    """Read YAML as DVC writes it (YAML 1.2): ``1e-05`` in dvc.lock is a float, not the string
-    PyYAML's 1.1 rules make of it, so it compares equal to ``1.0e-5`` in params.yaml."""
+@functools.cache
+def _yaml12_float_loader():
+    """A SafeLoader that also reads YAML 1.2 floats without a dot (``1e-05``), built once."""
     import yaml
 
     class Yaml12Floats(yaml.SafeLoader):
         pass
 
     Yaml12Floats.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+    return Yaml12Floats
+
+
+def _load_yaml(path: Path) -> Any:
+    """Read YAML as DVC writes it (YAML 1.2): ``1e-05`` in dvc.lock is a float, not the string
+    PyYAML's 1.1 rules make of it, so it compares equal to ``1.0e-5`` in params.yaml."""
+    import yaml
+
     with open(path, encoding="utf-8") as handle:
-        return yaml.load(handle, Loader=Yaml12Floats)  # noqa: S506 (a SafeLoader subclass)
+        return yaml.load(handle, Loader=_yaml12_float_loader())  # noqa: S506 (a SafeLoader subclass)
 
 
 # YAML 1.2 core-schema floats that YAML 1.1 reads as strings: an exponent without a dot.
