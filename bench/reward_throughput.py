@@ -6,8 +6,8 @@ fixed-seed random token ids), the same number of pairs per optimizer step, full 
 CPU, for 1 warmup step + ``--steps`` timed steps each:
 
 - ours: :func:`rlhf_pipeline.reward.train_reward_model` (N=2 softmax loss == Bradley-Terry) via
-  ``RewardModel.score_best_of_n``, which runs the prompt once and reuses its KV cache for both
-  responses;
+  ``RewardModel.score_best_of_n``, which packs each prompt and its two responses into one
+  sequence with a block attention mask, so the prompt is computed once for both;
 - TRL: ``RewardTrainer`` on ``AutoModelForSequenceClassification(num_labels=1)`` from the same
   directory, with pre-tokenised ``chosen_ids``/``rejected_ids`` (prompt + response each), no eval,
   no logging, no saving, no gradient checkpointing, dataloader workers 0.
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
         print(f"[reward_throughput] {name} step times: {[round(t, 3) for t in results[name]]}", file=sys.stderr, flush=True)
 
     labels = {
-        "ours": "rlhf_pipeline train_reward_model (score_best_of_n, N=2, prefix KV shared)",
+        "ours": "rlhf_pipeline train_reward_model (score_best_of_n, N=2, prompt shared in one packed sequence)",
         "trl": "TRL 1.12 RewardTrainer (AutoModelForSequenceClassification)",
     }
     timed = {name: times[1:] for name, times in results.items()}
@@ -149,8 +149,9 @@ def main(argv=None) -> None:
     notes = [
         f"workload: {args.batch_pairs} pairs/step, prompt {args.prompt_tokens} tokens + chosen/rejected {args.response_tokens} tokens each "
         f"(fixed-seed random token ids, no padding), full fine-tune, lr {args.lr}, 1 warmup step + {args.steps} timed steps per side (mean of the timed steps).",
-        "ours: Adam (eps 1e-5), one microbatch per step; per step it runs the prompts once (8x64 tokens) and the 16 responses (16x24 tokens) on the prompt KV cache.",
-        f"TRL: pre-tokenised chosen_ids/rejected_ids = prompt + response (16x{args.prompt_tokens + args.response_tokens} tokens per step), optimizer {getattr(args, 'trl_optimizer', 'n/a')}, "
+        f"ours: Adam (eps 1e-5), one microbatch per step; per step it runs {args.batch_pairs} packed rows of prompt + chosen + rejected "
+        f"({args.batch_pairs}x{args.prompt_tokens + 2 * args.response_tokens} tokens, block attention mask).",
+        f"TRL: pre-tokenised chosen_ids/rejected_ids = prompt + response ({2 * args.batch_pairs}x{args.prompt_tokens + args.response_tokens} tokens per step), optimizer {getattr(args, 'trl_optimizer', 'n/a')}, "
         "no eval/logging/saving/gradient checkpointing, report_to none, use_cpu, dataloader workers 0; step time = interval between on_step_end callbacks.",
         "speed vs TRL = TRL seconds/step / implementation seconds/step (>1 means faster than TRL).",
     ]

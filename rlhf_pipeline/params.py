@@ -23,6 +23,9 @@ from rlhf_pipeline.errors import ParamsError
 PositiveInt = Field(gt=0)
 
 
+
+RewardPooling = Literal["last", "mean"]  # reward-head input; rlhf_pipeline.reward reads the choices from here
+
 class Strict(BaseModel):
     """Unknown keys are refused: a typo in params.yaml must not silently fall back to a default."""
 
@@ -123,7 +126,7 @@ class RewardTrainParams(Strict):
     normalize_before: bool = True
     normalize_before_samples: int = Field(256, gt=0)
     margin_column: str | None = Field("margin", description="Optional per-row margin column (pairwise data).")
-    pooling: Literal["last", "mean"] = Field("last", description="Head input: the last token's hidden state (reference) or the mean over response tokens.")
+    pooling: RewardPooling = Field("last", description="Head input: the last token's hidden state (reference) or the mean over response tokens.")
     max_grad_norm: float | None = Field(None, gt=0.0)
 
 

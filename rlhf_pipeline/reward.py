@@ -11,9 +11,10 @@ Faithful to lm-human-preferences:
 - training: softmax cross-entropy over the N samples against ``best`` (pairwise Bradley-Terry is
   N=2), one epoch, learning rate annealed linearly to 0.
 
-Best-of-N rows share their query: :meth:`RewardModel.score_best_of_n` runs the query once and
-reuses its KV cache for the N responses (gradients flow through the shared prefix), which is
-where most of this project's speed over a concatenate-everything reward trainer comes from.
+Best-of-N rows share their query: :meth:`RewardModel.score_best_of_n` packs a query and its N
+responses into one sequence with a block attention mask, so the query is computed once for all N
+(gradients flow through the shared prefix) in a single forward pass. That is where most of this
+project's speed over a trainer that concatenates the query to every response comes from.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import get_args
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.params import RewardPooling
 from rlhf_pipeline.sampling import position_ids_from_mask
 
 HEAD_FILE = "reward_head.safetensors"
-POOLINGS = ("last", "mean")
+POOLINGS = get_args(RewardPooling)
 POOLING_DESCRIPTIONS = {"last": "last non-pad token", "mean": "mean over response tokens"}
 CONFIG_FILE = "reward_config.json"
 
@@ -88,44 +91,40 @@ class RewardModel(nn.Module):
     def score_best_of_n(self, queries: Tensor, samples: Tensor, normalized: bool = True) -> Tensor:
         """Rewards of ``samples`` (B, N, R) as continuations of ``queries`` (B, Q): (B, N).
 
-        Equivalent to :meth:`forward` on each concatenated query+sample, but the query prefix is
-        computed once per row.
+        Each row is packed into one sequence ``[query, sample_1, ..., sample_N]`` whose attention
+        mask (:func:`packed_best_of_n_mask`) lets sample k see only the query and itself, with
+        positions that continue the query. The query is therefore computed once and shared by the N
+        samples (gradients flow into it from all of them), in a single forward pass whose scores
+        equal :meth:`forward` on each concatenated query+sample.
         """
-        from transformers import DynamicCache
-
         batch, n, resp_len = samples.shape
+        query_len = queries.shape[1]
         q_mask = queries != self.pad_token_id
-        prefix = self.backbone(
-            input_ids=queries,
-            attention_mask=q_mask.long(),
-            position_ids=position_ids_from_mask(q_mask),
-            past_key_values=DynamicCache(config=self.backbone.config),
-            use_cache=True,
-        )
-        cache = prefix.past_key_values
-        cache.batch_repeat_interleave(n)
-        responses = samples.reshape(batch * n, resp_len)
-        r_mask = responses != self.pad_token_id
-        q_mask_n = q_mask.repeat_interleave(n, 0)
-        q_len = q_mask_n.sum(-1, keepdim=True)
-        positions = q_len + torch.arange(resp_len, device=samples.device)[None, :]
+        r_mask = samples != self.pad_token_id
+        q_positions = position_ids_from_mask(q_mask)
+        r_positions = q_mask.sum(-1, keepdim=True) + torch.arange(resp_len, device=samples.device)
+        allowed = packed_best_of_n_mask(q_mask, r_mask)
+        if self.backbone.config._attn_implementation != "sdpa":
+            # eager attention adds the mask to the scores: it needs 0 / -inf, not booleans.
+            dtype = next(self.backbone.parameters()).dtype
+            allowed = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
         hidden = self.backbone(
-            input_ids=responses,
-            attention_mask=torch.cat([q_mask_n, r_mask], dim=1).long(),
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
+            input_ids=torch.cat([queries, samples.reshape(batch, n * resp_len)], dim=1),
+            attention_mask=allowed,
+            position_ids=torch.cat([q_positions, r_positions.repeat(1, n)], dim=1),
+            use_cache=False,
         ).last_hidden_state
+        response_hidden = hidden[:, query_len:].reshape(batch, n, resp_len, -1)
         resp_lens = r_mask.sum(-1)
         if self.pooling == "mean":
-            pooled = masked_mean_hidden(hidden, r_mask)
+            pooled = masked_mean_hidden(response_hidden.flatten(0, 1), r_mask.flatten(0, 1)).view(batch, n, -1)
         else:
-            rows = torch.arange(batch * n, device=samples.device)
-            pooled = hidden[rows, (resp_lens - 1).clamp(min=0)]
+            index = (resp_lens - 1).clamp(min=0)[..., None, None].expand(batch, n, 1, response_hidden.shape[-1])
+            pooled = response_hidden.gather(2, index).squeeze(2)
         # An empty response (all padding) is scored at the query's last token.
-        h_query_last = prefix.last_hidden_state[:, -1].repeat_interleave(n, 0)
-        pooled = torch.where((resp_lens == 0)[:, None], h_query_last, pooled)
-        raw = self.head(pooled).squeeze(-1).float().view(batch, n)
+        h_query_last = hidden[:, query_len - 1, None, :].expand_as(pooled)
+        pooled = torch.where((resp_lens == 0)[..., None], h_query_last, pooled)
+        raw = self.head(pooled).squeeze(-1).float()
         return self.normalize(raw) if normalized else raw
 
     # ----------------------------------------------------------------------------------------
@@ -186,6 +185,31 @@ def last_true_index(mask: Tensor) -> Tensor:
     """Index of the last True in each row of a (B, T) mask (0 if none)."""
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     return torch.where(mask, positions, torch.zeros_like(positions)).max(dim=1).values
+
+
+def packed_best_of_n_mask(query_mask: Tensor, response_mask: Tensor) -> Tensor:
+    """Attention mask (B, 1, L, L), True = may attend, for rows packed as
+    ``[query (Q), response_1 (R), ..., response_N (R)]`` with L = Q + N*R.
+
+    Token i may attend key j iff j <= i (causal), j is not padding, and j is in the query or in
+    the same response as i. That is exactly what each query+response_k sees on its own. Every token
+    also attends itself, so padded positions never have an empty row (their outputs are unused).
+
+    ``query_mask`` (B, Q) and ``response_mask`` (B, N, R) are True at real tokens.
+    """
+    batch, n, resp_len = response_mask.shape
+    query_len = query_mask.shape[1]
+    device = query_mask.device
+    # segment 0 = query, k = response k (1-based)
+    segment = torch.cat([torch.zeros(query_len, dtype=torch.long, device=device),
+                         torch.arange(1, n + 1, device=device).repeat_interleave(resp_len)])
+    length = segment.numel()
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    visible = (segment[None, :] == 0) | (segment[None, :] == segment[:, None])
+    key_is_real = torch.cat([query_mask, response_mask.reshape(batch, n * resp_len)], dim=1)
+    allowed = (causal & visible)[None] & key_is_real[:, None, :]
+    allowed |= torch.eye(length, dtype=torch.bool, device=device)[None]
+    return allowed[:, None]
 
 
 def set_gain_bias(model: RewardModel, gain: float, bias: float) -> None:

@@ -15,6 +15,7 @@ from rlhf_pipeline.reward import (
     fit_normalization,
     init_reward_head,
     masked_mean_hidden,
+    packed_best_of_n_mask,
     score_query_responses,
     train_reward_model,
 )
@@ -54,16 +55,35 @@ def test_gain_and_bias_start_at_one_and_zero(tiny_base_dir, pad):
     assert torch.equal(rm.normalize(raw), raw)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("pooling", ["last", "mean"])
-def test_shared_prefix_scores_equal_full_forward(tiny_base_dir, pad, pooling):
-    """score_best_of_n (query once, KV cache reused for N responses) == forward on each query+response."""
+def test_shared_prefix_scores_equal_full_forward(tiny_base_dir, pad, pooling, attention):
+    """score_best_of_n (query + N responses packed in one masked sequence) == forward on each query+response."""
     rm = make_rm(tiny_base_dir, pad, pooling)
+    rm.backbone.set_attn_implementation(attention)
     queries, samples = batch(pad)
     fast = rm.score_best_of_n(queries, samples, normalized=False)
     rows, n, r = samples.shape
     concatenated = torch.cat([queries.repeat_interleave(n, 0), samples.reshape(rows * n, r)], 1)
     slow = rm.raw_scores(concatenated, query_length=queries.shape[1]).view(rows, n)
     torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_mask_by_hand():
+    """[pad q | r1a r1b | r2a pad]: responses see the real query token and themselves, never each other."""
+    query_mask = torch.tensor([[False, True]])
+    response_mask = torch.tensor([[[True, True], [True, False]]])
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],  # query padding: itself only
+        [0, 1, 0, 0, 0, 0],  # query token
+        [0, 1, 1, 0, 0, 0],  # r1a
+        [0, 1, 1, 1, 0, 0],  # r1b
+        [0, 1, 0, 0, 1, 0],  # r2a: not r1
+        [0, 1, 0, 0, 1, 1],  # r2 padding: itself, never attended by others
+    ], dtype=torch.bool)
+    mask = packed_best_of_n_mask(query_mask, response_mask)
+    assert mask.shape == (1, 1, 6, 6)
+    assert torch.equal(mask[0, 0], expected)
 
 
 def test_last_pooling_reads_the_last_real_token(tiny_base_dir, pad):
