@@ -55,6 +55,8 @@ def main(params: Params) -> None:
         "fit/raw_std": raw.std(unbiased=False).item(),
         "normalized/mean": fresh.mean().item(),
         "normalized/std": fresh.std(unbiased=False).item(),
+        # sampling error of the fresh mean: |mean| below ~2 of these is what a correct fit gives
+        "normalized/mean_stderr": fresh.std().item() / len(fresh) ** 0.5,
         "normalized/samples": len(fresh),
     }
     if params.data.preferences.source == "simulated":

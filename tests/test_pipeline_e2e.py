@@ -99,7 +99,7 @@ def test_metrics_are_declared_and_sane(project):
             metrics.update(content.get("data", {}))
     assert 0.0 <= metrics["test/accuracy"] <= 1.0
     assert 0.0 <= metrics["labels/ceiling_accuracy"] <= 1.0
-    assert abs(metrics["normalized/mean"]) < 1.0
+    assert abs(metrics["normalized/mean"]) < 1.0 and metrics["normalized/mean_stderr"] > 0.0
     for key in ("gold/base_mean", "gold/policy_mean", "proxy/base_mean", "proxy/policy_mean", "kl/mean", "win_rate/gold", "win_rate/proxy"):
         assert key in metrics, key
     points = json.loads((root / "evaluation/overoptimization.json").read_text())
