@@ -131,8 +131,11 @@ class RewardTrainParams(Strict):
 
 
 class RewardNormalizeParams(Strict):
-    normalize_samples: int = Field(256, gt=0, description="Base-model samples used to fit gain and bias.")
-    eval_samples: int = Field(256, gt=0, description="Fresh base-model samples to check the fit.")
+    normalize_samples: int = Field(
+        256, gt=0, description="Base-model samples used to fit gain and bias, on train queries drawn without replacement "
+        "(reshuffled when they run out): the train split's size draws every query once.",
+    )
+    eval_samples: int = Field(256, gt=0, description="Fresh base-model samples (fresh responses to redrawn train queries) to check the fit.")
     target_mean: float = 0.0
     target_std: float = Field(1.0, gt=0.0)
     batch_size: int = Field(32, gt=0)

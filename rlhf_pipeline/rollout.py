@@ -77,3 +77,14 @@ def load_queries(path: str, split: str, pad_token_id: int, limit: int | None = N
 
     rows = load_from_disk(path)[split]["query_ids"]
     return left_align(torch.tensor(rows[:limit] if limit is not None else rows, dtype=torch.long), pad_token_id)
+
+
+def draw_queries(queries: Tensor, n: int, generator: torch.Generator) -> Tensor:
+    """``n`` rows of ``queries`` drawn without replacement, reshuffled whenever all have been drawn.
+
+    With ``n == len(queries)`` every query appears exactly once, so a mean over the draws has no
+    query-sampling error with respect to that (finite) query set, only the responses' noise.
+    """
+    passes = -(-n // len(queries))
+    order = torch.cat([torch.randperm(len(queries), generator=generator) for _ in range(passes)])
+    return queries[order[:n]]

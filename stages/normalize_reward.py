@@ -1,8 +1,9 @@
 """Stage normalize_reward: refit gain/bias on base-model samples -> models/reward.
 
 Samples always come from the frozen base model, never from a trained policy
-(lm-human-preference-details issue #8). The fit is checked on a fresh sample (fresh queries
-and fresh responses), and, with the default labeler, the Spearman correlation of the reward
+(lm-human-preference-details issue #8), on the train queries (those PPO optimises over). The fit is
+checked on a fresh sample (fresh responses to freshly drawn train queries), whose mean is reported
+with its standard error, and, with the default labeler, the Spearman correlation of the reward
 with the gold score is measured on that same fresh sample.
 """
 
@@ -17,7 +18,7 @@ from rlhf_pipeline.modelcard import write_card
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import Params
 from rlhf_pipeline.reward import RewardModel, fit_normalization, score_query_responses, set_gain_bias
-from rlhf_pipeline.rollout import TaskSampler, load_queries
+from rlhf_pipeline.rollout import TaskSampler, draw_queries, load_queries
 from rlhf_pipeline.runner import run_stage
 
 BASE, TRAINED, QUERIES = "models/base", "models/reward_unnormalized", "data/queries"
@@ -31,15 +32,13 @@ def main(params: Params) -> None:
     model = RewardModel.load(TRAINED)
     base = load_causal_lm(BASE).eval()
     sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
+    # Queries come from the train split, the set PPO optimises over; drawing each of them once
+    # (normalize_samples = its size) removes query-sampling error from the fit. The check redraws
+    # the queries and samples fresh responses, with a different seed stream from train_reward.
     train_queries = load_queries(QUERIES, "train", tokenizer.pad_token_id)
-    # Disjoint query sets for fitting and checking; a different seed stream from train_reward.
     generator = torch.Generator().manual_seed(params.seed + 1)
-    order = torch.randperm(len(train_queries), generator=generator)
-    fit_queries = train_queries[order[: cfg.normalize_samples]]
-    eval_queries = train_queries[order[cfg.normalize_samples : cfg.normalize_samples + cfg.eval_samples]]
-    if len(eval_queries) < cfg.eval_samples:
-        # Fewer train queries than fit+eval: reuse queries for the check, still with fresh responses.
-        eval_queries = train_queries[order[: cfg.eval_samples]]
+    fit_queries = draw_queries(train_queries, cfg.normalize_samples, generator)
+    eval_queries = draw_queries(train_queries, cfg.eval_samples, generator)
 
     set_gain_bias(model, 1.0, 0.0)
     fit_responses, _ = sampler.sample_truncated(base, fit_queries, generator, cfg.batch_size)

@@ -40,3 +40,16 @@ def test_seeded_and_certain_draws():
     tokens, logprobs = sample_from_logits(certain, torch.Generator().manual_seed(0))
     assert tokens.tolist() == [0, 300, 699]
     assert torch.allclose(logprobs, torch.zeros(3))
+
+
+def test_draw_queries_covers_the_pool_before_repeating():
+    from rlhf_pipeline.rollout import draw_queries
+
+    pool = torch.arange(10)[:, None].repeat(1, 3)  # 10 distinct "queries"
+    g = torch.Generator().manual_seed(0)
+    once = draw_queries(pool, 10, g)[:, 0]
+    assert sorted(once.tolist()) == list(range(10))
+    fewer = draw_queries(pool, 7, g)[:, 0]
+    assert len(set(fewer.tolist())) == 7
+    counts = torch.bincount(draw_queries(pool, 25, g)[:, 0], minlength=10)
+    assert counts.min() == 2 and counts.max() == 3 and counts.sum() == 25
