@@ -16,7 +16,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PREFECT_HOME := $(CURDIR)/.prefect
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run test bench server serve flow lint clean
+.PHONY: setup run test bench server serve flow clean
 
 setup: $(STAMP)
 

@@ -21,10 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rlhf_pipeline.errors import ParamsError
 
 PositiveInt = Field(gt=0)
-
-
-
 RewardPooling = Literal["last", "mean"]  # reward-head input; rlhf_pipeline.reward reads the choices from here
+
 
 class Strict(BaseModel):
     """Unknown keys are refused: a typo in params.yaml must not silently fall back to a default."""
