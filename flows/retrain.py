@@ -59,9 +59,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.runtime import task_run as task_run_runtime
 from prefect.tasks import exponential_backoff
+from pydantic import ValidationError
+
+from rlhf_pipeline.errors import ParamsError, PipelineError
+from rlhf_pipeline.params import ScheduleParams, format_validation_error, load_params
+from rlhf_pipeline.runner import report_error
 
 DEPLOYMENT_NAME = "retrain-schedule"
-DEFAULT_CRON = "0 3 * * 1"  # Mondays 03:00
 DEFAULT_PREFERENCES_TARGET = "data/labels/preferences.jsonl"
 DEFAULT_LINEAGE_TARGET = "models/policy"
 DEFAULT_LOCAL_REMOTE = "localremote"
@@ -234,19 +238,17 @@ def is_stage_output(root: Path, target: Path) -> bool:
     return any(target == out or out in target.parents for out in _declared_outputs(root))
 
 
-def resolve_cron(repo: str | Path = ".", cron: str | None = None) -> str:
-    """``cron`` if given, else ``schedule.cron`` from params.yaml if present, else weekly."""
-    if cron:
-        return cron
+def resolve_schedule(repo: str | Path = ".", cron: str | None = None, timezone: str | None = None) -> ScheduleParams:
+    """The retrain schedule: ``cron``/``timezone`` when given, else params.yaml's ``schedule``
+    section (validated by the params schema, so a bad value stops with its key path), else the
+    schema's defaults when there is no params.yaml."""
+    path = Path(repo) / "params.yaml"
+    schedule = load_params(path).schedule if path.is_file() else ScheduleParams()
+    overrides = {key: value for key, value in (("cron", cron), ("timezone", timezone)) if value}
     try:
-        with (Path(repo) / "params.yaml").open() as handle:
-            params = yaml.safe_load(handle) or {}
-        value = (params.get("schedule") or {}).get("cron")
-        if isinstance(value, str) and value.strip():
-            return value.strip()
-    except (OSError, yaml.YAMLError, AttributeError):
-        pass
-    return DEFAULT_CRON
+        return ScheduleParams.model_validate({**schedule.model_dump(), **overrides})
+    except ValidationError as error:
+        raise ParamsError("--cron/--timezone", [f"schedule.{line}" for line in format_validation_error(error)]) from None
 
 
 def _newest_preference_file(incoming: Path) -> Path:
@@ -570,6 +572,7 @@ def build_deployment(
     from prefect.schedules import Cron
 
     root = Path(repo).expanduser().resolve()
+    schedule = resolve_schedule(root, cron, timezone)
     parameters: dict[str, Any] = {"repo": str(root), "push": push}
     if incoming:
         parameters["incoming"] = str(Path(incoming).expanduser().resolve())
@@ -577,7 +580,7 @@ def build_deployment(
         parameters["remote"] = remote
     return retrain.to_deployment(
         name=DEPLOYMENT_NAME,
-        schedules=[Cron(resolve_cron(root, cron), timezone=timezone or "UTC")],
+        schedules=[Cron(schedule.cron, timezone=schedule.timezone)],
         parameters=parameters,
         concurrency_limit=1,  # collision strategy ENQUEUE: an overlapping scheduled run waits
         tags=["rlhf", "retrain"],
@@ -612,8 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remote", default=None, help="DVC remote to push to (default: default remote, else localremote)")
     parser.add_argument("--no-push", dest="push", action="store_false")
     if command == "serve":
-        parser.add_argument("--cron", default=None, help=f"default: params.yaml schedule.cron, else '{DEFAULT_CRON}'")
-        parser.add_argument("--timezone", default=None, help="IANA timezone of the cron (default UTC)")
+        parser.add_argument("--cron", default=None, help="default: params.yaml schedule.cron")
+        parser.add_argument("--timezone", default=None, help="IANA time zone of the cron (default: params.yaml schedule.timezone)")
         args = parser.parse_args(argv)
         if not _api_url():
             print("serve needs a Prefect server: start one with `python -m flows.retrain server` and "
@@ -621,7 +624,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from prefect import serve
 
-        deployment = build_deployment(args.repo, args.cron, args.timezone, args.incoming, args.remote, args.push)
+        try:
+            deployment = build_deployment(args.repo, args.cron, args.timezone, args.incoming, args.remote, args.push)
+        except PipelineError as error:
+            return report_error(error, "python -m flows.retrain serve")
         serve(deployment)
         return 0
     parser.add_argument("--preferences-target", default=DEFAULT_PREFERENCES_TARGET)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlhf_pipeline.errors import ParamsError
 
@@ -65,7 +65,6 @@ class QueriesParams(Strict):
     query_length: int = Field(64, gt=0)
     start_text: str | None = Field(".", description="Keep tokens after its first occurrence; null disables.")
     end_text: str | None = Field(".", description="Cut after its last occurrence; null disables.")
-    pad_side: Literal["left", "right"] = "left"
     test_fraction: float = Field(0.1, gt=0.0, lt=1.0)
 
 
@@ -193,7 +192,18 @@ class EvaluateParams(Strict):
 
 class ScheduleParams(Strict):
     cron: str = Field("0 3 * * 1", min_length=9, description="Cron of the Prefect retraining deployment (default: Mondays 03:00).")
-    timezone: str = "UTC"
+    timezone: str = Field("UTC", description="IANA time zone the cron is read in (e.g. Europe/Paris).")
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_timezone(cls, value: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(value)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError("not an IANA time zone name such as 'UTC' or 'Europe/Paris'") from None
+        return value
 
 
 class Params(Strict):

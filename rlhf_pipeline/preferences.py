@@ -6,7 +6,7 @@ One row per query, in both splits:
 column         type                  meaning
 =============  ====================  ===========================================================
 query          str                   the prompt text
-query_ids      list[int]             query_length ids, padded on data.queries.pad_side
+query_ids      list[int]             query_length ids, left-padded (as data/queries)    
 samples        list[str]             the N candidate responses
 sample_ids     list[list[int]]       N x response_length ids, right-padded with the pad id
 best           int                   index of the preferred sample
@@ -36,7 +36,6 @@ import torch
 
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.queries import pad_tokens
-from rlhf_pipeline.sampling import left_align
 
 PAIRWISE, BEST_OF_N, SIMULATED = "pairwise", "best_of_n", "simulated"
 PAIRWISE_COLUMNS = ("prompt", "chosen", "rejected")
@@ -128,7 +127,7 @@ class SimulatedSplit:
 
 def sample_candidates(model, tokenizer, sampler, query_ids: list[list[int]], num_samples: int, generator: torch.Generator):
     """``num_samples`` truncated responses per query: (texts per query, ids per query, valid (B*N,))."""
-    batch = left_align(torch.tensor(query_ids, dtype=torch.long), tokenizer.pad_token_id)
+    batch = torch.tensor(query_ids, dtype=torch.long)  # left-padded, as data/queries stores them
     _, truncated, valid = sampler.sample(model, batch, generator, num_samples=num_samples)
     texts = tokenizer.batch_decode(truncated.tolist(), skip_special_tokens=True)
     ids = truncated.view(len(batch), num_samples, -1).tolist()
@@ -247,11 +246,11 @@ def display_names(fmt: str) -> dict[str, str]:
     return {}
 
 
-def tokenize_query(tokenizer, text: str, query_length: int, pad_side: str) -> list[int]:
+def tokenize_query(tokenizer, text: str, query_length: int) -> list[int]:
     """The LAST ``query_length`` tokens of ``text`` (the end of a prompt is what the response
-    continues), padded to ``query_length`` on ``pad_side``."""
+    continues), left-padded to ``query_length`` like the queries of data/queries."""
     ids = tokenizer.encode(text, add_special_tokens=False)[-query_length:]
-    return pad_tokens(ids, query_length, tokenizer.pad_token_id, pad_side)
+    return pad_tokens(ids, query_length, tokenizer.pad_token_id, "left")
 
 
 def tokenize_response(tokenizer, text: str, response_length: int) -> list[int]:
@@ -276,10 +275,10 @@ def _margins(frame) -> list[float]:
     return [0.0 if v is None or v != v else float(v) for v in frame["margin"].tolist()]
 
 
-def _internal(tokenizer, queries, samples, best, margins, query_length, response_length, pad_side) -> dict[str, list]:
+def _internal(tokenizer, queries, samples, best, margins, query_length, response_length) -> dict[str, list]:
     return {
         "query": list(queries),
-        "query_ids": [tokenize_query(tokenizer, q, query_length, pad_side) for q in queries],
+        "query_ids": [tokenize_query(tokenizer, q, query_length) for q in queries],
         "samples": [list(s) for s in samples],
         "sample_ids": [[tokenize_response(tokenizer, t, response_length) for t in row] for row in samples],
         "best": [int(b) for b in best],
@@ -288,15 +287,15 @@ def _internal(tokenizer, queries, samples, best, margins, query_length, response
     }
 
 
-def pairwise_to_internal(frame, tokenizer, query_length: int, response_length: int, pad_side: str = "left", where: str = "preferences") -> dict[str, list]:
+def pairwise_to_internal(frame, tokenizer, query_length: int, response_length: int, where: str = "preferences") -> dict[str, list]:
     """Pairwise rows (``prompt``, ``chosen``, ``rejected``, optional ``margin``) -> internal
     columns with N=2, ``samples=[chosen, rejected]`` and ``best=0``."""
     _require_text(frame, list(PAIRWISE_COLUMNS), where)
     samples = list(zip(frame["chosen"].tolist(), frame["rejected"].tolist()))
-    return _internal(tokenizer, frame["prompt"].tolist(), samples, [0] * len(frame), _margins(frame), query_length, response_length, pad_side)
+    return _internal(tokenizer, frame["prompt"].tolist(), samples, [0] * len(frame), _margins(frame), query_length, response_length)
 
 
-def best_of_n_to_internal(frame, tokenizer, query_length: int, response_length: int, pad_side: str = "left", where: str = "preferences") -> dict[str, list]:
+def best_of_n_to_internal(frame, tokenizer, query_length: int, response_length: int, where: str = "preferences") -> dict[str, list]:
     """Best-of-N rows (``query``, ``sample0`` .. ``sampleK``, ``best``) -> internal columns."""
     names = sample_columns(frame.columns)
     expected = [f"sample{i}" for i in range(max(len(names), 2))]
@@ -307,12 +306,12 @@ def best_of_n_to_internal(frame, tokenizer, query_length: int, response_length: 
     if any(not isinstance(b, (int, np.integer)) or not 0 <= b < len(expected) for b in best):
         raise PipelineError(f"{where}: column 'best' must hold integers in [0, {len(expected)}). {VALIDATE_HINT}")
     samples = list(zip(*(frame[c].tolist() for c in expected)))
-    return _internal(tokenizer, frame["query"].tolist(), samples, best, _margins(frame), query_length, response_length, pad_side)
+    return _internal(tokenizer, frame["query"].tolist(), samples, best, _margins(frame), query_length, response_length)
 
 
-def user_to_internal(frame, fmt: str, tokenizer, query_length: int, response_length: int, pad_side: str, where: str) -> dict[str, list]:
+def user_to_internal(frame, fmt: str, tokenizer, query_length: int, response_length: int, where: str) -> dict[str, list]:
     convert = pairwise_to_internal if fmt == PAIRWISE else best_of_n_to_internal
-    return convert(frame, tokenizer, query_length, response_length, pad_side, where)
+    return convert(frame, tokenizer, query_length, response_length, where)
 
 
 def internal_to_flat(columns) -> "pd.DataFrame":  # noqa: F821

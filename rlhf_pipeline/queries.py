@@ -6,7 +6,7 @@ OAI's query generator (``lm_tasks.py``) does, for each passage::
     if start_token: keep the tokens after its first occurrence (skip the passage if absent)
     tokens = tokens[:query_length]
     if end_token:   cut after its last occurrence, inclusive (skip the passage if absent)
-    pad to query_length with the padding token
+    pad to query_length with the padding token (this project: on the left, see build_queries)
 
 With ``start_text = end_text = "."`` a query therefore starts at a sentence boundary and ends
 with a full sentence. :func:`preprocess_query` is that procedure as a pure function on token id
@@ -111,14 +111,14 @@ def build_queries(
     query_length: int,
     start_text: str | None,
     end_text: str | None,
-    pad_side: str,
     test_fraction: float,
     seed: int,
 ) -> tuple[dict[str, dict[str, list]], dict[str, int]]:
     """Preprocess every passage and split the kept queries.
 
     Returns ``({"train": columns, "test": columns}, counts)`` where ``columns`` has
-    ``query_ids`` (padded to ``query_length`` on ``pad_side``) and ``query`` (decoded, no pads),
+    ``query_ids`` (left-padded to ``query_length``: sampling continues from the last position, so
+    every consumer reads queries in this layout) and ``query`` (decoded, no pads),
     and ``counts`` has ``passages``, ``kept``, ``dropped_<reason>``, ``train`` and ``test``.
     """
     start_tokens = text_tokens(tokenizer, start_text, "data.queries.start_text")
@@ -145,7 +145,7 @@ def build_queries(
     for name, indices in (("train", train_idx), ("test", test_idx)):
         rows = [kept[i] for i in indices]
         splits[name] = {
-            "query_ids": [pad_tokens(r, query_length, pad_id, pad_side) for r in rows],
+            "query_ids": [pad_tokens(r, query_length, pad_id, "left") for r in rows],
             "query": tokenizer.batch_decode(rows, skip_special_tokens=False),
         }
         counts[name] = len(rows)

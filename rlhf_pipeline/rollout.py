@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.functional import truncate_response
 from rlhf_pipeline.params import TaskParams
-from rlhf_pipeline.sampling import iterate_batches, left_align, sample_responses
+from rlhf_pipeline.sampling import is_left_padded, iterate_batches, sample_responses
 
 
 def single_token_id(tokenizer, text: str | None, key: str) -> int | None:
@@ -76,7 +76,10 @@ def load_queries(path: str, split: str, pad_token_id: int, limit: int | None = N
     from datasets import load_from_disk
 
     rows = load_from_disk(path)[split]["query_ids"]
-    return left_align(torch.tensor(rows[:limit] if limit is not None else rows, dtype=torch.long), pad_token_id)
+    queries = torch.tensor(rows[:limit] if limit is not None else rows, dtype=torch.long)
+    if not is_left_padded(queries, pad_token_id):
+        raise PipelineError(f"{path} ({split}) holds queries that are not left-padded (written by an older version?); rerun `dvc repro queries`.")
+    return queries
 
 
 def draw_queries(queries: Tensor, n: int, generator: torch.Generator) -> Tensor:

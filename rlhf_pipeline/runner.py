@@ -1,18 +1,26 @@
-"""The common entry point of every DVC stage: validate params, run, map errors to exit codes."""
+"""The common entry point of every DVC stage: validate params, restrict them, run, map errors to exit codes."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
+from rlhf_pipeline.env import project_root
 from rlhf_pipeline.errors import ParamsError, PipelineError
 from rlhf_pipeline.params import Params, load_params
+from rlhf_pipeline.stage_params import DeclaredParams, declared_param_keys
+
+# When set to a folder, each stage writes there the params keys it read (tests compare them with dvc.yaml).
+RECORD_READS_ENV = "RLHF_RECORD_PARAM_READS"
+UNDECLARED_SEED = 0  # a stage that does not declare `seed` must not depend on it, yet stays deterministic
 
 
 def seed_everything(seed: int) -> None:
@@ -33,8 +41,22 @@ def report_error(error: PipelineError, prog: str) -> int:
     return error.exit_code
 
 
+def stage_params(name: str, params: Params, root: str | os.PathLike) -> Params | DeclaredParams:
+    """What stage ``name`` may read of ``params``: the keys ``dvc.yaml`` declares for it."""
+    keys = declared_param_keys(name, root)
+    return params if keys is None else DeclaredParams(params, keys, name)
+
+
+def record_reads(name: str, view: Params | DeclaredParams) -> None:
+    folder = os.environ.get(RECORD_READS_ENV)
+    if folder and isinstance(view, DeclaredParams):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        Path(folder, f"{name}.json").write_text(json.dumps(sorted(view.reads)) + "\n")
+
+
 def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None = None) -> None:
-    """Parse ``--params``, validate, and call ``body(params)``; exit non-zero on user errors.
+    """Parse ``--params``, validate, restrict to the declared keys, seed, and call ``body(params)``;
+    exit non-zero on user errors.
 
     Unexpected exceptions still print their traceback: those are bugs, and hiding them would
     make them harder to report.
@@ -43,9 +65,11 @@ def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None 
     parser.add_argument("--params", default=os.environ.get("RLHF_PARAMS", "params.yaml"))
     args = parser.parse_args(argv)
     try:
-        params = load_params(args.params)
-        seed_everything(params.seed)
+        params = stage_params(name, load_params(args.params), project_root())
+        declares_seed = not isinstance(params, DeclaredParams) or params.declares("seed")
+        seed_everything(params.seed if declares_seed else UNDECLARED_SEED)
         body(params)
+        record_reads(name, params)
     except PipelineError as error:
         sys.exit(report_error(error, f"stage {name}"))
     except KeyboardInterrupt:

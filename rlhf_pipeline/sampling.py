@@ -75,15 +75,12 @@ def _just_below(x: Tensor) -> Tensor:
     return torch.nextafter(x, torch.zeros_like(x))
 
 
-def left_align(queries: Tensor, pad_token_id: int) -> Tensor:
-    """Move each row's padding to the left: sampling continues from the last position, and PPO
-    reads the state that predicts response token 0 at index query_length - 1."""
-    out = torch.full_like(queries, pad_token_id)
-    for i, row in enumerate(queries):
-        real = row[row != pad_token_id]
-        if len(real):
-            out[i, queries.shape[1] - len(real) :] = real
-    return out
+def is_left_padded(queries: Tensor, pad_token_id: int) -> bool:
+    """True if no row has padding after a real token. Sampling continues from the last position
+    and PPO reads the state that predicts response token 0 at index query_length - 1, so every
+    query tensor is left-padded (data/queries stores them so)."""
+    real = queries != pad_token_id
+    return not bool((real[:, :-1] & ~real[:, 1:]).any())
 
 
 def position_ids_from_mask(mask: Tensor) -> Tensor:

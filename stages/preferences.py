@@ -65,7 +65,7 @@ def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
     cfg, q = params.data.preferences, params.data.queries
     frames, fmt = load_user_frames(cfg.source, cfg.split, q.test_fraction, params.seed)
     splits = {
-        name: user_to_internal(frame, fmt, tokenizer, q.query_length, params.task.response_length, q.pad_side, f"{cfg.source} ({name} split)")
+        name: user_to_internal(frame, fmt, tokenizer, q.query_length, params.task.response_length, f"{cfg.source} ({name} split)")
         for name, frame in frames.items()
     }
     return splits, {"format": fmt, "labels/ceiling_accuracy": None}

@@ -24,7 +24,7 @@ def main(params: Params) -> None:
     except FileNotFoundError:
         raise PipelineError(f"{CORPUS} is missing; run `dvc repro corpus` first.") from None
     splits, counts = build_queries(
-        corpus["text"], tokenizer, cfg.query_length, cfg.start_text, cfg.end_text, cfg.pad_side, cfg.test_fraction, params.seed
+        corpus["text"], tokenizer, cfg.query_length, cfg.start_text, cfg.end_text, cfg.test_fraction, params.seed
     )
     with atomic_dir(OUT) as tmp:
         DatasetDict({name: Dataset.from_dict(columns, features=FEATURES) for name, columns in splits.items()}).save_to_disk(str(tmp))

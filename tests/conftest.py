@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import shutil
 import sys
 from pathlib import Path
 
@@ -78,6 +79,12 @@ def tiny_model(tiny_base_dir):
     return load_causal_lm(tiny_base_dir).eval()
 
 
+def add_pipeline_definition(root: str | os.PathLike) -> None:
+    """Copy the repo's dvc.yaml into ``root``: stages read only the params it declares for them,
+    so a stage runs in a test project under the same restriction as under `dvc repro`."""
+    shutil.copy(REPO / "dvc.yaml", Path(root) / "dvc.yaml")
+
+
 def tiny_params(**overrides) -> dict:
     """A params.yaml mapping sized for the tiny model; ``overrides`` are dotted keys."""
     params = {
@@ -115,6 +122,7 @@ def project(tmp_path, monkeypatch, tiny_base_dir) -> Project:
     root = Project(tmp_path)
     (root / "models").mkdir()
     (root / "models" / "base").symlink_to(tiny_base_dir, target_is_directory=True)
+    add_pipeline_definition(root)
     monkeypatch.chdir(root)
     root.write_params()
     return root

@@ -17,12 +17,12 @@ from filelock import FileLock  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
+from rlhf_pipeline.errors import ParamsError  # noqa: E402
 from flows.retrain import (  # noqa: E402
-    DEFAULT_CRON,
     DEPLOYMENT_NAME,
     CommandResult,
     build_deployment,
-    resolve_cron,
+    resolve_schedule,
     retrain,
     stage_exit_code,
     stage_order,
@@ -237,16 +237,18 @@ def test_overlapping_run_does_not_touch_the_workspace(project: Path):
 
 
 def test_schedule_is_registered(project: Path):
-    assert resolve_cron(project) == DEFAULT_CRON
-    (project / "params.yaml").write_text("schedule:\n  cron: '15 4 * * 2'\n")
-    assert resolve_cron(project, "0 5 * * *") == "0 5 * * *"
+    (project / "params.yaml").write_text("schedule:\n  cron: '15 4 * * 2'\n  timezone: Europe/Paris\n")
+    assert resolve_schedule(project, "0 5 * * *").model_dump() == {"cron": "0 5 * * *", "timezone": "Europe/Paris"}
+    assert resolve_schedule(project, timezone="Asia/Tokyo").timezone == "Asia/Tokyo"
+    with pytest.raises(ParamsError, match="schedule.timezone: Value error, not an IANA time zone"):
+        resolve_schedule(project, timezone="Mars/Olympus")
 
     deployment_id = build_deployment(str(project)).apply()  # the deployment `serve` serves
 
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name(f"retrain/{DEPLOYMENT_NAME}")
         assert deployment.id == deployment_id
-        assert [s.schedule.cron for s in deployment.schedules] == ["15 4 * * 2"]
+        assert [(s.schedule.cron, s.schedule.timezone) for s in deployment.schedules] == [("15 4 * * 2", "Europe/Paris")]
         assert deployment.schedules[0].active
         assert deployment.parameters["repo"] == str(project.resolve())
         assert deployment.global_concurrency_limit is not None and deployment.global_concurrency_limit.limit == 1

@@ -54,9 +54,9 @@ def broken(path: str, value):
         ("reward.train.microbatch_size", 5, "reward.train.microbatch_size: must divide reward.train.batch_size"),
         ("ppo.kl.estimator", "k2", "ppo.kl.estimator: Input should be 'k1' or 'k3'"),
         ("reward.train.pooling", "max", "reward.train.pooling: Input should be 'last' or 'mean'"),
-        ("data.queries.pad_side", "middle", "data.queries.pad_side"),
         ("ppo.total_episodes", 4, "ppo.total_episodes: must be >= ppo.batch_size"),
         ("data.queries.test_fraction", 1.5, "data.queries.test_fraction: Input should be less than 1"),
+        ("schedule.timezone", "Mars/Olympus", "schedule.timezone: Value error, not an IANA time zone name"),
     ],
 )
 def test_each_rule_is_refused_with_its_key_path(path, value, expected):

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import add_pipeline_definition
 
 from rlhf_pipeline.errors import NonFiniteError
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
@@ -200,12 +201,13 @@ def policy_project(tiny_base_dir, reward_model, queries, tmp_path_factory):
     DatasetDict({"train": Dataset.from_dict(rows), "test": Dataset.from_dict(rows)}).save_to_disk(str(root / "data/queries"))
     params = {"task": TASK, "ppo": {**PPO, "total_episodes": 160, "checkpoint_every": 2, "device": "cpu"}, "data": {"preferences": {"source": "user.jsonl"}}}
     (root / "params.yaml").write_text(yaml.safe_dump(params))
+    add_pipeline_definition(root)
     return root
 
 
 def run_stage(root: Path, out: Path):
     out.mkdir(parents=True, exist_ok=True)
-    for item in ("models", "data", "params.yaml"):
+    for item in ("models", "data", "params.yaml", "dvc.yaml"):
         if not (out / item).exists():
             (shutil.copytree if (root / item).is_dir() else shutil.copy)(root / item, out / item)
     env = {**os.environ, "RLHF_PROJECT_ROOT": str(out), "GIT_DIR": "/nonexistent"}
@@ -243,7 +245,7 @@ def test_data_parallel_run_with_two_processes(policy_project, tmp_path):
     """`torchrun --nproc_per_node 2` (what `accelerate launch` sets up): gloo DDP on CPU, each
     rank rolls out half the batch, only rank 0 writes the model and metrics."""
     out = tmp_path / "ddp"
-    for item in ("models", "data", "params.yaml"):
+    for item in ("models", "data", "params.yaml", "dvc.yaml"):
         (shutil.copytree if (policy_project / item).is_dir() else shutil.copy)(policy_project / item, out / item)
     params = yaml.safe_load((out / "params.yaml").read_text())
     params["ppo"]["total_episodes"] = 32

@@ -19,7 +19,6 @@ from rlhf_pipeline.preferences import (
     best_of_n_to_internal,
     ceiling_accuracy,
     detect_format,
-    left_align,
     load_user_frames,
     pairwise_to_internal,
     pick_best,
@@ -29,6 +28,7 @@ from rlhf_pipeline.preferences import (
 )
 from rlhf_pipeline.queries import pad_tokens
 from rlhf_pipeline.rollout import TaskSampler
+from rlhf_pipeline.sampling import is_left_padded
 from rlhf_pipeline.tiny import TINY_TEXT
 
 
@@ -92,9 +92,10 @@ def test_vader_labeler_prefers_positive_text():
         get_labeler("nope")
 
 
-def test_left_align():
-    ids = torch.tensor([[5, 6, 0, 0], [0, 7, 8, 9], [0, 0, 0, 0]])
-    assert left_align(ids, 0).tolist() == [[0, 0, 5, 6], [0, 7, 8, 9], [0, 0, 0, 0]]
+def test_is_left_padded():
+    assert is_left_padded(torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9], [0, 0, 0, 0], [1, 2, 3, 4]]), 0)
+    assert not is_left_padded(torch.tensor([[0, 0, 5, 6], [5, 6, 0, 0]]), 0)
+    assert not is_left_padded(torch.tensor([[0, 5, 0, 6]]), 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -153,7 +154,7 @@ PAIRS = pd.DataFrame({"prompt": ["The movie was", "She walked to the market and 
 
 def test_pairwise_to_internal(tiny_tokenizer):
     tok, pad = tiny_tokenizer, tiny_tokenizer.pad_token_id
-    cols = pairwise_to_internal(PAIRS, tok, query_length=5, response_length=6, pad_side="left")
+    cols = pairwise_to_internal(PAIRS, tok, query_length=5, response_length=6)
     assert cols["samples"] == [["great fun.", "bad."], ["bought bread.", "the weather is fine and the sky is blue and"]]
     assert cols["best"] == [0, 0] and cols["gold"] == [None, None] and cols["margin"] == [1.5, 0.0]
     long_prompt = tok.encode("She walked to the market and then", add_special_tokens=False)
@@ -164,8 +165,8 @@ def test_pairwise_to_internal(tiny_tokenizer):
     assert cols["sample_ids"][1][1] == rejected[:6]  # the FIRST response_length tokens
     chosen = tok.encode("great fun.", add_special_tokens=False)[:6]
     assert cols["sample_ids"][0][0] == chosen + [pad] * (6 - len(chosen))  # right padded
-    right = pairwise_to_internal(PAIRS, tok, query_length=40, response_length=6, pad_side="right")
-    assert right["query_ids"][0][: len(short)] == short
+    long = pairwise_to_internal(PAIRS, tok, query_length=40, response_length=6)
+    assert long["query_ids"][0] == [pad] * (40 - len(short)) + short  # left padded, like data/queries
 
 
 def test_best_of_n_to_internal(tiny_tokenizer):

@@ -1,0 +1,134 @@
+"""The parameters a stage may read: exactly the params.yaml keys ``dvc.yaml`` declares for it.
+
+DVC reruns a stage when one of its declared params changes, and only then. A stage that reads a
+key it does not declare would stay "up to date" after that key changed, and its cached output
+would no longer be the one its inputs produce. So the stage runner never gives a stage the whole
+validated :class:`~rlhf_pipeline.params.Params`: it gives a :class:`DeclaredParams` view that
+lets through only the keys DVC itself reports for that stage (read with DVC's Python API, so
+``dvc.yaml`` is parsed once, by DVC) and fails at the first undeclared read, naming the stage
+and the key, in tests and in real runs alike.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from rlhf_pipeline.errors import PipelineError
+
+PARAMS_FILE = "params.yaml"  # the file dvc.yaml's `params:` entries refer to by default
+
+
+class UndeclaredParamError(PipelineError):
+    """A stage read a params key that dvc.yaml does not declare for it (a pipeline-definition error)."""
+
+    exit_code = 2
+
+
+def declared_param_keys(stage: str, root: str | os.PathLike = ".") -> frozenset[str] | None:
+    """The params.yaml keys ``dvc.yaml`` at ``root`` declares for ``stage``; None when it
+    declares the whole file (a ``- params.yaml:`` entry with no keys)."""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+    from dvc.stage.exceptions import StageNotFound
+
+    root = Path(root).resolve()
+    dvcfile = root / "dvc.yaml"
+    if not dvcfile.is_file():
+        raise PipelineError(
+            f"stage {stage}: no dvc.yaml in {root}. Stages read only the params dvc.yaml declares for them, "
+            "so they run from the project root (where `dvc repro` runs them)."
+        )
+    try:
+        # uninitialized: the declaration is all we need, also in a folder without .dvc/ (tests, exports)
+        with Repo(str(root), uninitialized=True) as repo:
+            declaration = repo.stage.load_one(path=str(dvcfile), name=stage)
+    except StageNotFound:
+        raise PipelineError(f"stage {stage}: {dvcfile} has no stage named {stage!r}.") from None
+    except DvcException as error:
+        raise PipelineError(f"stage {stage}: DVC cannot read {dvcfile}: {error}") from None
+    keys: set[str] = set()
+    for dependency in declaration.params:
+        if Path(dependency.fs_path).resolve() != root / PARAMS_FILE:
+            continue  # another params file: not the schema this project validates
+        if not dependency.params:
+            return None
+        keys.update(dependency.params)
+    return frozenset(keys)
+
+
+def _covers(declared: Iterable[str], path: str) -> bool:
+    """True if a declared key is ``path`` or one of its parent sections."""
+    return any(path == key or path.startswith(key + ".") for key in declared)
+
+
+class DeclaredParams:
+    """Read-only view of validated params that lets through only the declared keys.
+
+    ``view.task`` returns the validated value itself when ``task`` (or a parent) is declared, a
+    narrower view of a section that is not declared as a whole (``view.data.queries``), and raises
+    :class:`UndeclaredParamError` at the first undeclared value read, naming its full key.
+    ``model_dump()`` of a section not declared as a whole is refused for the same reason: it would
+    read the undeclared keys too. Every granted read is
+    added to ``reads`` (shared by nested views) for the check that dvc.yaml declares nothing unused.
+    """
+
+    __slots__ = ("_model", "_prefix", "_declared", "_stage", "_reads")
+
+    def __init__(self, model: BaseModel, declared: Iterable[str], stage: str, prefix: str = "", reads: set[str] | None = None):
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_prefix", prefix)
+        object.__setattr__(self, "_declared", frozenset(declared))
+        object.__setattr__(self, "_stage", stage)
+        object.__setattr__(self, "_reads", set() if reads is None else reads)
+
+    @property
+    def reads(self) -> set[str]:
+        return self._reads
+
+    def declares(self, path: str) -> bool:
+        """True if ``path`` (a dotted key) may be read."""
+        return _covers(self._declared, path)
+
+    def _path(self, name: str) -> str:
+        return f"{self._prefix}.{name}" if self._prefix else name
+
+    def _refuse(self, path: str, what: str) -> UndeclaredParamError:
+        declared = ", ".join(sorted(self._declared)) or "none"
+        return UndeclaredParamError(
+            f"stage {self._stage} {what} params.yaml key '{path}', which dvc.yaml does not declare for this stage "
+            f"(it declares: {declared}). DVC would not rerun the stage when that key changes: add '{path}' to "
+            f"stages.{self._stage}.params in dvc.yaml, or stop reading it."
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name not in type(self._model).model_fields:
+            raise AttributeError(f"{type(self._model).__name__} has no parameter {name!r}")
+        path = self._path(name)
+        value = getattr(self._model, name)
+        if _covers(self._declared, path):
+            self._reads.add(path)
+            return value
+        if isinstance(value, BaseModel):  # a section: the refusal, if any, names the key read inside it
+            return DeclaredParams(value, self._declared, self._stage, path, self._reads)
+        raise self._refuse(path, "read")
+
+    def model_dump(self, **kwargs) -> dict[str, Any]:
+        raise self._refuse(self._prefix or "<all of params.yaml>", "dumped the whole section")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("stage params are read-only")
+
+    def __repr__(self) -> str:
+        return f"DeclaredParams(stage={self._stage!r}, section={self._prefix or '<root>'!r}, declared={sorted(self._declared)})"
+
+
+def restrict_to_declared(params: BaseModel, stage: str, root: str | os.PathLike = ".") -> BaseModel | DeclaredParams:
+    """``params`` as ``stage`` may see them: a :class:`DeclaredParams` view, or ``params`` itself
+    when dvc.yaml declares the whole params file for that stage."""
+    keys = declared_param_keys(stage, root)
+    return params if keys is None else DeclaredParams(params, keys, stage)
