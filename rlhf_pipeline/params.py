@@ -118,6 +118,12 @@ class RewardTrainParams(Strict):
     batch_size: int = Field(32, gt=0, description="Labels per optimizer step.")
     microbatch_size: int = Field(32, gt=0, description="Labels per forward/backward (gradient accumulation).")
     adam_eps: float = Field(1.0e-5, gt=0.0)
+    tensorflow_adam: bool = Field(True, description="Adam with epsilon added to sqrt(v) before bias correction, as TensorFlow "
+                                  "(OAI) and LHPD's use_tensorflow_adam; false: torch.optim.Adam.")
+    train_gain_bias: bool = Field(True, description="Train the reward gain and bias with the model (both references do); "
+                                  "false keeps them at the normalize_before values.")
+    num_layers: int | None = Field(None, ge=0, description="Keep only the base model's lowest N blocks (null: all, the reference); "
+                                   "the head then reads the final norm of block N's output.")
     freeze_layers: int = Field(0, ge=0, description="Freeze embeddings and the lowest K transformer blocks.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     normalize_before: bool = True
@@ -133,6 +139,8 @@ class RewardNormalizeParams(Strict):
         "(reshuffled when they run out): the train split's size draws every query once.",
     )
     eval_samples: int = Field(256, gt=0, description="Fresh base-model samples (fresh responses to redrawn train queries) to check the fit.")
+    truncate: bool = Field(False, description="Fit on responses truncated at task.truncate_token, as PPO scores them; false: on the "
+                           "raw fixed-length responses, as both references do (also for reward.train.normalize_before).")
     target_mean: float = 0.0
     target_std: float = Field(1.0, gt=0.0)
     batch_size: int = Field(32, gt=0)
@@ -163,6 +171,7 @@ class PPOParams(Strict):
     lr: float = Field(1.0e-5, gt=0.0)
     anneal_lr: bool = True
     adam_eps: float = Field(1.0e-5, gt=0.0)
+    tensorflow_adam: bool = Field(True, description="Adam with epsilon added to sqrt(v) before bias correction (TensorFlow, OAI); false: torch.optim.Adam.")
     max_grad_norm: float | None = Field(None, gt=0.0)
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
@@ -172,6 +181,11 @@ class PPOParams(Strict):
     entropy_coef: float = Field(0.0, ge=0.0)
     whiten_rewards: bool = True
     kl: KLParams = KLParams()
+    score_source: Literal["reward_model", "gold"] = Field(
+        "reward_model", description="What scores a response: the trained reward model, or (an ablation, as Gao et al. 2022 do "
+        "with their gold model) the simulated labeler's own score, standardised on the labelled base-model samples: what PPO "
+        "reaches with a perfect reward on this budget. 'gold' needs data.preferences.source: simulated."
+    )
     value_model: Literal["shared", "separate"] = Field(
         "shared", description="shared: zero-init scalar head on the policy backbone (reference); "
         "separate: a value model initialised from the reward model (TRL style)."

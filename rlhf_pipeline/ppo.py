@@ -17,8 +17,8 @@ Speed without changing the maths:
 - old logprobs/values come from the sampling forward, not a second policy forward;
 - the LM head is applied to response positions only;
 - with ``freeze_layers = K`` the policy's lowest K blocks equal the reference model's (both are
-  the frozen base), so the reference forward also yields the hidden state entering block K and
-  every PPO epoch runs only the trainable top blocks from that cached activation.
+  the frozen base), so the sampling pass also yields the hidden state entering block K; the
+  reference forward and every PPO epoch run only the top blocks from that cached activation.
 """
 
 from __future__ import annotations
@@ -262,11 +262,16 @@ class PPOTrainer:
         gold_labeler=None,
         log=None,
         autocast=None,
+        gold_standardization: tuple[float, float] | None = None,
     ):
         self.policy, self.ref_model, self.reward_model = policy, ref_model, reward_model
         self.queries, self.task, self.cfg, self.tokenizer = queries, task, cfg, tokenizer
         self.seed, self.device, self.checkpointer = seed, device, checkpointer
         self.gold_labeler, self.log = gold_labeler, log
+        # ppo.score_source 'gold': the labeler's score, (gold - mean) / std, replaces the reward model's
+        self.gold_standardization = gold_standardization
+        if cfg.score_source == "gold" and (gold_labeler is None or gold_standardization is None):
+            raise PipelineError("ppo.score_source 'gold' needs the simulated labeler (data.preferences.source: simulated) and its base-sample statistics.")
         self.autocast = autocast
         self.pad_id = tokenizer.pad_token_id
         # Data parallel (torchrun / `accelerate launch`): each rank rolls out batch_size/world
@@ -283,7 +288,8 @@ class PPOTrainer:
         self.num_updates = cfg.total_episodes // cfg.batch_size
         self.freeze = cfg.freeze_layers
         for frozen in (ref_model, reward_model):
-            frozen.eval().requires_grad_(False)
+            if frozen is not None:
+                frozen.eval().requires_grad_(False)
         freeze_lower_layers(backbone_of(policy.lm), self.freeze)
         # lm_head is tied to the (frozen) input embeddings in most small LMs; untied heads train.
         self.use_trunk = self.freeze > 0 and supports_trunk_split(policy.lm) and supports_trunk_split(ref_model)
@@ -292,7 +298,7 @@ class PPOTrainer:
             from torch.nn.parallel import DistributedDataParallel
 
             self.train_module = DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
-        self.optimizer = adam((p for p in policy.parameters() if p.requires_grad), lr=cfg.lr, eps=cfg.adam_eps)
+        self.optimizer = adam((p for p in policy.parameters() if p.requires_grad), lr=cfg.lr, eps=cfg.adam_eps, tensorflow=cfg.tensorflow_adam)
         self.kl_ctl = (F.AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive else F.FixedKLController(cfg.kl.init_coef))
         self.history: list[dict] = []
         self.start_update = 0
@@ -326,7 +332,13 @@ class PPOTrainer:
         generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + update * 1_009 + self.rank)
         self.policy.eval()
         with self._ctx():
-            sampled, truncated, valid = self.sampler.sample(self.policy.lm, queries, generator, value_head=self.policy.value_head if self.policy.shared else None)
+            # with the trunk split, the sampling pass also yields the activation entering block
+            # `freeze` (the policy's frozen lower blocks are the reference's), so neither the
+            # reference forward nor any PPO epoch runs those blocks again
+            sampled, truncated, valid = self.sampler.sample(
+                self.policy.lm, queries, generator, value_head=self.policy.value_head if self.policy.shared else None,
+                capture_layers=(self.freeze,) if self.use_trunk else (),
+            )
         responses = sampled.responses
         mask = sampled.mask
         query_responses = torch.cat([queries, responses], 1)
@@ -336,7 +348,8 @@ class PPOTrainer:
         self._offload(self.ref_model, True)
         with self._ctx():
             if self.use_trunk:
-                ref_hidden, trunk = hidden_from(self.ref_model, query_responses, attn, return_trunk_at=self.freeze)
+                trunk = sampled.hidden[self.freeze]
+                ref_hidden = hidden_from(self.ref_model, query_responses, attn, start_layer=self.freeze, trunk=trunk)
             else:
                 ref_hidden, trunk = hidden_from(self.ref_model, query_responses, attn), None
             ref_logits = never_pad(self.ref_model.get_output_embeddings()(ref_hidden[:, self.query_length - 1 : -1]).float(), self.pad_id) / self.task.temperature
@@ -348,16 +361,22 @@ class PPOTrainer:
             with self._ctx():
                 values = self.policy.values_of(query_responses, attn, self.query_length)
         t2 = time.perf_counter()
-        self._offload(self.reward_model, True)
-        with self._ctx():
-            raw_scores = score_query_responses(self.reward_model, queries, truncated, len(queries))
-        self._offload(self.reward_model, False)
+        gold = None
+        if self.gold_labeler is not None:
+            gold = torch.tensor(self.gold_labeler.score(self.tokenizer.batch_decode(truncated, skip_special_tokens=True)), dtype=torch.float32)
+        if self.cfg.score_source == "gold":
+            mean, std = self.gold_standardization
+            raw_scores = ((gold - mean) / std).to(self.device)
+        else:
+            self._offload(self.reward_model, True)
+            with self._ctx():
+                raw_scores = score_query_responses(self.reward_model, queries, truncated, len(queries))
+            self._offload(self.reward_model, False)
         scores = F.apply_penalty(raw_scores, valid, self.task.penalty_reward)
         t3 = time.perf_counter()
         stats = {"time/generation": t1 - t0, "time/reference": t2 - t1, "time/scoring": t3 - t2}
-        if self.gold_labeler is not None:
-            texts = self.tokenizer.batch_decode(truncated, skip_special_tokens=True)
-            stats["objective/gold"] = float(np.mean(self.gold_labeler.score(texts)))
+        if gold is not None:
+            stats["objective/gold"] = gold.mean().item()
         return Rollout(queries, responses, truncated, valid, sampled.logprobs, ref_logprobs, values, scores, mask, trunk, stats)
 
     # ---- 4: rewards and advantages ----------------------------------------------------------

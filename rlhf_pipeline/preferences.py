@@ -151,33 +151,35 @@ def simulate_preferences(
     split_name: str = "train",
     max_resamples: int = 3,
 ) -> SimulatedSplit:
-    """Label the first ``num_rows`` usable queries with best-of-``num_samples`` choices.
+    """Label ``num_rows`` rows with best-of-``num_samples`` choices.
 
     ``sampler`` is a :class:`rlhf_pipeline.rollout.TaskSampler` (task sampling + truncation).
-    Queries are taken in order, ``batch_size`` at a time. When a query's candidates would break
-    the data contract (see :func:`sample_problem`: e.g. two identical responses), its candidates
-    are drawn again, up to ``max_resamples`` times; a query that still fails is skipped and the
-    next one is used. Deterministic for given generators.
+    Queries are taken in order, ``batch_size`` at a time; when there are more rows to label than
+    queries, the list starts over and the same queries are labelled again on fresh samples. When a
+    query's candidates would break the data contract (see :func:`sample_problem`: e.g. two
+    identical responses), its candidates are drawn again, up to ``max_resamples`` times; a query
+    that still fails is skipped and the next one is used. Deterministic for given generators.
     """
     result = SimulatedSplit({k: [] for k in ("query", "query_ids", "samples", "sample_ids", "best", "gold", "margin")})
     cols = result.columns
-    start = 0
+    start = 0  # position in the endless stream query 0, 1, ..., n-1, 0, 1, ...
     while len(cols["best"]) < num_rows:
-        if start >= len(query_ids):
+        if start >= len(query_ids) * (1 + num_rows // max(len(query_ids), 1)) + len(query_ids):
             raise PipelineError(
-                f"data.preferences: {split_name} needs {num_rows} labelled queries (data.preferences."
-                f"{'num_labels' if split_name == 'train' else 'num_test_labels'}) but data/queries/{split_name} has only "
-                f"{len(query_ids)} queries, of which {sum(result.skipped.values())} were skipped ({result.skipped}). "
-                f"Lower the count or make a bigger corpus (data.corpus.num_passages)."
+                f"data.preferences: {split_name} cannot label {num_rows} rows (data.preferences."
+                f"{'num_labels' if split_name == 'train' else 'num_test_labels'}): the candidates of {sum(result.skipped.values())} "
+                f"of the {start} queries sampled from data/queries/{split_name} ({len(query_ids)} queries) break the data contract "
+                f"({result.skipped}). Lower the count, or use a model that writes distinct, clean responses."
             )
-        stop = min(start + min(batch_size, num_rows - len(cols["best"])), len(query_ids))
-        texts, ids, valid = sample_candidates(model, tokenizer, sampler, query_ids[start:stop], num_samples, generator)
+        stop = start + min(batch_size, num_rows - len(cols["best"]))
+        batch_ids = [query_ids[i % len(query_ids)] for i in range(start, stop)]
+        texts, ids, valid = sample_candidates(model, tokenizer, sampler, batch_ids, num_samples, generator)
         for _ in range(max_resamples):
             redo = [i for i, samples in enumerate(texts) if sample_problem(samples) is not None]
             if not redo:
                 break
             result.resampled += len(redo)
-            new_texts, new_ids, new_valid = sample_candidates(model, tokenizer, sampler, [query_ids[start + i] for i in redo], num_samples, generator)
+            new_texts, new_ids, new_valid = sample_candidates(model, tokenizer, sampler, [batch_ids[i] for i in redo], num_samples, generator)
             valid = valid.view(-1, num_samples).clone()
             for j, i in enumerate(redo):
                 texts[i], ids[i], valid[i] = new_texts[j], new_ids[j], new_valid.view(-1, num_samples)[j]
@@ -192,8 +194,8 @@ def simulate_preferences(
             if problem is not None:
                 result.skipped[problem] = result.skipped.get(problem, 0) + 1
                 continue
-            cols["query"].append(queries[start + row])
-            cols["query_ids"].append(query_ids[start + row])
+            cols["query"].append(queries[(start + row) % len(queries)])
+            cols["query_ids"].append(batch_ids[row])
             cols["samples"].append(samples)
             cols["sample_ids"].append(ids[row])
             cols["best"].append(int(pick_best(scores[row : row + 1], label_temperature, rng)[0]))

@@ -56,10 +56,10 @@ class RewardModel(nn.Module):
         self.pooling = pooling
         self.head = nn.Linear(backbone.config.hidden_size, 1)
         init_reward_head(self.head)
-        # Buffers, not parameters: like the reference they are set by normalisation, not by
-        # the optimizer, and they travel with the weights.
-        self.register_buffer("gain", torch.tensor(1.0))
-        self.register_buffer("bias", torch.tensor(0.0))
+        # Parameters, as in both references: normalisation sets them, and reward training also
+        # trains them (reward.train.train_gain_bias); they travel with the weights.
+        self.gain = nn.Parameter(torch.tensor(1.0))
+        self.bias = nn.Parameter(torch.tensor(0.0))
 
     # ----------------------------------------------------------------------------------------
     def normalize(self, raw: Tensor) -> Tensor:
@@ -139,18 +139,28 @@ class RewardModel(nn.Module):
         }
         save_file(tensors, str(directory / HEAD_FILE))
         (directory / CONFIG_FILE).write_text(
-            json.dumps({"pad_token_id": self.pad_token_id, "gain": float(self.gain), "bias": float(self.bias), "pooling": self.pooling,
+            json.dumps({"pad_token_id": self.pad_token_id, "gain": self.gain.item(), "bias": self.bias.item(), "pooling": self.pooling,
                         "head": POOLING_DESCRIPTIONS[self.pooling]}, indent=2) + "\n"
         )
 
     @classmethod
     def from_base(cls, base_dir: str | Path, pad_token_id: int, dropout: float = 0.0, generator: torch.Generator | None = None,
-                  pooling: str = "last") -> RewardModel:
+                  pooling: str = "last", num_layers: int | None = None) -> RewardModel:
+        """A reward model on the base model's backbone, or (``num_layers``) on its lowest blocks only:
+        the head then reads the final norm of the state after block ``num_layers``."""
         from transformers import AutoModel
 
-        from rlhf_pipeline.models import set_dropout
+        from rlhf_pipeline.models import set_dropout, transformer_layers
 
         backbone = AutoModel.from_pretrained(str(base_dir), dtype=torch.float32)
+        if num_layers is not None:
+            layers = transformer_layers(backbone)
+            if not 0 <= num_layers <= len(layers):
+                raise PipelineError(f"reward.train.num_layers is {num_layers} but the base model has {len(layers)} blocks.")
+            del layers[num_layers:]
+            backbone.config.num_hidden_layers = num_layers
+            if isinstance(getattr(backbone.config, "layer_types", None), list):
+                backbone.config.layer_types = backbone.config.layer_types[:num_layers]
         set_dropout(backbone, dropout)
         model = cls(backbone, pad_token_id, pooling)
         init_reward_head(model.head, generator)
@@ -276,9 +286,14 @@ def train_reward_model(
     generator: torch.Generator,
     max_grad_norm: float | None = None,
     log=None,
+    tensorflow_adam: bool = True,
+    train_gain_bias: bool = True,
 ) -> list[dict]:
     """OAI reward training: ``epochs`` passes (reference: 1) over shuffled labels, LR annealed
-    linearly from ``lr`` to 0 by label index, Adam, gradient accumulation over microbatches.
+    linearly from ``lr`` to 0 by label index, Adam (TensorFlow-style epsilon), gradient
+    accumulation over microbatches. The reward gain and bias train with the model unless
+    ``train_gain_bias`` is false (the softmax loss is invariant to the bias, so only the gain,
+    a temperature of the N-way choice, actually moves).
 
     Returns one record per optimizer step (loss, accuracy, lr); ``log(record)`` is called too.
     """
@@ -287,8 +302,10 @@ def train_reward_model(
     from rlhf_pipeline.functional import best_of_n_loss, linear_anneal
     from rlhf_pipeline.models import adam
 
+    model.gain.requires_grad_(train_gain_bias)
+    model.bias.requires_grad_(train_gain_bias)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = adam(params, lr=lr, eps=adam_eps)
+    optimizer = adam(params, lr=lr, eps=adam_eps, tensorflow=tensorflow_adam)
     num_labels = len(best)
     total = num_labels * epochs
     steps_per_epoch = num_labels // batch_size

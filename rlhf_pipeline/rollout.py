@@ -40,7 +40,8 @@ class TaskSampler:
     def from_tokenizer(cls, task: TaskParams, tokenizer) -> TaskSampler:
         return cls(task, tokenizer.pad_token_id, tokenizer.eos_token_id, single_token_id(tokenizer, task.truncate_token, "task.truncate_token"))
 
-    def sample(self, model: nn.Module, queries: Tensor, generator: torch.Generator, value_head: nn.Module | None = None, num_samples: int = 1):
+    def sample(self, model: nn.Module, queries: Tensor, generator: torch.Generator, value_head: nn.Module | None = None, num_samples: int = 1,
+               capture_layers: tuple[int, ...] = ()):
         out = sample_responses(
             model,
             queries,
@@ -53,6 +54,7 @@ class TaskSampler:
             stop_at_eos=self.task.stop_at_eos,
             value_head=value_head,
             num_samples=num_samples,
+            capture_layers=capture_layers,
         )
         truncated, valid = self.truncate(out.responses)
         return out, truncated, valid
@@ -61,12 +63,13 @@ class TaskSampler:
         return truncate_response(responses, self.truncate_token_id, self.task.truncate_after, self.pad_token_id)
 
     @torch.no_grad()
-    def sample_truncated(self, model: nn.Module, queries: Tensor, generator: torch.Generator, batch_size: int) -> tuple[Tensor, Tensor]:
-        """Truncated responses and validity for many queries, in batches: ((B, R), (B,))."""
+    def sample_batched(self, model: nn.Module, queries: Tensor, generator: torch.Generator, batch_size: int, truncate: bool = True) -> tuple[Tensor, Tensor]:
+        """Responses (truncated unless ``truncate`` is false: the raw fixed-length samples) and
+        their validity for many queries, in batches: ((B, R), (B,))."""
         responses, valids = [], []
         for rows in iterate_batches(len(queries), batch_size):
-            _, truncated, valid = self.sample(model, queries[rows], generator)
-            responses.append(truncated)
+            out, truncated, valid = self.sample(model, queries[rows], generator)
+            responses.append(truncated if truncate else out.responses)
             valids.append(valid)
         return torch.cat(responses), torch.cat(valids)
 

@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +26,9 @@ class SampleOutput:
     logprobs: Tensor  # (B, R) logprob of each sampled token at `temperature`
     values: Tensor | None  # (B, R) value of the state before each response token
     mask: Tensor  # (B, R) True for real response tokens
+    # captured layer -> (B, Q+R, d): the hidden state entering that block (index = number of blocks
+    # below it; the number of blocks itself = the final, normed state) at every query and response position
+    hidden: dict[int, Tensor] = field(default_factory=dict)
 
 
 def never_pad(logits: Tensor, pad_token_id: int) -> Tensor:
@@ -101,11 +105,18 @@ def sample_responses(
     stop_at_eos: bool = False,
     value_head: nn.Module | None = None,
     num_samples: int = 1,
+    capture_layers: Sequence[int] = (),
 ) -> SampleOutput:
     """Sample ``num_samples`` responses per query (rows repeat each query ``num_samples`` times).
 
     The query prefix is run once and its KV cache repeated, so best-of-N labelling costs one
     prefill per query, not N.
+
+    ``capture_layers``: also return the hidden states entering these blocks at every query and
+    response position (``SampleOutput.hidden``), as a plain forward over query+response would give
+    them (the model is causal, so they are also those of any truncation of the response). They come
+    from the sampling forwards themselves, plus one step that feeds the last sampled token, so a
+    frozen lower part of the model never has to run again on these tokens.
     """
     from transformers import DynamicCache
 
@@ -113,8 +124,12 @@ def sample_responses(
     lm_head = model.get_output_embeddings()
     device = queries.device
     mask = query_mask.to(torch.long)
+    layers = sorted(set(capture_layers))
+    capture = {"output_hidden_states": layers} if layers else {}
     cache = DynamicCache(config=model.config)
-    out = backbone(input_ids=queries, attention_mask=mask, position_ids=position_ids_from_mask(mask), past_key_values=cache, use_cache=True)
+    out = backbone(input_ids=queries, attention_mask=mask, position_ids=position_ids_from_mask(mask), past_key_values=cache, use_cache=True, **capture)
+    # output_hidden_states=[...] keeps the full-length tuple, with None where a layer is not asked for
+    captured = [[out.hidden_states[layer]] for layer in layers]
     hidden = out.last_hidden_state[:, -1]
     cache = out.past_key_values
     next_pos = mask.sum(-1)
@@ -123,6 +138,7 @@ def sample_responses(
         hidden = hidden.repeat_interleave(num_samples, 0)
         mask = mask.repeat_interleave(num_samples, 0)
         next_pos = next_pos.repeat_interleave(num_samples, 0)
+        captured = [[parts[0].repeat_interleave(num_samples, 0)] for parts in captured]
     batch = hidden.shape[0]
     tokens = torch.full((batch, response_length), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(batch, response_length, device=device)
@@ -138,10 +154,14 @@ def sample_responses(
         logprobs[:, t] = torch.where(alive, logprob, 0.0)
         # the eos itself is a real token; only what comes after it is padding
         alive_next = alive & (token != eos_token_id) if stop_at_eos and eos_token_id is not None else alive
-        if t == response_length - 1:
+        if t == response_length - 1 and not layers:
             break
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
-        out = backbone(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+        out = backbone(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos[:, None], past_key_values=cache, use_cache=True, **capture)
+        for parts, layer in zip(captured, layers):
+            parts.append(out.hidden_states[layer])
+        if t == response_length - 1:
+            break
         cache = out.past_key_values
         hidden = out.last_hidden_state[:, -1]
         next_pos = next_pos + 1
@@ -149,7 +169,8 @@ def sample_responses(
     response_mask = tokens != pad_token_id
     if not stop_at_eos:
         response_mask = torch.ones_like(response_mask)
-    return SampleOutput(tokens, logprobs, values, response_mask)
+    hidden_states = {layer: torch.cat(parts, dim=1) for layer, parts in zip(layers, captured)}
+    return SampleOutput(tokens, logprobs, values, response_mask, hidden_states)
 
 
 def response_hidden_states(model: nn.Module, query_responses: Tensor, attention_mask: Tensor, query_length: int) -> Tensor:

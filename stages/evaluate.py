@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from pathlib import Path
 
 import torch
 
-from rlhf_pipeline.evaluation import length_stats, load_snapshot, overoptimization_plot, sample_and_score, summarize
+from rlhf_pipeline.evaluation import curve_point, length_stats, load_snapshot, overoptimization_plot, sample_and_score, snapshot_matches, summarize
 from rlhf_pipeline.io import atomic_file, write_json
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
@@ -45,13 +44,19 @@ def main(params: Params) -> None:
     metrics["length/policy"] = length_stats(policy_set, tokenizer.pad_token_id)
     metrics["queries"] = len(queries)
 
-    # Over-optimisation curve: every PPO snapshot, plus the base model at KL 0.
-    points = [{"update": 0, "sqrt_kl": 0.0, "kl": 0.0, "proxy": base_set.proxy.mean().item(), "gold": _mean(base_set.gold)}]
-    for snapshot in sorted(Path(SNAPSHOTS).glob("update_*.safetensors")):
-        load_snapshot(policy, snapshot)
-        sample = evaluate(policy)
-        kl = sample.kl.mean().item()
-        points.append({"update": int(snapshot.stem.split("_")[1]), "kl": kl, "sqrt_kl": math.sqrt(max(kl, 0.0)), "proxy": sample.proxy.mean().item(), "gold": _mean(sample.gold)})
+    # Over-optimisation curve: the base model at KL 0, every PPO snapshot; the last snapshot holds
+    # the shipped policy's weights, so its sample set is the policy's.
+    snapshots = sorted(Path(SNAPSHOTS).glob("update_*.safetensors"))
+    shipped_update = int(snapshots[-1].stem.split("_")[1]) if snapshots and snapshot_matches(policy, snapshots[-1]) else None
+    points = [curve_point(0, base_set, base_set)]
+    for snapshot in snapshots:
+        update = int(snapshot.stem.split("_")[1])
+        if update == shipped_update:
+            sample = policy_set
+        else:
+            load_snapshot(policy, snapshot)
+            sample = evaluate(policy)
+        points.append(curve_point(update, sample, base_set))
     best = max(points, key=lambda p: p["gold"] if p["gold"] is not None else p["proxy"])
 
     OUT.mkdir(exist_ok=True)
@@ -75,7 +80,7 @@ def main(params: Params) -> None:
     write_json(OUT / "overoptimization.json", points)
     png = OUT / "overoptimization.png"
     tmp_png = OUT / ".overoptimization.tmp.png"
-    overoptimization_plot(points, tmp_png)
+    overoptimization_plot(points, tmp_png, shipped_update)
     tmp_png.replace(png)
     with atomic_file(OUT / "report.md") as handle:
         handle.write(render_report(metrics, points, best, rows))
@@ -83,12 +88,14 @@ def main(params: Params) -> None:
     print(json.dumps({k: v for k, v in metrics.items() if not isinstance(v, dict)}, indent=1))
 
 
-def _mean(values):
-    return None if values is None else float(values.mean())
-
-
 def _fmt(value) -> str:
     return "n/a" if value is None else f"{value:.3f}"
+
+
+def _with_error(point: dict, key: str) -> str:
+    if f"{key}_std_units" not in point:
+        return "n/a"
+    return f"{point[f'{key}_std_units']:+.3f} +- {point[f'{key}_stderr']:.3f}"
 
 
 def render_report(metrics: dict, points: list[dict], best: dict, rows: list[dict]) -> str:
@@ -97,8 +104,10 @@ def render_report(metrics: dict, points: list[dict], best: dict, rows: list[dict
         if not isinstance(value, dict) and key != "queries":
             lines.append(f"| `{key}` | {_fmt(value)} |")
     lines += ["", "## Reward over-optimisation", "", "![over-optimisation curve](overoptimization.png)", "",
-              "| update | KL | proxy | gold |", "|---|---|---|---|"]
-    lines += [f"| {p['update']} | {p['kl']:.3f} | {p['proxy']:.3f} | {_fmt(p['gold'])} |" for p in points]
+              "Improvements are over the base model on the same queries, in base-std units, +- one paired standard error.", "",
+              "| update | KL | proxy | gold | proxy improvement | gold improvement |", "|---|---|---|---|---|---|"]
+    lines += [f"| {p['update']} | {p['kl']:.3f} | {p['proxy']:.3f} | {_fmt(p['gold'])} | {_with_error(p, 'proxy')} | {_with_error(p, 'gold')} |"
+              for p in points]
     criterion = "gold" if best["gold"] is not None else "proxy"
     scores = f"(proxy {best['proxy']:.3f}, gold {_fmt(best['gold'])}, KL {best['kl']:.3f})"
     if best["update"]:

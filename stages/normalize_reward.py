@@ -41,11 +41,11 @@ def main(params: Params) -> None:
     eval_queries = draw_queries(train_queries, cfg.eval_samples, generator)
 
     set_gain_bias(model, 1.0, 0.0)
-    fit_responses, _ = sampler.sample_truncated(base, fit_queries, generator, cfg.batch_size)
+    fit_responses, _ = sampler.sample_batched(base, fit_queries, generator, cfg.batch_size, cfg.truncate)
     raw = score_query_responses(model, fit_queries, fit_responses, cfg.batch_size, normalized=False)
     gain, bias = fit_normalization(model, raw, cfg.target_mean, cfg.target_std)
 
-    eval_responses, _ = sampler.sample_truncated(base, eval_queries, generator, cfg.batch_size)
+    eval_responses, _ = sampler.sample_batched(base, eval_queries, generator, cfg.batch_size, cfg.truncate)
     fresh = score_query_responses(model, eval_queries, eval_responses, cfg.batch_size)
     metrics = {
         "gain": gain,

@@ -18,7 +18,7 @@ from rlhf_pipeline.reward import RewardModel
 from rlhf_pipeline.rollout import load_queries
 from rlhf_pipeline.runner import run_stage
 
-BASE, REWARD, QUERIES = "models/base", "models/reward", "data/queries"
+BASE, REWARD, QUERIES, PREFS = "models/base", "models/reward", "data/queries", "data/preferences"
 OUT, CHECKPOINTS, METRICS, LIVE = "models/policy", "checkpoints/policy", "metrics/policy.json", "dvclive/train_policy"
 
 
@@ -31,9 +31,18 @@ def build_policy(cfg, device) -> PolicyWithValue:
     return PolicyWithValue(lm, value_init.backbone.train(), value_init.head)
 
 
+def gold_statistics(path: str) -> tuple[float, float]:
+    """Mean and std of the gold scores of the labelled base-model samples (ppo.score_source 'gold')."""
+    from datasets import load_from_disk
+
+    gold = torch.tensor([score for row in load_from_disk(path)["train"]["gold"] for score in row], dtype=torch.float64)
+    return gold.mean().item(), gold.std().item()
+
+
 def main(params: Params) -> None:
     cfg = params.ppo
-    for path, stage in ((BASE, "base_model"), (REWARD, "normalize_reward")):
+    uses_reward_model = cfg.score_source == "reward_model" or cfg.value_model == "separate"
+    for path, stage in ((BASE, "base_model"), (REWARD, "normalize_reward"))[: 2 if uses_reward_model else 1]:
         require_dir(path, stage)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     plan = resolve_device(cfg.device)
@@ -50,10 +59,12 @@ def main(params: Params) -> None:
     queries = load_queries(QUERIES, "train", tokenizer.pad_token_id)
     frozen_device = "cpu" if cfg.offload_frozen else plan.device
     ref_model = load_causal_lm(BASE, frozen_device)
-    reward_model = RewardModel.load(REWARD, frozen_device)
+    reward_model = RewardModel.load(REWARD, frozen_device) if cfg.score_source == "reward_model" else None
     policy = build_policy(cfg, plan.device)
     gold = get_labeler(params.data.preferences.labeler) if params.data.preferences.source == "simulated" else None
-    fingerprint = fingerprint_of(params.seed, cfg.model_dump(), params.task.model_dump(), content_hash(f"{REWARD}/reward_head.safetensors"), content_hash(f"{QUERIES}"))
+    gold_standardization = gold_statistics(PREFS) if cfg.score_source == "gold" and gold is not None else None
+    reward_hash = content_hash(f"{REWARD}/reward_head.safetensors") if uses_reward_model else None
+    fingerprint = fingerprint_of(params.seed, cfg.model_dump(), params.task.model_dump(), reward_hash, content_hash(f"{QUERIES}"))
     checkpointer = Checkpointer(CHECKPOINTS, fingerprint)
     resuming = (checkpointer.state_dir / "meta.json").is_file()
 
@@ -69,6 +80,7 @@ def main(params: Params) -> None:
         trainer = PPOTrainer(
             policy, ref_model, reward_model, queries, params.task, cfg, tokenizer, params.seed, plan.device,
             checkpointer=checkpointer, gold_labeler=gold, log=log, autocast=plan.autocast if plan.autocast_dtype else None,
+            gold_standardization=gold_standardization,
         )
         history = trainer.train(progress=is_main)
     if not is_main:

@@ -27,7 +27,7 @@ def main(params: Params) -> None:
     tokenizer = load_tokenizer(BASE)
     prefs = load_from_disk(PREFS)
     generator = torch.Generator().manual_seed(params.seed)
-    model = RewardModel.from_base(BASE, tokenizer.pad_token_id, cfg.dropout, generator, cfg.pooling)
+    model = RewardModel.from_base(BASE, tokenizer.pad_token_id, cfg.dropout, generator, cfg.pooling, cfg.num_layers)
     trainable = freeze_lower_layers(model.backbone, cfg.freeze_layers)
 
     normalize_before = {}
@@ -36,7 +36,7 @@ def main(params: Params) -> None:
         base = load_causal_lm(BASE).eval()
         queries = load_queries(QUERIES, "train", tokenizer.pad_token_id, cfg.normalize_before_samples)
         sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
-        responses, _ = sampler.sample_truncated(base, queries, generator, params.reward.normalize.batch_size)
+        responses, _ = sampler.sample_batched(base, queries, generator, params.reward.normalize.batch_size, params.reward.normalize.truncate)
         del base
         raw = score_query_responses(model.eval(), queries, responses, params.reward.normalize.batch_size, normalized=False)
         gain, bias = fit_normalization(model, raw, params.reward.normalize.target_mean, params.reward.normalize.target_std)
@@ -53,6 +53,7 @@ def main(params: Params) -> None:
         history = train_reward_model(
             model, *train, lr=cfg.lr, epochs=cfg.epochs, batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
             adam_eps=cfg.adam_eps, generator=generator, max_grad_norm=cfg.max_grad_norm, log=log,
+            tensorflow_adam=cfg.tensorflow_adam, train_gain_bias=cfg.train_gain_bias,
         )
     test_accuracy = best_of_n_accuracy(model, test[0], test[1], test[2], params.reward.normalize.batch_size)
     tail = history[-max(1, len(history) // 4):]

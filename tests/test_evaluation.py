@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_pipeline.evaluation import SampleSet, length_stats, sequence_kl, summarize, win_rate
+from rlhf_pipeline.evaluation import SampleSet, curve_point, length_stats, paired_improvement, sequence_kl, summarize, win_rate
 
 
 def test_sequence_kl_sums_logprob_differences_over_real_tokens():
@@ -25,6 +25,20 @@ def test_win_rate_counts_ties_as_half():
         win_rate([1.0, 2.0], [1.0])
     with pytest.raises(ValueError):
         win_rate([], [])
+
+
+def test_paired_improvement_by_hand():
+    """policy [0.4, 0.2, 0.9] vs base [0.1, 0.3, 0.5] on the same three queries:
+    base std (population) sqrt(0.08 / 3) = 0.163299; differences [0.3, -0.1, 0.4], mean 0.2,
+    sample sd sqrt(0.14 / 2) = 0.264575; improvement 0.2 / 0.163299 = 1.224745 base std,
+    standard error 0.264575 / sqrt(3) / 0.163299 = 0.935414."""
+    gain, stderr = paired_improvement([0.4, 0.2, 0.9], [0.1, 0.3, 0.5])
+    assert gain == pytest.approx(1.224745, abs=1e-6)
+    assert stderr == pytest.approx(0.935414, abs=1e-6)
+    # pairing: a constant shift has no error at all, whatever the spread between queries
+    assert paired_improvement([1.5, 2.5, 9.5], [1.0, 2.0, 9.0])[1] == pytest.approx(0.0)
+    with pytest.raises(ValueError):
+        paired_improvement([1.0], [0.0])
 
 
 def sample_set(proxy, gold, kl, valid, responses):
@@ -46,14 +60,29 @@ def test_summarize_by_hand():
     assert metrics["gold/base_std"] == pytest.approx(0.1)
     assert metrics["gold/policy_mean"] == pytest.approx(0.3)
     assert metrics["gold/improvement_in_base_std"] == pytest.approx(1.0)
+    # differences [0.3, -0.1]: sample sd 0.282843, / sqrt(2) / 0.1 = 2.0
+    assert metrics["gold/improvement_stderr_in_base_std"] == pytest.approx(2.0)
+    assert metrics["gold/queries"] == 2
     assert metrics["valid/base"] == pytest.approx(0.5) and metrics["valid/policy"] == pytest.approx(1.0)
     assert length_stats(base, pad) == {"mean": 1.5, "min": 1.0, "max": 2.0}
     assert length_stats(policy, pad) == {"mean": 2.5, "min": 2.0, "max": 3.0}
 
 
+def test_curve_point_puts_proxy_and_gold_on_the_base_std_scale():
+    base = sample_set([0.0, 1.0], [0.1, 0.3], [0.0, 0.0], [True, True], [[1], [1]])
+    policy = sample_set([2.0, 1.0], [0.4, 0.2], [1.0, 3.0], [True, True], [[1], [1]])
+    point = curve_point(7, policy, base)
+    assert point["update"] == 7 and point["kl"] == pytest.approx(2.0) and point["sqrt_kl"] == pytest.approx(2.0**0.5)
+    assert point["kl_stderr"] == pytest.approx(1.0)  # sd of [1, 3] is sqrt(2), / sqrt(2)
+    assert point["proxy_std_units"] == pytest.approx(2.0)  # +1.0 over a base std of 0.5
+    assert point["gold_std_units"] == pytest.approx(1.0) and point["gold_stderr"] == pytest.approx(2.0)
+    origin = curve_point(0, base, base)
+    assert origin["proxy_std_units"] == 0.0 and origin["gold_stderr"] == 0.0
+
+
 def test_summarize_without_a_gold_labeler_has_no_gold_metrics():
-    base = sample_set([0.0], None, [0.0], [True], [[1]])
-    policy = sample_set([1.0], None, [0.5], [True], [[1]])
+    base = sample_set([0.0, 0.5], None, [0.0, 0.0], [True, True], [[1], [1]])
+    policy = sample_set([1.0, 0.7], None, [0.5, 0.1], [True, True], [[1], [1]])
     assert not any(key.startswith("gold/") or key == "win_rate/gold" for key in summarize(base, policy))
 
 

@@ -140,9 +140,24 @@ def test_simulation_is_deterministic_and_seeded(tiny_model, tiny_tokenizer):
     assert simulate(tiny_model, tiny_tokenizer, seed=4, temperature=1.0).columns["samples"] != first["samples"]
 
 
-def test_simulation_refuses_too_few_queries(tiny_model, tiny_tokenizer):
-    with pytest.raises(PipelineError, match="num_labels"):
-        simulate(tiny_model, tiny_tokenizer, num_rows=50)
+def test_simulation_labels_queries_again_on_fresh_samples(tiny_model, tiny_tokenizer):
+    """30 rows from 12 queries: the query list starts over, each query is labelled 2-3 times, on new samples."""
+    cols = simulate(tiny_model, tiny_tokenizer, num_rows=30).columns
+    assert len(cols["best"]) == 30
+    counts = {q: cols["query"].count(q) for q in set(cols["query"])}
+    assert len(counts) == 12 and set(counts.values()) <= {2, 3}
+    first_query = cols["query"][0]
+    repeats = [samples for q, samples in zip(cols["query"], cols["samples"]) if q == first_query]
+    assert repeats[0] != repeats[1]
+
+
+def test_simulation_refuses_when_no_row_passes_the_contract(tiny_model, tiny_tokenizer):
+    """Near-greedy one-token responses are four identical samples: every row breaks the contract."""
+    sampler = TaskSampler.from_tokenizer(TaskParams(response_length=1, truncate_token=None, temperature=0.001), tiny_tokenizer)
+    query_ids, queries = tiny_queries(tiny_tokenizer, 12)
+    with pytest.raises(PipelineError, match="num_labels.*duplicate_samples"):
+        simulate_preferences(tiny_model, tiny_tokenizer, sampler, query_ids, queries, 6, 4, CountE(), 0.0, 4,
+                             torch.Generator().manual_seed(0), np.random.default_rng(0))
 
 
 # --------------------------------------------------------------------------------------------

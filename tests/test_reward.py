@@ -157,3 +157,52 @@ def test_training_anneals_the_lr_to_zero_and_learns(tiny_base_dir, pad):
     assert not rm.training  # back in eval mode
     accuracy = best_of_n_accuracy(rm, queries, samples, best, batch_size=16)
     assert 0.0 <= accuracy <= 1.0
+
+
+def test_gain_gradient_by_hand():
+    """d CE / d gain for raw rewards r = [1, 2], label 0, gain 1, bias 0:
+    sum_i (p_i - y_i) r_i with p = softmax([1, 2]) = [0.268941, 0.731059] -> -0.731059 + 1.462117 = 0.731059;
+    the bias gets no gradient (a softmax is shift-invariant)."""
+    gain = torch.tensor(1.0, requires_grad=True)
+    bias = torch.tensor(0.0, requires_grad=True)
+    loss, _ = best_of_n_loss((gain * torch.tensor([[1.0, 2.0]]) + bias), torch.tensor([0]))
+    loss.backward()
+    assert gain.grad.item() == pytest.approx(0.731059, abs=1e-6)
+    assert bias.grad.item() == pytest.approx(0.0, abs=1e-7)
+
+
+@pytest.mark.parametrize("train_gain_bias", [True, False])
+def test_gain_and_bias_train_with_the_model_unless_switched_off(tiny_base_dir, pad, train_gain_bias):
+    """Both references train the reward gain and bias with the model (reward.train.train_gain_bias)."""
+    rm = make_rm(tiny_base_dir, pad).train()
+    queries, samples = batch(pad, rows=8, n=4, seed=2)
+    best = samples[:, :, 0].argmax(-1)
+    train_reward_model(rm, queries, samples, best, None, lr=1e-2, epochs=1, batch_size=8, microbatch_size=8,
+                       adam_eps=1e-5, generator=torch.Generator().manual_seed(0), train_gain_bias=train_gain_bias)
+    assert (rm.gain.item() != 1.0) is train_gain_bias
+    assert rm.bias.item() == pytest.approx(0.0, abs=1e-4)  # zero gradient: Adam barely moves it
+
+
+def test_tensorflow_adam_by_hand():
+    """TF Adam (epsilon before bias correction) on one parameter, lr 0.1, betas (0.9, 0.999), eps 1e-3,
+    starting at 1.0 with gradients 0.5 then -0.2:
+      step 1: m = 0.05, v = 0.00025, sqrt(v) = 0.0158114, lr_t = 0.1 * sqrt(0.001) / 0.1 = 0.0316228,
+              update = 0.0316228 * 0.05 / (0.0158114 + 0.001) = 0.0940518 -> 0.9059482
+      step 2: m = 0.025, v = 0.00028975, sqrt(v) = 0.0170220, lr_t = 0.1 * sqrt(0.001999) / 0.19 = 0.0235317,
+              update = 0.0235317 * 0.025 / (0.0170220 + 0.001) = 0.0326429 -> 0.8733053
+    torch.optim.Adam (epsilon after bias correction) gives 0.9001996 and 0.8657296 instead."""
+    from rlhf_pipeline.models import adam
+
+    for tensorflow, expected in ((True, [0.9059482, 0.8733053]), (False, [0.9001996, 0.8657296])):
+        param = torch.nn.Parameter(torch.tensor([1.0]))
+        optimizer = adam([param], lr=0.1, eps=1e-3, tensorflow=tensorflow)
+        seen = []
+        for grad in (0.5, -0.2):
+            param.grad = torch.tensor([grad])
+            optimizer.step()
+            seen.append(param.item())
+        assert seen == pytest.approx(expected, abs=2e-7), tensorflow
+    # the state survives a save/load: a resumed optimizer keeps the TensorFlow epsilon
+    restored = adam([torch.nn.Parameter(torch.tensor([1.0]))], lr=0.1, eps=1e-3)
+    restored.load_state_dict(adam([param], lr=0.1, eps=1e-3).state_dict())
+    assert restored.param_groups[0]["tensorflow_eps"] == 1e-3

@@ -53,3 +53,40 @@ def test_draw_queries_covers_the_pool_before_repeating():
     assert len(set(fewer.tolist())) == 7
     counts = torch.bincount(draw_queries(pool, 25, g)[:, 0], minlength=10)
     assert counts.min() == 2 and counts.max() == 3 and counts.sum() == 25
+
+
+def test_captured_hidden_states_equal_a_plain_forward(tiny_model, tiny_tokenizer):
+    """The hidden states captured while sampling (prefill + decoding steps, best-of-2 with a shared
+    prefix) are those of one forward over each left-padded query + response."""
+    from rlhf_pipeline.sampling import position_ids_from_mask, sample_responses
+
+    pad = tiny_tokenizer.pad_token_id
+    queries = torch.tensor([[pad, pad, 5, 6, 7], [8, 9, 10, 11, 12]])
+    out = sample_responses(tiny_model, queries, queries != pad, 6, 0.7, pad, generator=torch.Generator().manual_seed(0),
+                           num_samples=2, capture_layers=(0, 2))
+    assert sorted(out.hidden) == [0, 2]
+    full = torch.cat([queries.repeat_interleave(2, 0), out.responses], dim=1)
+    mask = full != pad
+    reference = tiny_model.model(input_ids=full, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask),
+                                 output_hidden_states=True).hidden_states
+    for layer, states in out.hidden.items():
+        assert states.shape == (4, 11, tiny_model.config.hidden_size)
+        torch.testing.assert_close(states[mask], reference[layer][mask], atol=1e-5, rtol=1e-4)
+
+
+def test_normalisation_samples_are_raw_unless_truncation_is_asked(tiny_model, tiny_tokenizer):
+    """reward.normalize.truncate: false (both references) scores the raw fixed-length responses;
+    true scores them cut after the first truncate token, as PPO does."""
+    from rlhf_pipeline.params import TaskParams
+    from rlhf_pipeline.rollout import TaskSampler
+
+    task = TaskParams(response_length=12, truncate_after=1, temperature=1.0)
+    sampler = TaskSampler.from_tokenizer(task, tiny_tokenizer)
+    pad = tiny_tokenizer.pad_token_id
+    queries = torch.tensor([[pad, 5, 6, 7]] * 16)
+    raw, valid = sampler.sample_batched(tiny_model, queries, torch.Generator().manual_seed(0), 8, truncate=False)
+    cut, valid_cut = sampler.sample_batched(tiny_model, queries, torch.Generator().manual_seed(0), 8, truncate=True)
+    assert torch.equal(valid, valid_cut) and valid.any(), "the tiny model writes periods"
+    assert (raw != pad).all()  # fixed length, nothing cut
+    assert torch.equal(cut, sampler.truncate(raw)[0])
+    assert (cut[valid] == pad).any()  # something after a period was cut
