@@ -24,6 +24,16 @@ import common  # noqa: E402,F401  (offline environment first)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+NARRATIVE_STYLES = [  # the built-in styles before the opinion/reaction ones
+    "Write a short paragraph about {subject}.",
+    "Describe {subject} in a few sentences.",
+    "Tell a short story about {subject}.",
+    "Write a cheerful paragraph about {subject}.",
+    "Write a gloomy paragraph about {subject}.",
+    "Write a few sentences about a memory of {subject}.",
+    "Explain to a child what {subject} is like.",
+    "Write a short diary entry about {subject}.",
+]
 OPINION_STYLES = [
     "In a few short sentences, say what you love about {subject}.",
     "In a few short sentences, say what you dislike about {subject}.",
@@ -60,14 +70,14 @@ def main() -> None:
     parser.add_argument("--query-length", type=int, default=24)
     parser.add_argument("--response-length", type=int, default=16)
     parser.add_argument("--corpus-temperature", type=float, default=1.0)
-    parser.add_argument("--styles", default="current,opinion")
+    parser.add_argument("--styles", default="narrative,reviews")
     parser.add_argument("--seed", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(2)
     tokenizer = load_tokenizer("models/base")
     model = load_causal_lm("models/base").eval()
     labeler = get_labeler("vader")
-    style_sets = {"current": corpus.STYLES, "opinion": OPINION_STYLES, "reviews": REVIEW_STYLES}
+    style_sets = {"narrative": NARRATIVE_STYLES, "opinion": OPINION_STYLES, "reviews": REVIEW_STYLES}
     print(f"| styles | passages (s) | queries kept | neutral responses | tied rows | gold std in row | mean gold | "
           + " | ".join(f"valid@{t}" for t in (4, 6, 8)) + " | mean response tokens to '.' |")
     print("|---|---:|---:|---:|---:|---:|---:|" + "---:|" * 4)

@@ -40,15 +40,18 @@ SUBJECTS = [
     "a lighthouse", "a farm", "a hospital waiting room", "a bicycle ride", "a quiet beach",
     "a robot", "a lazy Sunday", "an island",
 ]
+# Opinions and reactions, happy and angry: their continuations carry sentiment words, so
+# best-of-4 labels by a sentiment labeler are less often a coin flip between neutral texts
+# (bench/probe_corpus.py: 40% neutral responses instead of 50%, 15% tied rows instead of 19%).
 STYLES = [
-    "Write a short paragraph about {subject}.",
-    "Describe {subject} in a few sentences.",
-    "Tell a short story about {subject}.",
-    "Write a cheerful paragraph about {subject}.",
-    "Write a gloomy paragraph about {subject}.",
-    "Write a few sentences about a memory of {subject}.",
-    "Explain to a child what {subject} is like.",
-    "Write a short diary entry about {subject}.",
+    "Write five one-line customer reviews of {subject}, some delighted and some furious.",
+    "Write a few short comments people posted about {subject}: some love it, some hate it.",
+    "Write several short, emotional opinions about {subject}, one per sentence.",
+    "List some short reactions to {subject}, from very happy to very angry.",
+    "Write short tweets about {subject}: a few glowing, a few bitter.",
+    "Write a short, emotional review of {subject} in simple sentences.",
+    "Write a few short sentences about how {subject} made people feel, good and bad.",
+    "Write short replies to the question 'How was {subject}?', each with a strong feeling.",
 ]
 
 
@@ -79,27 +82,30 @@ def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def generate_passages(model, tokenizer, num_passages: int, passage_tokens: int, temperature: float, batch_size: int, seed: int) -> list[str]:
+def generate_passages(model, tokenizer, num_passages: int, passage_tokens: int, temperature: float, batch_size: int, seed: int,
+                      samples_per_prompt: int = 1) -> list[str]:
     """Sample ``num_passages`` passages from ``model``, deterministic for a given seed and model.
 
-    Passage ``i`` answers prompt ``order[i % P]`` of :func:`topic_prompts` (``order`` a seeded
-    permutation, so a small corpus still spans many topics); sampling stops at EOS or after
-    ``passage_tokens`` tokens.
+    Prompt ``j`` is ``order[j % P]`` of :func:`topic_prompts` (``order`` a seeded permutation, so
+    a small corpus still spans many topics) and is answered ``samples_per_prompt`` times from one
+    prefill of its (chat-templated) text; sampling stops at EOS or after ``passage_tokens`` tokens.
+    ``batch_size`` counts passages.
     """
     prompts = topic_prompts()
     generator = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(prompts), generator=generator).tolist()
-    encoded = [encode_prompt(tokenizer, prompts[order[i % len(prompts)]]) for i in range(num_passages)]
+    num_prompts = -(-num_passages // samples_per_prompt)
+    encoded = [encode_prompt(tokenizer, prompts[order[j % len(prompts)]]) for j in range(num_prompts)]
     pad_id = tokenizer.pad_token_id
     texts: list[str] = []
-    for rows in iterate_batches(num_passages, batch_size):
+    for rows in iterate_batches(num_prompts, max(1, batch_size // samples_per_prompt)):
         ids, mask = left_pad(encoded[rows], pad_id)
         out = sample_responses(
             model, ids, mask, passage_tokens, temperature, pad_id,
-            generator=generator, eos_token_id=tokenizer.eos_token_id, stop_at_eos=True,
+            generator=generator, eos_token_id=tokenizer.eos_token_id, stop_at_eos=True, num_samples=samples_per_prompt,
         )
         texts.extend(tokenizer.batch_decode(out.responses.tolist(), skip_special_tokens=True))
-    return texts
+    return texts[:num_passages]
 
 
 # --------------------------------------------------------------------------------------------

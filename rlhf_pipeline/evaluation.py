@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from rlhf_pipeline.functional import apply_penalty
 from rlhf_pipeline.reward import RewardModel, score_query_responses
 from rlhf_pipeline.rollout import TaskSampler
-from rlhf_pipeline.sampling import iterate_batches, response_logprobs
+from rlhf_pipeline.sampling import iterate_batches, response_logprobs, shared_lower_blocks
 
 
 def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -86,16 +86,25 @@ def sample_and_score(
     labeler=None,
 ) -> SampleSet:
     """Sample ``model`` on ``queries`` (seeded: the same seed gives base and policy the same
-    random stream), score with proxy and gold, and measure KL from ``base``."""
+    random stream), score with proxy and gold, and measure KL from ``base``.
+
+    The KL of the base from itself is 0 without a forward pass; a model that shares its lowest
+    blocks with the base (a PPO policy trained with frozen lower blocks) hands the base its
+    trunk, captured while sampling, so only the blocks above it run again."""
     generator = torch.Generator().manual_seed(seed)
     responses, truncated, valids, kls = [], [], [], []
     q_len = queries.shape[1]
+    shared = 0 if model is base else shared_lower_blocks(model, base)
     for rows in iterate_batches(len(queries), batch_size):
-        out, trunc, valid = sampler.sample(model, queries[rows], generator)
-        query_responses = torch.cat([queries[rows], out.responses], 1)
-        mask = query_responses != sampler.pad_token_id
-        ref_logprobs, _, _ = response_logprobs(base, query_responses, mask, q_len, sampler.task.temperature, sampler.pad_token_id)
-        kls.append(sequence_kl(out.logprobs, ref_logprobs, out.mask))
+        out, trunc, valid = sampler.sample(model, queries[rows], generator, capture_layers=(shared,) if shared else ())
+        if model is base:
+            kls.append(torch.zeros(len(out.responses)))
+        else:
+            query_responses = torch.cat([queries[rows], out.responses], 1)
+            mask = query_responses != sampler.pad_token_id
+            ref_logprobs = response_logprobs(base, query_responses, mask, q_len, sampler.task.temperature, sampler.pad_token_id,
+                                             shared, out.hidden.get(shared))
+            kls.append(sequence_kl(out.logprobs, ref_logprobs, out.mask))
         responses.append(out.responses)
         truncated.append(trunc)
         valids.append(valid)

@@ -58,7 +58,8 @@ class CorpusParams(Strict):
     num_passages: int = Field(2048, gt=0)
     passage_tokens: int = Field(96, gt=0, description="New tokens sampled per generated passage.")
     temperature: float = Field(1.0, gt=0.0)
-    batch_size: int = Field(64, gt=0)
+    batch_size: int = Field(64, gt=0, description="Passages per generation batch.")
+    samples_per_prompt: int = Field(1, gt=0, description="Generated passages per topic prompt, sharing one prefill of the prompt.")
 
 
 class QueriesParams(Strict):

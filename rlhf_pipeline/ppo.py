@@ -42,51 +42,13 @@ from torch import Tensor, nn
 from rlhf_pipeline import functional as F
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
 from rlhf_pipeline.io import atomic_dir
-from rlhf_pipeline.models import adam, backbone_of, freeze_lower_layers, transformer_layers
+from rlhf_pipeline.models import adam, backbone_of, freeze_lower_layers
 from rlhf_pipeline.params import PPOParams, TaskParams
 from rlhf_pipeline.reward import RewardModel, score_query_responses
 from rlhf_pipeline.rollout import TaskSampler
-from rlhf_pipeline.sampling import never_pad, position_ids_from_mask
+from rlhf_pipeline.sampling import hidden_from, never_pad, response_logprobs, supports_trunk_split
 
 VALUE_HEAD_FILE = "value_head.safetensors"
-# Architectures whose backbone accepts ``inputs_embeds`` without adding position embeddings
-# (rotary), so running a slice of ``layers`` from a cached activation is exact.
-TRUNK_SPLIT_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "granite", "smollm3"}
-
-
-# --------------------------------------------------------------------------------------------
-# the trunk split: run a slice of the transformer blocks
-# --------------------------------------------------------------------------------------------
-@contextmanager
-def only_layers(backbone: nn.Module, layers: nn.ModuleList):
-    """Temporarily make ``backbone`` run ``layers`` only (its norm and rotary stay)."""
-    original = backbone.layers
-    backbone.layers = layers
-    try:
-        yield
-    finally:
-        backbone.layers = original
-
-
-def supports_trunk_split(model: nn.Module) -> bool:
-    return getattr(model.config, "model_type", "") in TRUNK_SPLIT_MODEL_TYPES and hasattr(backbone_of(model), "layers")
-
-
-def hidden_from(model: nn.Module, query_responses: Tensor, mask: Tensor, start_layer: int = 0, trunk: Tensor | None = None, return_trunk_at: int = 0):
-    """Final hidden states of ``model`` on ``query_responses``.
-
-    ``trunk`` (the activation entering block ``start_layer``) skips the blocks below it.
-    ``return_trunk_at`` > 0 also returns the activation entering that block.
-    """
-    backbone = backbone_of(model)
-    kwargs = dict(attention_mask=mask.long(), position_ids=position_ids_from_mask(mask), use_cache=False)
-    if trunk is not None:
-        with only_layers(backbone, transformer_layers(backbone)[start_layer:]):
-            return backbone(inputs_embeds=trunk, **kwargs).last_hidden_state
-    out = backbone(input_ids=query_responses, output_hidden_states=return_trunk_at > 0, **kwargs)
-    if return_trunk_at > 0:
-        return out.last_hidden_state, out.hidden_states[return_trunk_at]
-    return out.last_hidden_state
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,14 +309,9 @@ class PPOTrainer:
         t1 = time.perf_counter()
         self._offload(self.ref_model, True)
         with self._ctx():
-            if self.use_trunk:
-                trunk = sampled.hidden[self.freeze]
-                ref_hidden = hidden_from(self.ref_model, query_responses, attn, start_layer=self.freeze, trunk=trunk)
-            else:
-                ref_hidden, trunk = hidden_from(self.ref_model, query_responses, attn), None
-            ref_logits = never_pad(self.ref_model.get_output_embeddings()(ref_hidden[:, self.query_length - 1 : -1]).float(), self.pad_id) / self.task.temperature
-        ref_logprobs = F.logprobs_from_logits(ref_logits, responses)
-        ref_logprobs = torch.where(responses == self.pad_id, torch.zeros_like(ref_logprobs), ref_logprobs)
+            trunk = sampled.hidden[self.freeze] if self.use_trunk else None
+            ref_logprobs = response_logprobs(self.ref_model, query_responses, attn, self.query_length, self.task.temperature, self.pad_id,
+                                             self.freeze if self.use_trunk else 0, trunk)
         self._offload(self.ref_model, False)
         values = sampled.values
         if not self.policy.shared:

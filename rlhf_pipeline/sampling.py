@@ -6,18 +6,21 @@
   head is given) the values, so PPO needs no second policy forward to build a rollout.
 - :func:`response_logprobs`: one forward over query+response that applies the LM head to the
   response positions only (the vocabulary projection is ~20% of a small model's FLOPs, and the
-  query positions' logits are never used).
+  query positions' logits are never used), optionally from a trunk captured while sampling
+  (:func:`hidden_from`: only the blocks above it run).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-from rlhf_pipeline.models import backbone_of
+from rlhf_pipeline.functional import logprobs_from_logits
+from rlhf_pipeline.models import backbone_of, transformer_layers
 
 
 @dataclass
@@ -173,15 +176,58 @@ def sample_responses(
     return SampleOutput(tokens, logprobs, values, response_mask, hidden_states)
 
 
-def response_hidden_states(model: nn.Module, query_responses: Tensor, attention_mask: Tensor, query_length: int) -> Tensor:
-    """Backbone hidden states at the positions that predict each response token: (B, R, d)."""
-    out = backbone_of(model)(
-        input_ids=query_responses,
-        attention_mask=attention_mask.long(),
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    )
-    return out.last_hidden_state[:, query_length - 1 : -1]
+# Architectures whose backbone accepts ``inputs_embeds`` without adding position embeddings
+# (rotary), so running a slice of ``layers`` from a cached activation is exact.
+TRUNK_SPLIT_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "granite", "smollm3"}
+
+
+@contextmanager
+def only_layers(backbone: nn.Module, layers: nn.ModuleList):
+    """Temporarily make ``backbone`` run ``layers`` only (its norm and rotary stay)."""
+    original = backbone.layers
+    backbone.layers = layers
+    try:
+        yield
+    finally:
+        backbone.layers = original
+
+
+def supports_trunk_split(model: nn.Module) -> bool:
+    return getattr(model.config, "model_type", "") in TRUNK_SPLIT_MODEL_TYPES and hasattr(backbone_of(model), "layers")
+
+
+def hidden_from(model: nn.Module, query_responses: Tensor, mask: Tensor, start_layer: int = 0, trunk: Tensor | None = None, return_trunk_at: int = 0):
+    """Final hidden states of ``model`` on ``query_responses``.
+
+    ``trunk`` (the activation entering block ``start_layer``) skips the blocks below it.
+    ``return_trunk_at`` > 0 also returns the activation entering that block.
+    """
+    backbone = backbone_of(model)
+    kwargs = dict(attention_mask=mask.long(), position_ids=position_ids_from_mask(mask), use_cache=False)
+    if trunk is not None:
+        with only_layers(backbone, transformer_layers(backbone)[start_layer:]):
+            return backbone(inputs_embeds=trunk, **kwargs).last_hidden_state
+    out = backbone(input_ids=query_responses, output_hidden_states=return_trunk_at > 0, **kwargs)
+    if return_trunk_at > 0:
+        return out.last_hidden_state, out.hidden_states[return_trunk_at]
+    return out.last_hidden_state
+
+
+def shared_lower_blocks(model: nn.Module, other: nn.Module) -> int:
+    """How many of the lowest blocks (embeddings included) ``model`` and ``other`` share weight for
+    weight: a trunk captured while sampling ``model`` is then also ``other``'s. 0 if none or if
+    either cannot run from a captured trunk."""
+    if not (supports_trunk_split(model) and supports_trunk_split(other)):
+        return 0
+    mine, theirs = backbone_of(model), backbone_of(other)
+    if not torch.equal(mine.get_input_embeddings().weight, theirs.get_input_embeddings().weight):
+        return 0
+    count = 0
+    for a, b in zip(transformer_layers(mine), transformer_layers(theirs)):
+        if not all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())):
+            break
+        count += 1
+    return count
 
 
 def response_logprobs(
@@ -191,21 +237,18 @@ def response_logprobs(
     query_length: int,
     temperature: float,
     pad_token_id: int,
-    with_entropy: bool = False,
-    value_head: nn.Module | None = None,
-):
-    """Logprobs of the response tokens under ``model`` at ``temperature`` (and optionally entropy
-    and values), from one forward. Returns ``(logprobs, entropy_or_None, values_or_None)``."""
-    hidden = response_hidden_states(model, query_responses, attention_mask, query_length)
+    start_layer: int = 0,
+    trunk: Tensor | None = None,
+) -> Tensor:
+    """Logprobs (B, R) of the response tokens under ``model`` at ``temperature``, from one forward
+    (from block ``start_layer`` on, given the ``trunk`` entering it) with the LM head on the
+    response positions only."""
+    hidden = hidden_from(model, query_responses, attention_mask, start_layer, trunk)[:, query_length - 1 : -1]
     logits = never_pad(model.get_output_embeddings()(hidden).float(), pad_token_id) / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
     labels = query_responses[:, query_length:]
-    logprobs = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    logprobs = logprobs_from_logits(logits, labels)
     # padding after an EOS (stop mode) is masked downstream; keep it finite here
-    logprobs = torch.where(labels == pad_token_id, torch.zeros_like(logprobs), logprobs)
-    entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
-    values = value_head(hidden).squeeze(-1).float() if value_head is not None else None
-    return logprobs, entropy, values
+    return torch.where(labels == pad_token_id, torch.zeros_like(logprobs), logprobs)
 
 
 def iterate_batches(n: int, batch_size: int):

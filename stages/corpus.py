@@ -23,7 +23,8 @@ def main(params: Params) -> None:
         require_dir(BASE, "base_model")
         tokenizer = load_tokenizer(BASE)
         model = load_causal_lm(BASE).eval()
-        texts = generate_passages(model, tokenizer, cfg.num_passages, cfg.passage_tokens, cfg.temperature, cfg.batch_size, params.seed)
+        texts = generate_passages(model, tokenizer, cfg.num_passages, cfg.passage_tokens, cfg.temperature, cfg.batch_size, params.seed,
+                                  cfg.samples_per_prompt)
     elif is_local_source(cfg.source):
         texts = load_local_passages(cfg.source, cfg.text_column)
     else:

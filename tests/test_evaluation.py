@@ -108,3 +108,36 @@ def test_report_names_the_best_checkpoint(best_update, expected):
     report = render_report({"queries": 2, "kl/mean": 1.0}, points, best, [])
     assert f"Best checkpoint by gold score: {expected}" in report
     assert "| 4 | 1.000 | 0.500 | 0.300 |" in report
+
+
+def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny_tokenizer):
+    """A policy whose lowest block is the base's: sample_and_score hands the base the trunk captured
+    while sampling; the KL equals the one from a full forward of the base, and the base's own is 0."""
+    import copy
+
+    from rlhf_pipeline.evaluation import sample_and_score
+    from rlhf_pipeline.models import load_causal_lm
+    from rlhf_pipeline.params import TaskParams
+    from rlhf_pipeline.reward import RewardModel
+    from rlhf_pipeline.rollout import TaskSampler
+    from rlhf_pipeline.sampling import response_logprobs, shared_lower_blocks
+
+    base = load_causal_lm(tiny_base_dir).eval()
+    policy = copy.deepcopy(base)
+    with torch.no_grad():
+        policy.model.layers[1].mlp.down_proj.weight.mul_(1.5)
+    assert shared_lower_blocks(policy, base) == 1 and shared_lower_blocks(base, base) == 2
+    pad = tiny_tokenizer.pad_token_id
+    reward = RewardModel.from_base(tiny_base_dir, pad, generator=torch.Generator().manual_seed(0)).eval()
+    sampler = TaskSampler.from_tokenizer(TaskParams(response_length=6, truncate_token=None), tiny_tokenizer)
+    queries = torch.randint(0, 250, (6, 5), generator=torch.Generator().manual_seed(0))
+    queries[:2, :2] = pad
+    result = sample_and_score(policy, base, reward, queries, sampler, tiny_tokenizer, seed=3, batch_size=6)
+    with torch.no_grad():
+        again = sampler.sample(policy, queries, torch.Generator().manual_seed(3))[0]  # same stream, one batch
+        full = torch.cat([queries, again.responses], 1)
+        ref = response_logprobs(base, full, full != pad, 5, sampler.task.temperature, pad)
+    assert torch.equal(result.responses, again.responses)
+    torch.testing.assert_close(result.kl, sequence_kl(again.logprobs, ref, again.mask), atol=1e-4, rtol=1e-4)
+    assert result.kl.abs().max() > 1e-3  # the perturbation is visible
+    assert torch.equal(sample_and_score(base, base, reward, queries, sampler, tiny_tokenizer, 3, 4).kl, torch.zeros(6))

@@ -19,7 +19,8 @@ from conftest import add_pipeline_definition
 from rlhf_pipeline.errors import NonFiniteError
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params import Params
-from rlhf_pipeline.ppo import Checkpointer, PolicyWithValue, PPOTrainer, hidden_from
+from rlhf_pipeline.ppo import Checkpointer, PolicyWithValue, PPOTrainer
+from rlhf_pipeline.sampling import hidden_from
 from rlhf_pipeline.reward import RewardModel
 
 REPO = Path(__file__).resolve().parents[1]
