@@ -7,6 +7,7 @@ import json
 import os
 import random
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -64,12 +65,14 @@ def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None 
     parser = argparse.ArgumentParser(prog=f"stage {name}")
     parser.add_argument("--params", default=os.environ.get("RLHF_PARAMS", "params.yaml"))
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     try:
         params = stage_params(name, load_params(args.params), project_root())
         declares_seed = not isinstance(params, DeclaredParams) or params.declares("seed")
         seed_everything(params.seed if declares_seed else UNDECLARED_SEED)
         body(params)
         record_reads(name, params)
+        print(f"stage {name}: done in {time.perf_counter() - started:.0f} s", flush=True)
     except PipelineError as error:
         sys.exit(report_error(error, f"stage {name}"))
     except KeyboardInterrupt:
