@@ -10,11 +10,13 @@ Both sample ``--response-tokens`` tokens after ``--query-tokens`` fixed-seed ran
   min_new_tokens=max_new_tokens=R)`` with eos disabled.
 
 Each side runs once to warm up, then ``--repeats`` times, interleaved; the table gives the median.
-For reference, two floors of one decoding step measured on this machine in the same run: the
-memory-bandwidth floor (every weight read once per step: bytes / a measured copy bandwidth) and
-the compute floor (2 x parameters x batch FLOPs / a measured fp32 matrix-product rate).
+Two workloads of ``--batch`` rows: distinct queries, and ``--samples-per-query`` samples of each
+query (what best-of-N labelling and the corpus run). For reference, measured on this machine in the
+same run: the memory-bandwidth floor of one decoding step (every weight read once: bytes / a
+measured copy bandwidth) and each call's compute floor (its unavoidable matrix-product FLOPs / a
+measured fp32 matrix-product rate).
 
-Usage: .venv/bin/python bench/sampling_throughput.py [--batch 64] [--query-tokens 24] [--response-tokens 16] [--repeats 3] [--markdown] [--output FILE]
+Usage: .venv/bin/python bench/sampling_throughput.py [--batch 64] [--query-tokens 24] [--response-tokens 16] [--samples-per-query 4] [--repeats 3] [--markdown] [--output FILE]
 """
 
 from __future__ import annotations
@@ -56,34 +58,46 @@ def measured_matmul_flops(n: int = 2048) -> float:
     return 2 * n**3 / min(runs)
 
 
-def time_ours(model, queries, args, pad_id) -> float:
+def time_ours(model, queries, args, pad_id, samples) -> float:
     from rlhf_pipeline.sampling import sample_responses
 
     started = time.perf_counter()
     with torch.no_grad():
-        out = sample_responses(model, queries, queries != pad_id, args.response_tokens, 0.7, pad_id, generator=torch.Generator().manual_seed(args.seed))
-    assert out.responses.shape == (len(queries), args.response_tokens)
+        out = sample_responses(model, queries, queries != pad_id, args.response_tokens, 0.7, pad_id,
+                               generator=torch.Generator().manual_seed(args.seed), num_samples=samples)
+    assert out.responses.shape == (len(queries) * samples, args.response_tokens)
     return time.perf_counter() - started
 
 
-def time_transformers(model, queries, args, pad_id) -> float:
+def time_transformers(model, queries, args, pad_id, samples) -> float:
     from transformers import GenerationConfig
 
     config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=0.7, max_new_tokens=args.response_tokens,
-                              min_new_tokens=args.response_tokens, eos_token_id=None, pad_token_id=pad_id, bos_token_id=None)
+                              min_new_tokens=args.response_tokens, eos_token_id=None, pad_token_id=pad_id, bos_token_id=None,
+                              num_return_sequences=samples)
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=queries, attention_mask=torch.ones_like(queries), generation_config=config)
-    assert out.shape == (len(queries), queries.shape[1] + args.response_tokens)
+    assert out.shape == (len(queries) * samples, queries.shape[1] + args.response_tokens)
     return time.perf_counter() - started
+
+
+def call_flops(model, distinct_queries: int, rows: int, args) -> float:
+    """Matrix-product FLOPs a sampler cannot avoid: the transformer body once per distinct query
+    token and once per sampled token, the LM head (tied to the embedding) once per sampled token.
+    Attention score products are left out (under 3% at these lengths)."""
+    head = model.get_output_embeddings().weight.numel()
+    body = sum(p.numel() for p in model.parameters()) - head
+    return 2 * body * (distinct_queries * args.query_tokens + rows * args.response_tokens) + 2 * head * rows * args.response_tokens
 
 
 def main() -> None:
     parser = benchmark_parser(__doc__)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="rows sampled per call")
     parser.add_argument("--query-tokens", type=int, default=24)
     parser.add_argument("--response-tokens", type=int, default=16)
+    parser.add_argument("--samples-per-query", type=int, default=4, help="the shared-query workload: best-of-N labelling samples N per query")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     model_dir, tokenizer = prepare(args)
@@ -91,34 +105,39 @@ def main() -> None:
 
     model = load_causal_lm(model_dir).eval()
     pad_id = tokenizer.pad_token_id
-    queries = random_token_ids(tokenizer, (args.batch, args.query_tokens), torch.Generator().manual_seed(args.seed))
+    workloads = {  # name: (distinct queries, samples per query)
+        f"{args.batch} distinct queries": (args.batch, 1),
+        f"{args.batch // args.samples_per_query} queries x {args.samples_per_query} samples": (args.batch // args.samples_per_query, args.samples_per_query),
+    }
     sides = {"this project (sample_responses)": time_ours, "transformers generate": time_transformers}
-    times = {name: [] for name in sides}
-    for name, run in sides.items():  # warm-up
-        run(model, queries, args, pad_id)
+    queries = {name: random_token_ids(tokenizer, (n, args.query_tokens), torch.Generator().manual_seed(args.seed)) for name, (n, _) in workloads.items()}
+    times = {(w, side): [] for w in workloads for side in sides}
+    for (w, side) in times:  # warm-up
+        sides[side](model, queries[w], args, pad_id, workloads[w][1])
     for _ in range(args.repeats):
-        for name, run in sides.items():
-            times[name].append(run(model, queries, args, pad_id))
+        for (w, side), runs in times.items():
+            runs.append(sides[side](model, queries[w], args, pad_id, workloads[w][1]))
     bandwidth, flops = measured_bandwidth(), measured_matmul_flops()
-    params = sum(p.numel() for p in model.parameters())  # the LM head shares the embedding matrix
-    step_bytes = params * 4
-    step_flops = 2 * params * args.batch
-    reference = statistics.median(times["transformers generate"])
+    step_bytes = sum(p.numel() for p in model.parameters()) * 4  # the LM head shares the embedding matrix
     rows = []
-    for name, runs in times.items():
-        median = statistics.median(runs)
-        tokens = args.batch * args.response_tokens
-        rows.append([name, f"{tokens / median:.0f}", f"{median:.2f}", f"{1000 * median / args.response_tokens:.0f}", f"{reference / median:.2f}x"])
-    rows.append(["floor: weights read once per step", "", "", f"{1000 * step_bytes / bandwidth:.0f}", ""])
-    rows.append(["floor: matrix products at the measured rate", "", "", f"{1000 * step_flops / flops:.0f}", ""])
-    table = render_table(["implementation", "new tokens/s", "s per call", "ms per new token step", "vs transformers"], rows, args.markdown)
+    for w, (distinct, samples) in workloads.items():
+        reference = statistics.median(times[(w, "transformers generate")])
+        tokens = distinct * samples * args.response_tokens
+        for side in sides:
+            median = statistics.median(times[(w, side)])
+            rows.append([w, side, f"{tokens / median:.0f}", f"{median:.2f}", f"{reference / median:.2f}x"])
+        floor = call_flops(model, distinct, distinct * samples, args) / flops
+        rows.append([w, "floor: matrix products at the measured rate", f"{tokens / floor:.0f}", f"{floor:.2f}", f"{reference / floor:.2f}x"])
+    table = render_table(["workload", "implementation", "new tokens/s", "s per call", "vs transformers"], rows, args.markdown)
     notes = [
-        f"batch {args.batch}, query {args.query_tokens} tokens, {args.response_tokens} new tokens, temperature 0.7, top_k 0, no stop token; "
+        f"{args.batch} rows per call, query {args.query_tokens} tokens, {args.response_tokens} new tokens, temperature 0.7, top_k 0, no stop token; "
         f"median of {args.repeats} interleaved runs after one warm-up each (all runs: "
-        + "; ".join(f"{name}: {', '.join(f'{t:.2f}' for t in runs)} s" for name, runs in times.items()) + ")",
-        "'ms per new token step' is the whole call (prefill included) divided by the new tokens per row",
-        f"measured here: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matrix products {flops / 1e9:.0f} GFLOP/s; "
-        f"a decoding step reads {step_bytes / 1e6:.0f} MB of weights and does {step_flops / 1e9:.1f} GFLOP at this batch",
+        + "; ".join(f"{w} / {side}: {', '.join(f'{t:.2f}' for t in runs)} s" for (w, side), runs in times.items()) + ")",
+        f"the shared-query workload is what best-of-{args.samples_per_query} labelling and the corpus sample: this project runs each query's "
+        "prefill once and repeats its KV cache; `generate(num_return_sequences=N)` repeats the query before the prefill",
+        f"measured here: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matrix products {flops / 1e9:.0f} GFLOP/s (2048x2048); "
+        f"reading every weight once per decoding step ({step_bytes / 1e6:.0f} MB) takes {1000 * step_bytes / bandwidth:.0f} ms, so at this batch "
+        "a step is compute-bound, and the floor row is the call's unavoidable matrix-product FLOPs at the measured rate",
     ]
     emit(render_report("Sampling throughput", environment_lines(MODEL_NAMES[args.model]), table, notes, args.markdown), args.output)
 

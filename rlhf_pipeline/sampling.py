@@ -34,11 +34,12 @@ class SampleOutput:
     hidden: dict[int, Tensor] = field(default_factory=dict)
 
 
-def never_pad(logits: Tensor, pad_token_id: int) -> Tensor:
+def never_pad(logits: Tensor, pad_token_id: int, inplace: bool = False) -> Tensor:
     """The pad token was added to the vocabulary for bookkeeping only; like OAI (which slices the
-    logits to the original vocabulary) it is never sampled and gets no probability mass."""
+    logits to the original vocabulary) it is never sampled and gets no probability mass.
+    ``inplace`` writes into ``logits`` (the sampler's fresh, no-grad logits: saves a (B, V) copy per step)."""
     if pad_token_id < logits.shape[-1]:
-        logits = logits.clone()
+        logits = logits if inplace else logits.clone()
         # finite (not -inf or finfo.min) so temperature scaling cannot overflow and p*log(p) stays 0, not nan
         logits[..., pad_token_id] = -1e9
     return logits
@@ -148,7 +149,7 @@ def sample_responses(
     values = torch.zeros(batch, response_length, device=device) if value_head is not None else None
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     for t in range(response_length):
-        logits = never_pad(lm_head(hidden).float(), pad_token_id) / temperature
+        logits = never_pad(lm_head(hidden).float(), pad_token_id, inplace=True).div_(temperature)
         token, logprob = sample_from_logits(logits, generator)
         if values is not None:
             values[:, t] = value_head(hidden).squeeze(-1).float()
