@@ -1,0 +1,155 @@
+"""Run a set of `dvc exp` experiments on the default pipeline and tabulate what they produced.
+
+Used by ``bench/alignment_study.py`` (one knob at a time) and ``bench/seeds.py`` (the shipped
+configuration over several seeds). Everything goes through DVC itself: each configuration is
+queued with ``dvc exp run --queue --name NAME --set-param KEY=VALUE``, the queue runs one at a
+time (``dvc exp run --run-all --jobs 1``: two torch processes at once on 2 cores would distort the
+times), and results are read back with ``dvc.api.exp_show``. Stages a configuration does not change
+are taken from DVC's cache, so an experiment only runs the stages downstream of its change.
+
+Wall time: every stage prints ``stage NAME: done in N s`` (from process start); an experiment's
+pipeline time is the sum over all stages of the time of the run that produced each stage's
+outputs, i.e. its own log (``dvc queue logs NAME``) for the stages it reran and the baseline's
+log (``--baseline-log``, the default run's ``dvc repro`` output) for the ones it reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STAGE_TIME = re.compile(r"^stage (\w+): done in (\d+) s", re.MULTILINE)
+METRICS = {  # column: metric key as `dvc exp show` names it (file-prefixed only when ambiguous)
+    "RM test acc": "test/accuracy",
+    "label ceiling": "test/ceiling_accuracy",
+    "gold gain (base σ)": "gold/improvement_in_base_std",
+    "± SE": "gold/improvement_stderr_in_base_std",
+    "KL": "kl/mean",
+    "queries": "gold/queries",
+}
+
+
+@dataclass
+class Experiment:
+    name: str
+    overrides: dict[str, str]
+    note: str = ""
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    stage_seconds: dict[str, int] = field(default_factory=dict)
+    reran: list[str] = field(default_factory=list)
+
+
+def dvc_env() -> dict[str, str]:
+    """Stage commands call `python`: put this interpreter's bin directory first on PATH."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    env.setdefault("DVC_NO_ANALYTICS", "1")
+    return env
+
+
+def dvc(*args: str, capture: bool = False) -> str:
+    dvc_bin = str(Path(sys.executable).parent / "dvc")
+    done = subprocess.run([dvc_bin, *args], cwd=REPO, env=dvc_env(), text=True,
+                          capture_output=capture, check=True)
+    return done.stdout if capture else ""
+
+
+def stage_times(log: str) -> dict[str, int]:
+    """``stage NAME: done in N s`` lines of a `dvc repro` log (the last one per stage wins)."""
+    return {name: int(seconds) for name, seconds in STAGE_TIME.findall(log)}
+
+
+def existing_experiments() -> dict[str, dict]:
+    import dvc.api
+
+    return {row["Experiment"]: row for row in dvc.api.exp_show(repo=str(REPO)) if row.get("Experiment")}
+
+
+def run_all(experiments: list[Experiment]) -> None:
+    """Queue the experiments not yet run (by name), then run the queue one at a time."""
+    done = existing_experiments()
+    queued = [e for e in experiments if e.name not in done]
+    for experiment in queued:
+        sets = [arg for key, value in experiment.overrides.items() for arg in ("--set-param", f"{key}={value}")]
+        dvc("exp", "run", "--queue", "--name", experiment.name, *sets)
+    if queued:
+        dvc("exp", "run", "--run-all", "--jobs", "1")
+
+
+def metric(row: dict, key: str) -> float | None:
+    for column, value in row.items():
+        if column == key or column.endswith(f":{key}"):
+            return value
+    return None
+
+
+def collect(experiments: list[Experiment], baseline_times: dict[str, int]) -> dict[str, float | None]:
+    """Fill each experiment's metrics and stage times; return the workspace (baseline) metrics."""
+    rows = existing_experiments()
+    import dvc.api
+
+    workspace = next(row for row in dvc.api.exp_show(repo=str(REPO)) if row.get("rev") == "workspace")
+    for experiment in experiments:
+        row = rows.get(experiment.name)
+        if row is None:
+            raise SystemExit(f"experiment {experiment.name!r} did not produce a result: see `dvc queue logs {experiment.name}`")
+        experiment.metrics = {column: metric(row, key) for column, key in METRICS.items()}
+        log = dvc("queue", "logs", experiment.name, capture=True)
+        own = stage_times(log)
+        experiment.reran = list(own)
+        experiment.stage_seconds = {**baseline_times, **own}
+    return {column: metric(workspace, key) for column, key in METRICS.items()}
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def table_row(label: str, change: str, seconds: dict[str, int], metrics: dict[str, float | None], reran: str) -> str:
+    total = sum(seconds.values())
+    gain = f"{fmt(metrics['gold gain (base σ)'])} ± {fmt(metrics['± SE'])}"
+    return (f"| {label} | {change} | {total // 60}:{total % 60:02d} | {reran} | {fmt(metrics['RM test acc'])} "
+            f"(ceiling {fmt(metrics['label ceiling'])}) | {gain} | {fmt(metrics['KL'], 2)} |")
+
+
+def render(experiments: list[Experiment], baseline_times: dict[str, int], baseline_metrics: dict[str, float | None],
+           baseline_label: str) -> str:
+    lines = ["| experiment | change from params.yaml | pipeline wall time | stages rerun | RM best-of-4 test accuracy | gold gain ± paired SE | KL |",
+             "|---|---|---:|---|---:|---:|---:|",
+             table_row(baseline_label, "(shipped)", baseline_times, baseline_metrics, "all")]
+    for e in experiments:
+        change = ", ".join(f"`{k}={v}`" for k, v in e.overrides.items())
+        lines.append(table_row(e.name, change + (f" ({e.note})" if e.note else ""), e.stage_seconds, e.metrics, ", ".join(e.reran) or "none"))
+    return "\n".join(lines)
+
+
+def seed_summary(values: list[float | None]) -> str:
+    present = [v for v in values if v is not None]
+    if len(present) < 2:
+        return fmt(present[0]) if present else "n/a"
+    return f"{statistics.mean(present):.3f} (sd {statistics.stdev(present):.3f})"
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline-log", type=Path, required=True,
+                   help="the default run's `dvc repro` output (stage times of the stages an experiment reuses)")
+    p.add_argument("--output", type=Path, help="also write the report here")
+    p.add_argument("--no-run", action="store_true", help="only tabulate experiments already run")
+    return p
+
+
+def emit(report: str, output: Path | None) -> None:
+    print(report)
+    if output is not None:
+        output.write_text(report + "\n")
+        print(f"(written to {output})")

@@ -1,0 +1,37 @@
+"""The shipped configuration over several seeds, with `dvc exp` (see ``bench/experiments.py``).
+
+`seed` is declared by every stage that draws random numbers, so a seed experiment reruns the
+whole pipeline: new corpus, queries, labels, reward model and policy. The workspace (the default
+run, `params.yaml`'s seed) is the first row; each other seed is one experiment.
+
+Usage:
+
+    make run 2>&1 | tee run.log
+    .venv/bin/python bench/seeds.py --baseline-log run.log --seeds 2 3 --output bench/results/seeds.md
+"""
+
+from __future__ import annotations
+
+from experiments import METRICS, Experiment, collect, emit, parser, render, run_all, seed_summary, stage_times
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--seeds", type=int, nargs="+", default=[2, 3], help="seeds other than params.yaml's")
+    args = p.parse_args()
+    runs = [Experiment(f"seed-{seed}", {"seed": str(seed)}) for seed in args.seeds]
+    if not args.no_run:
+        run_all(runs)
+    baseline_times = stage_times(args.baseline_log.read_text())
+    baseline = collect(runs, baseline_times)
+    table = render(runs, baseline_times, baseline, "default seed")
+    everyone = [baseline] + [run.metrics for run in runs]
+    minutes = [sum(baseline_times.values())] + [sum(run.stage_seconds.values()) for run in runs]
+    summary = [f"Over {len(everyone)} seeds, mean (sd):", ""]
+    summary += [f"- {column}: {seed_summary([m[column] for m in everyone])}" for column in METRICS]
+    summary.append(f"- pipeline wall time (s): {seed_summary([float(m) for m in minutes])}")
+    emit(table + "\n\n" + "\n".join(summary), args.output)
+
+
+if __name__ == "__main__":
+    main()
