@@ -148,3 +148,23 @@ def test_every_declared_key_is_a_parameter():
         keys = declared_param_keys(stage.name, REPO)
         assert keys is not None, f"stage {stage.name} declares the whole params file"
         assert keys <= fields, f"stage {stage.name}: unknown keys {sorted(keys - fields)}"
+
+
+# --------------------------------------------------------------------------------------------
+# outputs
+# --------------------------------------------------------------------------------------------
+def test_every_output_reaches_a_clone():
+    """A clone (or a `dvc exp` workspace) gets each output from git or from DVC's cache. An output
+    with `cache: false` that git ignores exists in neither, so every fresh checkout reruns its stage
+    (dvclive/ was such an output: each queued experiment retrained the reward model)."""
+    import subprocess
+
+    stranded = []
+    for stage in pipeline_stages():
+        for out in stage.outs:
+            if out.use_cache:
+                continue
+            ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", out.def_path], cwd=REPO).returncode == 0
+            if ignored:
+                stranded.append(f"{stage.addressing}: {out.def_path}")
+    assert not stranded, f"outputs with `cache: false` that .gitignore hides from git: {stranded}"
