@@ -68,10 +68,14 @@ def stage_times(log: str) -> dict[str, int]:
     return {name: int(seconds) for name, seconds in STAGE_TIME.findall(log)}
 
 
-def existing_experiments() -> dict[str, dict]:
-    import dvc.api
+def exp_rows() -> list[dict]:
+    from dvc.api import exp_show  # (not `import dvc.api`: that name would shadow dvc() here)
 
-    return {row["Experiment"]: row for row in dvc.api.exp_show(repo=str(REPO)) if row.get("Experiment")}
+    return exp_show(repo=str(REPO))
+
+
+def existing_experiments() -> dict[str, dict]:
+    return {row["Experiment"]: row for row in exp_rows() if row.get("Experiment")}
 
 
 def run_all(experiments: list[Experiment]) -> None:
@@ -95,9 +99,7 @@ def metric(row: dict, key: str) -> float | None:
 def collect(experiments: list[Experiment], baseline_times: dict[str, int]) -> dict[str, float | None]:
     """Fill each experiment's metrics and stage times; return the workspace (baseline) metrics."""
     rows = existing_experiments()
-    import dvc.api
-
-    workspace = next(row for row in dvc.api.exp_show(repo=str(REPO)) if row.get("rev") == "workspace")
+    workspace = next(row for row in exp_rows() if row.get("rev") == "workspace")
     for experiment in experiments:
         row = rows.get(experiment.name)
         if row is None:
