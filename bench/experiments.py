@@ -71,7 +71,8 @@ def stage_times(log: str) -> dict[str, int]:
 def exp_rows() -> list[dict]:
     from dvc.api import exp_show  # (not `import dvc.api`: that name would shadow dvc() here)
 
-    return exp_show(repo=str(REPO))
+    # experiments of the last few commits too: a study queued before a commit is still this study
+    return exp_show(repo=str(REPO), num=5)
 
 
 def existing_experiments() -> dict[str, dict]:
