@@ -44,16 +44,6 @@ OPINION_STYLES = [
     "Write a short diary entry about a good day with {subject}.",
     "Write a short diary entry about a bad day with {subject}.",
 ]
-REVIEW_STYLES = [
-    "Write five one-line customer reviews of {subject}, some delighted and some furious.",
-    "Write a few short comments people posted about {subject}: some love it, some hate it.",
-    "Write several short, emotional opinions about {subject}, one per sentence.",
-    "List some short reactions to {subject}, from very happy to very angry.",
-    "Write short tweets about {subject}: a few glowing, a few bitter.",
-    "Write a short, emotional review of {subject} in simple sentences.",
-    "Write a few short sentences about how {subject} made people feel, good and bad.",
-    "Write short replies to the question 'How was {subject}?', each with a strong feeling.",
-]
 
 
 def main() -> None:
@@ -77,7 +67,7 @@ def main() -> None:
     tokenizer = load_tokenizer("models/base")
     model = load_causal_lm("models/base").eval()
     labeler = get_labeler("vader")
-    style_sets = {"narrative": NARRATIVE_STYLES, "opinion": OPINION_STYLES, "reviews": REVIEW_STYLES}
+    style_sets = {"narrative": NARRATIVE_STYLES, "opinion": OPINION_STYLES, "reviews": list(corpus.STYLES)}  # reviews: the shipped set
     print(f"| styles | passages (s) | queries kept | neutral responses | tied rows | gold std in row | mean gold | "
           + " | ".join(f"valid@{t}" for t in (4, 6, 8)) + " | mean response tokens to '.' |")
     print("|---|---:|---:|---:|---:|---:|---:|" + "---:|" * 4)

@@ -29,7 +29,7 @@ from typing import Any
 
 from rlhf_pipeline.corpus import replace_surrogates
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.preferences import BAD_CHARACTERS, PAIRWISE, display_names, sample_columns
+from rlhf_pipeline.preferences import BAD_CHARACTERS, PAIRWISE, VISIBLE_CHARACTER, display_names, sample_columns
 
 INTEGER_TYPES = ["int", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "Int64", "Int32"]
 EXAMPLES = 3
@@ -59,8 +59,9 @@ def expected_samples(frame) -> list[str]:
     return [f"sample{i}" for i in range(n)]
 
 
-def add_helper_columns(frame, tokenizer=None):
-    """Helper columns for the row-wise checks; returns a copy."""
+def add_helper_columns(frame, tokenizer=None, max_text_chars: int | None = None):
+    """Helper columns for the row-wise checks; returns a copy. Texts over ``max_text_chars`` are
+    not tokenized (the length check refuses them already, and a huge one would take minutes)."""
     frame = frame.copy()
     texts = [c for c in _text_columns(frame) if c in frame.columns]
     if "best" in frame.columns:
@@ -69,7 +70,7 @@ def add_helper_columns(frame, tokenizer=None):
     if tokenizer is not None and texts:
         lengths = []
         for column in texts:
-            values = [v if isinstance(v, str) else "" for v in frame[column].tolist()]
+            values = [v if isinstance(v, str) and (max_text_chars is None or len(v) <= max_text_chars) else "" for v in frame[column].tolist()]
             ids = tokenizer(values, add_special_tokens=False)["input_ids"] if values else []
             lengths.append([len(x) for x in ids])
         frame["_max_tokens"] = [max(row) for row in zip(*lengths)] if len(frame) else []
@@ -99,7 +100,7 @@ def build_suite(frame, validation, label_check: bool = True, min_rows: int | Non
         add(gxe.ExpectColumnValuesToNotBeNull(column=column), "no nulls")
     for column in texts:
         add(gxe.ExpectColumnValuesToBeOfType(column=column, type_="str"), "text type (string)")
-        add(gxe.ExpectColumnValuesToMatchRegex(column=column, regex=r"\S"), "no empty or whitespace-only text")
+        add(gxe.ExpectColumnValuesToMatchRegex(column=column, regex=VISIBLE_CHARACTER), "no empty, whitespace-only or invisible-only text")
         add(gxe.ExpectColumnValuesToNotMatchRegex(column=column, regex=BAD_CHARACTERS), "no invalid UTF-8 or control characters")
         add(gxe.ExpectColumnValueLengthsToBeBetween(column=column, max_value=validation.max_text_chars), f"text length <= max_text_chars ({validation.max_text_chars})")
     sample_present = [c for c in samples if c in frame.columns]
@@ -117,6 +118,9 @@ def build_suite(frame, validation, label_check: bool = True, min_rows: int | Non
         add(gxe.ExpectColumnValuesToBeBetween(column="_max_tokens", max_value=validation.max_tokens), f"token length <= max_tokens ({validation.max_tokens})")
     if "margin" in frame.columns:
         add(gxe.ExpectColumnValuesToNotBeNull(column="margin"), "no nulls")
+        # pandas compares inf outside any bound, so this also refuses non-finite margins
+        add(gxe.ExpectColumnValuesToBeBetween(column="margin", min_value=-validation.max_abs_margin, max_value=validation.max_abs_margin),
+            f"|margin| <= max_abs_margin ({validation.max_abs_margin:g}), finite")
     return suite
 
 
@@ -195,7 +199,7 @@ def validate_dataframe(df, validation_params, tokenizer=None, label_check: bool 
             # object dtype: GX checks types per value, and nothing is coerced to text
             frame[column] = pd.Series([replace_surrogates(v) for v in frame[column].tolist()], dtype=object)
     user_columns = [c for c in frame.columns if not str(c).startswith("_")]
-    frame = add_helper_columns(frame, tokenizer)
+    frame = add_helper_columns(frame, tokenizer, validation_params.max_text_chars)
     context = ephemeral_context()
     suite = build_suite(frame, validation_params, label_check=label_check, min_rows=min_rows)
     result = run_suite(context, frame, suite)
@@ -279,12 +283,16 @@ def validate_file_cli(path: str, params_path: str = "params.yaml", result_path: 
     from rlhf_pipeline.corpus import read_table
     from rlhf_pipeline.errors import DataContractError
     from rlhf_pipeline.io import write_json
-    from rlhf_pipeline.preferences import detect_format, to_flat_frame
+    import pandas as pd
+
+    from rlhf_pipeline.preferences import detect_format, split_by_column, to_flat_frame
 
     validation = load_validation_params(params_path)
     frame = read_table(path)
     if frame.empty and not len(frame.columns):
         raise PipelineError(f"{path} holds no rows.")
+    if "split" in frame.columns:  # the same rule the preferences stage applies, so the CLI passes only what the stage takes
+        frame = pd.concat(split_by_column(frame, path).values(), ignore_index=True)
     fmt = detect_format(frame.columns, path)
     flat = to_flat_frame(frame, fmt)
     result = validate_dataframe(flat, validation, optional_tokenizer(tokenizer_dir), label_check=fmt != PAIRWISE, names=display_names(fmt))

@@ -42,7 +42,7 @@ def win_rate(policy_scores: Tensor | np.ndarray, base_scores: Tensor | np.ndarra
 
 
 def paired_improvement(policy_scores, base_scores) -> tuple[float, float]:
-    """Improvement of the policy over the base on the same queries, in units of the base's std,
+    r"""Improvement of the policy over the base on the same queries, in units of the base's std,
     and its standard error.
 
     .. math::

@@ -613,3 +613,8 @@ def minibatch_indices(
         [perm[start + m : start + m + microbatch_size] for m in range(0, minibatch_size, microbatch_size)]
         for start in range(0, batch_size, minibatch_size)
     ]
+
+
+def non_finite_tensors(named: dict[str, Tensor | None]) -> list[str]:
+    """Names of the tensors holding a NaN or an infinity (None entries, e.g. absent gradients, are skipped)."""
+    return [name for name, tensor in named.items() if tensor is not None and not bool(torch.isfinite(tensor).all())]

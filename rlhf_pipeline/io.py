@@ -19,9 +19,13 @@ from typing import Any
 
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield a fresh temporary directory that replaces ``target`` only if the block succeeds."""
+    """Yield a fresh temporary directory that replaces ``target`` only if the block succeeds.
+
+    The swap is two renames (target -> .old, tmp -> target); a kill between them is undone by
+    :func:`recover_interrupted_write`, which runs first."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    recover_interrupted_write(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; outputs are meant to be shared
     try:
@@ -34,6 +38,21 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
         os.replace(target, old)
     os.replace(tmp, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_interrupted_write(target: str | os.PathLike) -> None:
+    """Clean up after an :func:`atomic_dir` write that was killed: if ``target`` is missing but
+    its previous version is still parked as ``.NAME.old-PID``, put it back; then delete leftover
+    ``.NAME.tmp-*`` and ``.NAME.old-*`` siblings. Writers of one target never overlap (one
+    stage writes it, under DVC's lock), so anything left there is debris."""
+    target = Path(target)
+    if not target.parent.is_dir():
+        return
+    parked = sorted(target.parent.glob(f".{target.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if not target.exists() and parked:
+        os.replace(parked.pop(), target)
+    for leftover in [*parked, *target.parent.glob(f".{target.name}.tmp-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 @contextlib.contextmanager

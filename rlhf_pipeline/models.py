@@ -211,7 +211,7 @@ def transformer_layers(backbone: nn.Module) -> nn.ModuleList:
 
 
 class TensorFlowAdam(torch.optim.Adam):
-    """Adam as TensorFlow (and so lm-human-preferences) computes it: epsilon is added to sqrt(v)
+    r"""Adam as TensorFlow (and so lm-human-preferences) computes it: epsilon is added to sqrt(v)
     *before* the bias correction.
 
     .. math::

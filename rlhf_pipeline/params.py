@@ -12,6 +12,7 @@ by :func:`load_params`; the CLI and every stage exit 2 with those lines.
 from __future__ import annotations
 
 import os
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,9 +26,10 @@ RewardPooling = Literal["last", "mean"]  # reward-head input; rlhf_pipeline.rewa
 
 
 class Strict(BaseModel):
-    """Unknown keys are refused: a typo in params.yaml must not silently fall back to a default."""
+    """Unknown keys are refused: a typo in params.yaml must not silently fall back to a default.
+    So are .inf and .nan: no parameter of this pipeline means anything when not finite."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,6 +91,8 @@ class ValidationParams(Strict):
     max_text_chars: int = Field(4000, gt=0)
     max_tokens: int = Field(512, gt=0, description="Upper bound on tokens of a query or sample.")
     max_label_share: float = Field(0.95, gt=0.0, le=1.0, description="Most common 'best' index share above this is degenerate.")
+    max_abs_margin: float = Field(100.0, gt=0.0, description="Bound on |margin| (reward units; Llama 2's margins are 0-3): "
+                                  "larger or non-finite margins make the reward loss overflow at the first step.")
 
 
 class DataParams(Strict):
@@ -209,6 +213,17 @@ class ScheduleParams(Strict):
     cron: str = Field("0 3 * * 1", min_length=9, description="Cron of the Prefect retraining deployment (default: Mondays 03:00).")
     timezone: str = Field("UTC", description="IANA time zone the cron is read in (e.g. Europe/Paris).")
 
+    @field_validator("cron")
+    @classmethod
+    def _valid_cron(cls, value: str) -> str:
+        # croniter is what Prefect's CronSchedule validates with (vendored there); like Prefect,
+        # refuse its random/hashed extensions (R, H), which a deployment would reject
+        from croniter import croniter
+
+        if not croniter.is_valid(value) or any(field.upper() in ("R", "H") for field in value.split()):
+            raise ValueError("not a 5-field cron expression such as '0 3 * * 1' (minute hour day-of-month month day-of-week)")
+        return value
+
     @field_validator("timezone")
     @classmethod
     def _known_timezone(cls, value: str) -> str:
@@ -222,7 +237,7 @@ class ScheduleParams(Strict):
 
 
 class Params(Strict):
-    seed: int = Field(1, ge=0)
+    seed: int = Field(1, ge=0, le=2**32 - 1, description="numpy's seeds are 32-bit.")
     base_model: BaseModelParams = BaseModelParams()
     data: DataParams = DataParams()
     task: TaskParams = TaskParams()
@@ -295,12 +310,45 @@ def parse_params(raw: Any, path: str = "params.yaml") -> Params:
         raise ParamsError(path, format_validation_error(error)) from None
 
 
-def load_params(path: str | os.PathLike = "params.yaml") -> Params:
+class _StrictLoader(yaml.SafeLoader):
+    """YAML as DVC reads params.yaml, minus what would make the two disagree or hang: a key given
+    twice (PyYAML keeps the last, DVC refuses the file) and aliases (an alias bomb expands
+    exponentially; a params file has no use for them)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.constructor.ConstructorError(None, None, f"uses the alias *{event.anchor}; aliases are not allowed here", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader itself refuses it, with its own message
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_params_file(path: str | os.PathLike = "params.yaml") -> Any:
+    """The raw YAML of ``path``, or a :class:`ParamsError` naming what is wrong with the file."""
     path = Path(path)
     if not path.is_file():
         raise ParamsError(str(path), [f"<file>: {path} not found (run from the project root, or pass a path)"])
+    data = path.read_bytes()
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ParamsError(str(path), [f"<file>: {path} is not UTF-8 text (byte {data[error.start]:#04x} on line {line}); save it as UTF-8"]) from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as error:
         raise ParamsError(str(path), [f"<file>: {path} is not valid YAML: {error}".replace("\n", " ")]) from None
-    return parse_params(raw, str(path))
+
+
+def load_params(path: str | os.PathLike = "params.yaml") -> Params:
+    return parse_params(read_params_file(path), str(path))

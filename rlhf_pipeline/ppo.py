@@ -28,6 +28,7 @@ import json
 import math
 import random
 import shutil
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from torch import Tensor, nn
 
 from rlhf_pipeline import functional as F
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
-from rlhf_pipeline.io import atomic_dir
+from rlhf_pipeline.io import atomic_dir, recover_interrupted_write, sha256_file
 from rlhf_pipeline.models import adam, backbone_of, freeze_lower_layers
 from rlhf_pipeline.params import PPOParams, TaskParams
 from rlhf_pipeline.reward import RewardModel, score_query_responses
@@ -140,15 +141,25 @@ def trainable_state(module: nn.Module) -> dict[str, Tensor]:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every random generator's state as tensors, ints and lists only, so that the checkpoint
+    loads with ``torch.load(weights_only=True)``: no pickle, no code run from a shared cache."""
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "mt": list(mt), "gauss": gauss},
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["mt"]), py["gauss"]))
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -164,25 +175,65 @@ class Checkpointer:
         self.state_dir = self.directory / "state"
         self.snapshots = self.directory / "snapshots"
 
+    STATE_FILES = ("trainable.safetensors", "training_state.pt", "history.json")
+
     def prepare(self) -> bool:
-        """True if a resumable state with the same fingerprint exists; else start clean."""
-        meta = self.state_dir / "meta.json"
-        if meta.is_file() and json.loads(meta.read_text()).get("fingerprint") == self.fingerprint:
+        """True if a resumable state with the same fingerprint exists and its files match the
+        checksums in its meta.json; else start clean (with a warning when it was damaged)."""
+        recover_interrupted_write(self.state_dir)
+        problem = self._damage()
+        if problem is None:
             return True
+        if problem:
+            print(f"train_policy: warning: the checkpoint in {self.state_dir} is unusable ({problem}); "
+                  "starting again from update 0.", file=sys.stderr)
         if self.directory.exists():
             shutil.rmtree(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         return False
 
+    def _damage(self) -> str | None:
+        """None if the state can be resumed; '' if there is none (or of other params); else what is wrong."""
+        meta_path = self.state_dir / "meta.json"
+        if not meta_path.is_file():
+            return ""
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            return "meta.json is not valid JSON"
+        if not isinstance(meta, dict) or meta.get("fingerprint") != self.fingerprint:
+            return ""
+        checksums = meta.get("sha256", {})
+        for name in self.STATE_FILES:
+            path = self.state_dir / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if checksums.get(name) != sha256_file(path):
+                return f"{name} does not match the checksum in meta.json"
+        return None
+
     def save(self, update: int, model: nn.Module, optimizer, kl_ctl, stats_history: list[dict]) -> None:
         weights = trainable_state(model)
+        bad = F.non_finite_tensors(weights)
+        if bad:  # never replace a good checkpoint with a broken one
+            raise NonFiniteError(f"The weights after update {update} are not finite ({', '.join(bad[:3])}...). {self.last_good()}")
         self.snapshots.mkdir(parents=True, exist_ok=True)
         save_file({k: v for k, v in weights.items() if k.startswith("lm.")}, str(self.snapshots / f"update_{update:05d}.safetensors"))
         with atomic_dir(self.state_dir) as tmp:
             save_file(weights, str(tmp / "trainable.safetensors"))
             torch.save({"optimizer": optimizer.state_dict(), "kl": kl_ctl.state_dict(), "rng": rng_state()}, tmp / "training_state.pt")
             (tmp / "history.json").write_text(json.dumps(stats_history))
-            (tmp / "meta.json").write_text(json.dumps({"fingerprint": self.fingerprint, "update": update}))
+            checksums = {name: sha256_file(tmp / name) for name in self.STATE_FILES}
+            (tmp / "meta.json").write_text(json.dumps({"fingerprint": self.fingerprint, "update": update, "sha256": checksums}))
+
+    def last_good(self) -> str:
+        """What the user still has after a failure, said as it is."""
+        meta = self.state_dir / "meta.json"
+        if meta.is_file():
+            update = json.loads(meta.read_text()).get("update")
+            return (f"Nothing was written; the last good checkpoint (update {update}, {self.state_dir}) is kept, "
+                    "and `dvc repro` resumes from it once the cause is fixed.")
+        return "Nothing was written, and no checkpoint exists yet: the next run starts from update 0."
 
     def load(self, model: nn.Module, optimizer, kl_ctl) -> tuple[int, list[dict]]:
         weights = load_file(str(self.state_dir / "trainable.safetensors"))
@@ -193,7 +244,7 @@ class Checkpointer:
         with torch.no_grad():
             for name, tensor in weights.items():
                 params[name].copy_(tensor)
-        state = torch.load(self.state_dir / "training_state.pt", weights_only=False)
+        state = torch.load(self.state_dir / "training_state.pt", weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         kl_ctl.load_state_dict(state["kl"])
         set_rng_state(state["rng"])
@@ -379,8 +430,8 @@ class PPOTrainer:
                     if not torch.isfinite(loss):
                         raise NonFiniteError(
                             f"PPO loss became non-finite at update {update} (policy {pg_loss.item()}, value {vf_loss.item()}). "
-                            f"Training stopped; the last good checkpoint in {self.checkpointer.directory if self.checkpointer else 'memory'} is kept. "
-                            "Lower ppo.lr or set ppo.max_grad_norm."
+                            f"{self.last_good()} Likely causes: a learning rate too high for this model (ppo.lr), fp16/bf16 "
+                            "overflow (run in fp32), or non-finite rewards; ppo.max_grad_norm bounds the step."
                         )
                     (loss * len(micro) / minibatch_size).backward()
                     record = {
@@ -393,6 +444,12 @@ class PPOTrainer:
                         sums[key] = sums.get(key, 0.0) + value
                     sums["policy/ratio_max"] = max(sums.get("policy/ratio_max", 0.0), pg_stats["ratio_max"].item())
                     count += 1
+                # a finite loss can still give a non-finite gradient (an fp16/bf16 overflow in the
+                # backward pass); one step with it would put NaN into every trainable weight
+                bad = F.non_finite_tensors({name: p.grad for name, p in self.policy.named_parameters() if p.requires_grad})
+                if bad:
+                    raise NonFiniteError(f"Non-finite gradient at update {update} ({', '.join(bad[:3])}...). {self.last_good()} "
+                                         "Likely causes: fp16/bf16 overflow (run in fp32) or a learning rate too high (ppo.lr).")
                 if cfg.max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
                 self.optimizer.step()
@@ -407,6 +464,9 @@ class PPOTrainer:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
             value /= self.world_size
         return value.item()
+
+    def last_good(self) -> str:
+        return self.checkpointer.last_good() if self.checkpointer is not None else "Nothing was written (no checkpointing)."
 
     # ---- the loop ---------------------------------------------------------------------------
     def resume_if_possible(self) -> None:
@@ -455,7 +515,7 @@ class PPOTrainer:
                 **opt_stats,
             }
             if not all(math.isfinite(v) for v in record.values() if isinstance(v, float)):
-                raise NonFiniteError(f"Non-finite statistics at update {update}: {record}. The last good checkpoint is kept.")
+                raise NonFiniteError(f"Non-finite statistics at update {update}: {record}. {self.last_good()}")
             self.history.append(record)
             if self.log is not None:
                 self.log(record)
@@ -479,6 +539,9 @@ def _null():
 def save_policy(policy: PolicyWithValue, tokenizer, directory: str | Path) -> None:
     """save_pretrained layout (loads with AutoModelForCausalLM) plus the value head."""
     directory = Path(directory)
+    bad = F.non_finite_tensors(trainable_state(policy))
+    if bad:
+        raise NonFiniteError(f"The trained policy's weights are not finite ({', '.join(bad[:3])}...); {directory} was not written.")
     policy.lm.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     save_file({k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()}, str(directory / VALUE_HEAD_FILE))

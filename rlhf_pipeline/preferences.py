@@ -46,6 +46,10 @@ VALIDATE_HINT = "Run `rlhf validate-preferences FILE` for a full report of the p
 # the marks of invalid UTF-8: U+FFFD (what undecodable bytes become) and lone surrogates.
 BAD_CHARACTERS = r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufffd]"
 _BAD_CHARACTERS_RE = re.compile(BAD_CHARACTERS)
+# A text must hold at least one character that shows: not whitespace and not a format character
+# that renders as nothing (soft hyphen, zero-width space/joiners, directional marks, word joiner,
+# BOM), so a row of only U+200B is as empty as a row of spaces.
+VISIBLE_CHARACTER = r"[^\s\u00ad\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u206a-\u206f\ufeff]"
 
 
 def features():
@@ -311,6 +315,22 @@ def best_of_n_to_internal(frame, tokenizer, query_length: int, response_length: 
     return _internal(tokenizer, frame["query"].tolist(), samples, best, _margins(frame), query_length, response_length)
 
 
+def refuse_overlong_texts(frame, max_chars: int, where: str) -> None:
+    """Refuse a text over ``max_chars`` before anything tokenizes it: a tokenizer given a 50 MB
+    row takes minutes and gigabytes, and the contract would refuse the row anyway."""
+    from rlhf_pipeline.errors import DataContractError
+
+    for column in frame.columns:
+        lengths = [len(v) if isinstance(v, str) else 0 for v in frame[column].tolist()]
+        over = [row for row, n in enumerate(lengths) if n > max_chars]
+        if over:
+            raise DataContractError(
+                f"{where}: column {column!r}, row {over[0]}: a text of {lengths[over[0]]} characters, over "
+                f"data.validation.max_text_chars ({max_chars}); {len(over)} such row(s) in this column. Shorten or drop them "
+                "(nothing was tokenized or written)."
+            )
+
+
 def user_to_internal(frame, fmt: str, tokenizer, query_length: int, response_length: int, where: str) -> dict[str, list]:
     convert = pairwise_to_internal if fmt == PAIRWISE else best_of_n_to_internal
     return convert(frame, tokenizer, query_length, response_length, where)
@@ -329,6 +349,17 @@ def internal_to_flat(columns) -> "pd.DataFrame":  # noqa: F821
     if "margin" in (columns.column_names if hasattr(columns, "column_names") else columns):
         data["margin"] = list(columns["margin"])
     return pd.DataFrame(data)
+
+
+def split_by_column(frame, source: str) -> dict[str, "pd.DataFrame"]:  # noqa: F821
+    """The train and test rows of a file with a ``split`` column, which must hold both and nothing else."""
+    from rlhf_pipeline.errors import DataContractError
+
+    values = set(map(str, frame["split"].unique()))
+    if not values <= {"train", "test"} or "train" not in values or "test" not in values:
+        raise DataContractError(f"{source}: column 'split' must hold both 'train' and 'test' (and nothing else); found {sorted(values)}. "
+                                "Rename other values (e.g. 'validation') or drop the column to hold out data.queries.test_fraction at random.")
+    return {name: frame[frame["split"] == name].drop(columns="split").reset_index(drop=True) for name in ("train", "test")}
 
 
 def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -> tuple[dict[str, "pd.DataFrame"], str]:  # noqa: F821
@@ -360,10 +391,7 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
         return frames, fmt
     frame = frames["all"]
     if "split" in frame.columns:
-        values = set(map(str, frame["split"].unique()))
-        if not values <= {"train", "test"} or "train" not in values or "test" not in values:
-            raise PipelineError(f"{source}: column 'split' must hold both 'train' and 'test' (and nothing else); found {sorted(values)}.")
-        return {name: frame[frame["split"] == name].drop(columns="split").reset_index(drop=True) for name in ("train", "test")}, fmt
+        return split_by_column(frame, source), fmt
     if len(frame) < 2:
         raise PipelineError(f"{source}: at least 2 rows are needed to hold out a test split.")
     train_idx, test_idx = split_indices(len(frame), test_fraction, seed)

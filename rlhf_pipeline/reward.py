@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import NonFiniteError, PipelineError
 from rlhf_pipeline.params import RewardPooling
 from rlhf_pipeline.sampling import position_ids_from_mask
 
@@ -299,7 +299,7 @@ def train_reward_model(
     """
     from tqdm import tqdm
 
-    from rlhf_pipeline.functional import best_of_n_loss, linear_anneal
+    from rlhf_pipeline.functional import best_of_n_loss, linear_anneal, non_finite_tensors
     from rlhf_pipeline.models import adam
 
     model.gain.requires_grad_(train_gain_bias)
@@ -330,7 +330,12 @@ def train_reward_model(
                 loss_sum += loss.item() * len(micro)
                 correct += accuracy.item() * len(micro)
             if not math.isfinite(loss_sum):
-                raise PipelineError(f"Reward-model loss became non-finite at step {len(history)}; lower reward.train.lr.")
+                raise NonFiniteError(f"Reward-model loss became non-finite at step {len(history)}; nothing was written. Likely causes: "
+                                     "reward.train.lr too high, or extreme values in the preference data's margin column.")
+            bad = non_finite_tensors({name: p.grad for name, p in model.named_parameters()})
+            if bad:  # a finite loss with a non-finite gradient (fp16/bf16 overflow) would poison every weight
+                raise NonFiniteError(f"Reward-model gradient became non-finite at step {len(history)} ({', '.join(bad[:3])}...); "
+                                     "nothing was written. Likely causes: fp16/bf16 overflow (run in fp32) or reward.train.lr too high.")
             if max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()

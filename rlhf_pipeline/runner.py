@@ -16,8 +16,8 @@ import numpy as np
 
 from rlhf_pipeline.env import project_root
 from rlhf_pipeline.errors import ParamsError, PipelineError
-from rlhf_pipeline.params import Params, load_params
-from rlhf_pipeline.stage_params import DeclaredParams, declared_param_keys
+from rlhf_pipeline.params import Params, parse_params, read_params_file
+from rlhf_pipeline.stage_params import DeclaredParams, declared_param_keys, missing_declared_keys
 
 # When set to a folder, each stage writes there the params keys it read (tests compare them with dvc.yaml).
 RECORD_READS_ENV = "RLHF_RECORD_PARAM_READS"
@@ -42,10 +42,19 @@ def report_error(error: PipelineError, prog: str) -> int:
     return error.exit_code
 
 
-def stage_params(name: str, params: Params, root: str | os.PathLike) -> Params | DeclaredParams:
-    """What stage ``name`` may read of ``params``: the keys ``dvc.yaml`` declares for it."""
+def stage_params(name: str, path: str, root: str | os.PathLike) -> Params | DeclaredParams:
+    """What stage ``name`` may read of the params file at ``path``: the validated params,
+    restricted to the keys ``dvc.yaml`` declares for it, each of which the file must hold."""
+    raw = read_params_file(path)
+    params = parse_params(raw, path)
     keys = declared_param_keys(name, root)
-    return params if keys is None else DeclaredParams(params, keys, name)
+    if keys is None:
+        return params
+    missing = missing_declared_keys(raw, keys)
+    if missing:
+        raise ParamsError(path, [f"{key}: missing; dvc.yaml tracks it for stage {name}, and DVC reads it from this file "
+                                 "(the schema's default does not count): add it (see params.yaml in the repository)" for key in missing])
+    return DeclaredParams(params, keys, name)
 
 
 def record_reads(name: str, view: Params | DeclaredParams) -> None:
@@ -74,7 +83,7 @@ def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None 
     parser.add_argument("--params", default=os.environ.get("RLHF_PARAMS", "params.yaml"))
     args = parser.parse_args(argv)
     try:
-        params = stage_params(name, load_params(args.params), project_root())
+        params = stage_params(name, args.params, project_root())
         declares_seed = not isinstance(params, DeclaredParams) or params.declares("seed")
         seed_everything(params.seed if declares_seed else UNDECLARED_SEED)
         body(params)

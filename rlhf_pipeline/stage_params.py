@@ -51,6 +51,11 @@ def declared_param_keys(stage: str, root: str | os.PathLike = ".") -> frozenset[
         raise PipelineError(f"stage {stage}: {dvcfile} has no stage named {stage!r}.") from None
     except DvcException as error:
         raise PipelineError(f"stage {stage}: DVC cannot read {dvcfile}: {error}") from None
+    return _params_file_keys(declaration, root)
+
+
+def _params_file_keys(declaration, root: Path) -> frozenset[str] | None:
+    """The params.yaml keys a DVC stage declares; None for the whole file."""
     keys: set[str] = set()
     for dependency in declaration.params:
         if Path(dependency.fs_path).resolve() != root / PARAMS_FILE:
@@ -59,6 +64,54 @@ def declared_param_keys(stage: str, root: str | os.PathLike = ".") -> frozenset[
             return None
         keys.update(dependency.params)
     return frozenset(keys)
+
+
+def declared_code_hash(stage: str, root: str | os.PathLike = ".") -> str:
+    """sha256 over the Python files ``dvc.yaml`` declares as ``stage``'s dependencies (its script
+    and the library modules it imports; tests/test_dvc_yaml.py keeps that list exact). A resumable
+    checkpoint records it, so a checkpoint written by other code is not resumed by this code."""
+    import hashlib
+
+    from dvc.repo import Repo
+
+    from rlhf_pipeline.io import sha256_file
+
+    root = Path(root).resolve()
+    with Repo(str(root), uninitialized=True) as repo:
+        declaration = repo.stage.load_one(path=str(root / "dvc.yaml"), name=stage)
+    files = sorted({dep.def_path for dep in declaration.deps if str(dep.def_path).endswith(".py")})
+    digest = hashlib.sha256()
+    for name in files:
+        digest.update(f"{name}\0{sha256_file(root / name)}\n".encode())
+    return digest.hexdigest()
+
+
+def declared_keys_by_stage(root: str | os.PathLike = ".") -> dict[str, frozenset[str] | None]:
+    """Every stage of ``root``/dvc.yaml with the params.yaml keys it declares ({} without a dvc.yaml)."""
+    from dvc.repo import Repo
+
+    root = Path(root).resolve()
+    if not (root / "dvc.yaml").is_file():
+        return {}
+    with Repo(str(root), uninitialized=True) as repo:
+        return {stage.addressing: _params_file_keys(stage, root) for stage in repo.index.stages}
+
+
+def missing_declared_keys(raw: Any, keys: Iterable[str]) -> list[str]:
+    """The ``keys`` that ``raw`` (params.yaml as parsed YAML) does not hold.
+
+    DVC reads a stage's declared params from the file itself, not from the schema's defaults: a
+    key missing there makes `dvc repro` fail after the stage ran (its old outputs already
+    removed), so the runner and `rlhf check-params` refuse it first."""
+    missing = []
+    for key in sorted(keys):
+        node = raw
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                missing.append(key)
+                break
+            node = node[part]
+    return missing
 
 
 def _covers(declared: Iterable[str], path: str) -> bool:
@@ -125,10 +178,3 @@ class DeclaredParams:
 
     def __repr__(self) -> str:
         return f"DeclaredParams(stage={self._stage!r}, section={self._prefix or '<root>'!r}, declared={sorted(self._declared)})"
-
-
-def restrict_to_declared(params: BaseModel, stage: str, root: str | os.PathLike = ".") -> BaseModel | DeclaredParams:
-    """``params`` as ``stage`` may see them: a :class:`DeclaredParams` view, or ``params`` itself
-    when dvc.yaml declares the whole params file for that stage."""
-    keys = declared_param_keys(stage, root)
-    return params if keys is None else DeclaredParams(params, keys, stage)

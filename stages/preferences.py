@@ -16,7 +16,15 @@ from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import Params
-from rlhf_pipeline.preferences import SIMULATED, ceiling_accuracy, features, load_user_frames, simulate_preferences, user_to_internal
+from rlhf_pipeline.preferences import (
+    SIMULATED,
+    ceiling_accuracy,
+    features,
+    load_user_frames,
+    refuse_overlong_texts,
+    simulate_preferences,
+    user_to_internal,
+)
 from rlhf_pipeline.rollout import TaskSampler
 from rlhf_pipeline.runner import run_stage
 
@@ -64,6 +72,8 @@ def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
 def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
     cfg, q = params.data.preferences, params.data.queries
     frames, fmt = load_user_frames(cfg.source, cfg.split, q.test_fraction, params.seed)
+    for name, frame in frames.items():
+        refuse_overlong_texts(frame, params.data.validation.max_text_chars, f"{cfg.source} ({name} split)")
     splits = {
         name: user_to_internal(frame, fmt, tokenizer, q.query_length, params.task.response_length, f"{cfg.source} ({name} split)")
         for name, frame in frames.items()

@@ -16,7 +16,9 @@ from rlhf_pipeline.params import Params
 from rlhf_pipeline.ppo import Checkpointer, PolicyWithValue, PPOTrainer, fingerprint_of, save_policy
 from rlhf_pipeline.reward import RewardModel
 from rlhf_pipeline.rollout import load_queries
+from rlhf_pipeline.env import project_root
 from rlhf_pipeline.runner import run_stage
+from rlhf_pipeline.stage_params import declared_code_hash
 
 BASE, REWARD, QUERIES, PREFS = "models/base", "models/reward", "data/queries", "data/preferences"
 OUT, CHECKPOINTS, METRICS, LIVE = "models/policy", "checkpoints/policy", "metrics/policy.json", "dvclive/train_policy"
@@ -64,9 +66,12 @@ def main(params: Params) -> None:
     gold = get_labeler(params.data.preferences.labeler) if params.data.preferences.source == "simulated" else None
     gold_standardization = gold_statistics(PREFS) if cfg.score_source == "gold" and gold is not None else None
     reward_hash = content_hash(f"{REWARD}/reward_head.safetensors") if uses_reward_model else None
-    fingerprint = fingerprint_of(params.seed, cfg.model_dump(), params.task.model_dump(), reward_hash, content_hash(f"{QUERIES}"))
+    # params, inputs and code: a checkpoint of another version of any of them is not resumed
+    fingerprint = fingerprint_of(params.seed, cfg.model_dump(), params.task.model_dump(), reward_hash, content_hash(f"{QUERIES}"),
+                                 declared_code_hash("train_policy", project_root()))
     checkpointer = Checkpointer(CHECKPOINTS, fingerprint)
-    resuming = (checkpointer.state_dir / "meta.json").is_file()
+    # rank 0 checks the checkpoint (discarding a damaged one) before DVCLive decides whether to resume its logs
+    resuming = checkpointer.prepare() if is_main else False
 
     with open_live(LIVE, resume=resuming) if is_main else nullcontext() as live:
         def log(record: dict) -> None:

@@ -107,12 +107,20 @@ def tiny_params(**overrides) -> dict:
     return params
 
 
+def full_params(partial: dict) -> dict:
+    """``partial`` with every other key at its schema default, spelled out: DVC (and so the stage
+    runner) reads each tracked key from the file itself."""
+    from rlhf_pipeline.params import parse_params
+
+    return parse_params(partial).model_dump(mode="json")
+
+
 class Project(type(Path())):
     """The temporary project root; ``write_params(**dotted_overrides)`` rewrites params.yaml."""
 
     def write_params(self, **overrides) -> Path:
         path = self / "params.yaml"
-        path.write_text(yaml.safe_dump(tiny_params(**overrides)))
+        path.write_text(yaml.safe_dump(full_params(tiny_params(**overrides))))
         return path
 
 

@@ -10,6 +10,7 @@ import yaml
 from conftest import run_stage_script
 
 from rlhf_pipeline.contract import format_summary, validate_dataframe, validate_file_cli
+from rlhf_pipeline.errors import DataContractError
 from rlhf_pipeline.params import ValidationParams
 from rlhf_pipeline.preferences import PAIRWISE, display_names, to_flat_frame
 
@@ -54,6 +55,10 @@ def test_clean_file_passes(tmp_path, capsys, fmt, suffix):
     assert json.loads(result.read_text())["success"] is True
 
 
+def with_margin(rows, margin=1.0):
+    return [dict(r, margin=margin) for r in rows]
+
+
 def with_row(rows, index, **changes):
     rows = [dict(r) for r in rows]
     rows[index].update(changes)
@@ -62,7 +67,9 @@ def with_row(rows, index, **changes):
 
 DEFECTS = {
     "null": (with_row(pairwise_rows(), 3, chosen=None), "no nulls [column chosen]: 1 row(s)"),
-    "empty": (with_row(pairwise_rows(), 4, rejected="  \n "), "no empty or whitespace-only text [column rejected]: 1 row(s)"),
+    "empty": (with_row(pairwise_rows(), 4, rejected="  \n "), "no empty, whitespace-only or invisible-only text [column rejected]: 1 row(s)"),
+    "zero-width only": (with_row(pairwise_rows(), 4, chosen="\u200b\u2060\ufeff"), "no empty, whitespace-only or invisible-only text [column chosen]: 1 row(s)"),
+    "huge margin": (with_row(with_margin(best_of_n_rows()), 5, margin=1e300), "|margin| <= max_abs_margin (100), finite [column margin]: 1 row(s)"),
     "control character": (with_row(pairwise_rows(), 5, chosen="bell \x07 here"), "no invalid UTF-8 or control characters [column chosen]"),
     "lone surrogate": (with_row(pairwise_rows(), 6, prompt="bad \ud800 escape"), "no invalid UTF-8 or control characters [column prompt]"),
     "chosen == rejected": (with_row(pairwise_rows(), 7, rejected="A kind and helpful answer 7."), "distinct samples in a row (chosen != rejected) [column chosen, rejected]: 1 row(s)"),
@@ -144,3 +151,47 @@ def test_validate_preferences_stage(project, capsys):
     summary = read_json(project / "data" / "validation" / "summary.json")
     assert summary["success"] is False and summary["failures"][0]["check"].startswith("distinct samples")
     assert sorted(p.name for p in (project / "data").iterdir()) == before
+
+
+@pytest.mark.parametrize("margin", [float("inf"), float("-inf")])
+def test_a_non_finite_margin_is_refused(tmp_path, capsys, margin):
+    code, out = check(tmp_path, capsys, with_row(with_margin(best_of_n_rows()), 7, margin=margin), name="prefs.parquet")
+    assert code == 3 and "|margin| <= max_abs_margin (100), finite [column margin]: 1 row(s)" in out, out
+
+
+def test_a_margin_within_the_bound_passes(tmp_path, capsys):
+    code, out = check(tmp_path, capsys, with_row(with_margin(best_of_n_rows()), 7, margin=-99.0))
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("splits", [["train"], ["train", "validation"], ["train", "test", "validation"]])
+def test_the_cli_refuses_the_split_columns_the_stage_refuses(tmp_path, capsys, splits):
+    rows = [dict(r, split=splits[i % len(splits)]) for i, r in enumerate(pairwise_rows())]
+    write_jsonl(tmp_path / "prefs.jsonl", rows)
+    with pytest.raises(DataContractError, match=r"column 'split' must hold both 'train' and 'test' \(and nothing else\); found"):
+        validate_file_cli(str(tmp_path / "prefs.jsonl"), params_path=str(tmp_path / "none.yaml"))
+
+
+def test_a_train_test_split_column_passes_the_cli(tmp_path, capsys):
+    rows = [dict(r, split="test" if i % 5 == 0 else "train") for i, r in enumerate(pairwise_rows())]
+    write_jsonl(tmp_path / "prefs.jsonl", rows)
+    assert validate_file_cli(str(tmp_path / "prefs.jsonl"), params_path=str(tmp_path / "none.yaml")) == 0, capsys.readouterr().out
+
+
+def test_an_overlong_text_is_never_tokenized(tiny_base_dir):
+    """The contract refuses a 5 MB text by its length; the tokenizer never sees it (with a real
+    tokenizer a 50 MB row took minutes and gigabytes)."""
+    from rlhf_pipeline.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_base_dir)
+    longest = []
+
+    def recording(texts, **kwargs):
+        longest.append(max(len(t) for t in texts))
+        return tokenizer(texts, **kwargs)
+
+    rows = with_row(pairwise_rows(), 3, chosen="y" * 5_000_000)
+    flat = to_flat_frame(pd.DataFrame(rows), PAIRWISE)
+    result = validate_dataframe(flat, ValidationParams(), recording, label_check=False, names=display_names(PAIRWISE))
+    assert not result.success and any("text length <= max_text_chars" in f["check"] for f in result.failures)
+    assert longest and max(longest) <= 4000

@@ -108,7 +108,7 @@ def test_the_view_lets_through_declared_keys_only():
 
 def test_a_stage_reading_an_undeclared_key_fails_with_exit_2(tmp_path, monkeypatch, capsys):
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"probe": {"cmd": "true", "params": ["seed", "ppo.lr"]}}}))
-    (tmp_path / "params.yaml").write_text("seed: 5\n")
+    (tmp_path / "params.yaml").write_text("seed: 5\nppo:\n  lr: 1.0e-5\n")
     monkeypatch.chdir(tmp_path)
     seen = []
     run_stage("probe", lambda params: seen.append((params.seed, params.ppo.lr)), argv=[])
@@ -168,3 +168,16 @@ def test_every_output_reaches_a_clone():
             if ignored:
                 stranded.append(f"{stage.addressing}: {out.def_path}")
     assert not stranded, f"outputs with `cache: false` that .gitignore hides from git: {stranded}"
+
+
+def test_a_stage_whose_declared_key_is_missing_from_the_file_fails_with_exit_2(tmp_path, monkeypatch, capsys):
+    """DVC reads declared params from params.yaml itself; the schema's default would hide the gap
+    until `dvc repro` fails after the stage ran."""
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"probe": {"cmd": "true", "params": ["seed", "ppo.lr"]}}}))
+    (tmp_path / "params.yaml").write_text("seed: 5\n")
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    with pytest.raises(SystemExit) as exit_:
+        run_stage("probe", lambda params: ran.append(params.seed), argv=[])
+    assert exit_.value.code == 2 and not ran
+    assert "ppo.lr: missing; dvc.yaml tracks it for stage probe" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,12 @@ def broken(path: str, value, **also):
         ("ppo.total_episodes", 4, "ppo.total_episodes: must be >= ppo.batch_size"),
         ("data.queries.test_fraction", 1.5, "data.queries.test_fraction: Input should be less than 1"),
         ("schedule.timezone", "Mars/Olympus", "schedule.timezone: Value error, not an IANA time zone name"),
+        ("schedule.cron", "61 3 * * 1", "schedule.cron: Value error, not a 5-field cron expression"),
+        ("schedule.cron", "every monday", "schedule.cron: Value error, not a 5-field cron expression"),
+        ("schedule.cron", "H 3 * * 1", "schedule.cron: Value error, not a 5-field cron expression"),
+        ("ppo.lr", float("inf"), "ppo.lr: Input should be a finite number"),
+        ("reward.normalize.target_mean", float("nan"), "reward.normalize.target_mean: Input should be a finite number"),
+        ("seed", 2**32, "seed: Input should be less than or equal to 4294967295"),
     ],
 )
 def test_each_rule_is_refused_with_its_key_path(path, value, expected):
@@ -127,3 +134,60 @@ def test_stage_validates_params_with_the_same_messages(tmp_path):
     assert result.returncode == 2
     assert "base_model.dropout: Input should be less than 1 (got 2.0)" in result.stderr
     assert not (tmp_path / "models").exists()
+
+
+def test_the_largest_32_bit_seed_is_accepted():
+    assert parse_params(broken("seed", 2**32 - 1)).seed == 2**32 - 1
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("seed: 1\nppo:\n  lr: 1.0e-5\n  lr: 2.0e-5\n", "key 'lr' is given twice in one mapping"),
+        ("a: &a [1, 1]\nb: &b [*a, *a]\nc: &c [*b, *b]\n", "uses the alias *a; aliases are not allowed here"),
+    ],
+)
+def test_yaml_dvc_would_refuse_or_that_would_hang_is_refused(tmp_path, content, message):
+    bad = tmp_path / "params.yaml"
+    bad.write_text(content)
+    with pytest.raises(ParamsError) as info:
+        load_params(bad)
+    assert message in info.value.problems[0]
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path):
+    """Nine levels of doubling would expand to 2**9 * 10 ... entries per level; refused before any expansion."""
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x, x]"] + [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    bad = tmp_path / "params.yaml"
+    bad.write_text("\n".join(lines) + "\n")
+    result = run_cli("check-params", str(bad))
+    assert result.returncode == 2 and "aliases are not allowed" in result.stderr
+
+
+def test_a_file_that_is_not_utf8_is_refused_with_its_line(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_bytes("seed: 1\nbase_model:\n  pad_token: caf\u00e9\n".encode("latin-1"))
+    result = run_cli("check-params", str(bad))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "is not UTF-8 text (byte 0xe9 on line 3)" in result.stderr
+
+
+def test_cli_refuses_a_file_without_the_keys_dvc_yaml_tracks(tmp_path):
+    """An empty params.yaml validates against the schema (every key has a default), but DVC reads
+    tracked params from the file: `dvc repro` would fail after running the stage."""
+    shutil.copy(REPO / "dvc.yaml", tmp_path / "dvc.yaml")
+    (tmp_path / "params.yaml").write_text("")
+    result = run_cli("check-params", str(tmp_path / "params.yaml"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    seed_line = next(line for line in result.stderr.splitlines() if line.startswith("seed: missing; dvc.yaml tracks it for "))
+    assert {"base_model", "corpus", "train_policy"} <= set(seed_line.split(" for ")[1].split(" (")[0].split(", "))
+    assert "ppo.lr" not in result.stderr and "ppo: missing; dvc.yaml tracks it for train_policy" in result.stderr
+    full = yaml.safe_load((REPO / "params.yaml").read_text())
+    del full["reward"]["normalize"]["target_std"]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(full))
+    result = run_cli("check-params", str(tmp_path / "params.yaml"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[1:] == [
+        "reward.normalize.target_std: missing; dvc.yaml tracks it for train_reward "
+        "(DVC reads it from this file, not from the schema's default)"
+    ]

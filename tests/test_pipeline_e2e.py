@@ -151,7 +151,10 @@ def test_changing_a_normalisation_param_reruns_only_downstream(project, tmp_path
 
 
 # Declared keys that the tiny run (simulated labels) does not reach, and the path that reads them.
-READ_ON_OTHER_PATHS = {("preferences", "data.queries.test_fraction"): "user labels without a split column"}
+READ_ON_OTHER_PATHS = {
+    ("preferences", "data.queries.test_fraction"): "user labels without a split column",
+    ("preferences", "data.validation.max_text_chars"): "user labels: over-long texts are refused before tokenization",
+}
 
 
 def test_each_stage_read_every_param_it_declares(project):

@@ -15,7 +15,9 @@ import pytest
 import torch
 import yaml
 from conftest import add_pipeline_definition
+from safetensors.torch import load_file
 
+import rlhf_pipeline.ppo as ppo_module
 from rlhf_pipeline.errors import NonFiniteError
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params import Params
@@ -259,3 +261,123 @@ def test_data_parallel_run_with_two_processes(policy_project, tmp_path):
     metrics = json.loads((out / "metrics/policy.json").read_text())
     assert metrics["episodes"] == 32 and metrics["updates"] == 2
     assert (out / "models/policy/model.safetensors").is_file()
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_writes_nothing(tiny_base_dir, reward_model, queries, tmp_path):
+    """A NaN in one gradient at the last optimizer step of update 4 (the loss stays finite, as an
+    fp16/bf16 overflow in the backward pass gives): training stops with exit code 4 before the step,
+    the checkpoint of update 2 stays the last one and is named, and its weights are finite."""
+    params = make_params()
+    trainer = make_trainer(tiny_base_dir, reward_model, queries, params, tmp_path / "ck")
+    steps_per_update = params.ppo.ppo_epochs * params.ppo.nminibatches
+    micro_per_step = params.ppo.batch_size // params.ppo.nminibatches // params.ppo.microbatch_size
+    calls = {"n": 0}
+    poison_at = 3 * steps_per_update * micro_per_step + steps_per_update * micro_per_step  # the last micro-batch of update 4
+
+    def poison(grad):
+        calls["n"] += 1
+        return grad * float("nan") if calls["n"] == poison_at else grad
+
+    weight = next(p for p in trainer.policy.parameters() if p.requires_grad)
+    weight.register_hook(poison)
+    with pytest.raises(NonFiniteError) as info:
+        trainer.train(progress=False)
+    assert info.value.exit_code == 4
+    assert "Non-finite gradient at update 3" in str(info.value)
+    assert f"last good checkpoint (update 2, {tmp_path / 'ck' / 'state'})" in str(info.value)
+    assert json.loads((tmp_path / "ck/state/meta.json").read_text())["update"] == 2
+    saved = load_file(str(tmp_path / "ck/state/trainable.safetensors"))
+    assert all(torch.isfinite(t).all() for t in saved.values())
+    assert all(torch.isfinite(p).all() for p in trainer.policy.parameters())  # the poisoned step was never taken
+
+
+def test_a_failure_before_any_checkpoint_says_there_is_none(tiny_base_dir, reward_model, queries, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(), tmp_path / "ck")
+    real_optimize = trainer.optimize
+    monkeypatch.setattr(trainer, "optimize", lambda ro, adv, ret, update: real_optimize(ro, adv * float("nan"), ret, update))
+    with pytest.raises(NonFiniteError, match="no checkpoint exists yet: the next run starts from update 0"):
+        trainer.train(progress=False)
+    assert not (tmp_path / "ck/state").exists()
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"weights after update 2 are not finite \(weight"):
+        Checkpointer(tmp_path, "f").save(2, model, torch.optim.SGD(model.parameters(), lr=0.1), None, [])
+    assert not (tmp_path / "state").exists()
+
+
+def test_training_state_has_no_pickle(tmp_path):
+    """The checkpoint's optimizer/RNG state loads with weights_only=True, and a pickle that would
+    run code is refused instead of run."""
+    import random
+
+    import numpy as np
+
+    from rlhf_pipeline.ppo import rng_state, set_rng_state
+
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    state = rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"optimizer": Evil()}, tmp_path / "training_state.pt")
+    with pytest.raises(Exception):
+        torch.load(tmp_path / "training_state.pt", weights_only=True)
+    assert not marker.exists()
+    assert "weights_only=False" not in Path(ppo_module.__file__).read_text()
+
+
+def checkpointed_run(tiny_base_dir, reward_model, queries, directory):
+    """Two updates with a checkpoint after each; returns the checkpoint directory."""
+    trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(total_episodes=32, checkpoint_every=1), directory)
+    trainer.train(progress=False)
+    return directory
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "garbage meta"])
+def test_a_damaged_checkpoint_is_detected_and_training_starts_clean(tiny_base_dir, reward_model, queries, tmp_path, capsys, damage):
+    directory = checkpointed_run(tiny_base_dir, reward_model, queries, tmp_path / "ck")
+    weights = directory / "state/trainable.safetensors"
+    if damage == "flipped byte":
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0x01  # inside a tensor: safetensors itself would load it silently
+        weights.write_bytes(bytes(data))
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        (directory / "state/meta.json").write_text("{not json")
+    assert Checkpointer(directory, "test").prepare() is False
+    err = capsys.readouterr().err
+    assert f"the checkpoint in {directory / 'state'} is unusable (" in err and "starting again from update 0" in err
+    assert not (directory / "state").exists()
+
+
+def test_an_intact_checkpoint_passes_its_checksums(tiny_base_dir, reward_model, queries, tmp_path):
+    directory = checkpointed_run(tiny_base_dir, reward_model, queries, tmp_path / "ck")
+    meta = json.loads((directory / "state/meta.json").read_text())
+    assert set(meta["sha256"]) == set(Checkpointer.STATE_FILES)
+    assert Checkpointer(directory, "test").prepare() is True
+
+
+def test_a_kill_between_the_two_renames_keeps_the_previous_checkpoint(tiny_base_dir, reward_model, queries, tmp_path):
+    """atomic_dir parks the old state as .state.old-PID, then renames the new one in; killed in
+    between, the next start puts the parked state back and removes the half-written debris."""
+    directory = checkpointed_run(tiny_base_dir, reward_model, queries, tmp_path / "ck")
+    os.replace(directory / "state", directory / ".state.old-4242")
+    (directory / ".state.tmp-abc").mkdir()
+    (directory / ".state.tmp-abc/trainable.safetensors").write_bytes(b"half")
+    assert Checkpointer(directory, "test").prepare() is True
+    assert json.loads((directory / "state/meta.json").read_text())["update"] == 2
+    assert sorted(p.name for p in directory.iterdir()) == ["snapshots", "state"]

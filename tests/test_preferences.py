@@ -261,3 +261,16 @@ def test_preferences_stage_user_pairwise(project):
     row = prefs["train"][0]
     assert row["best"] == 0 and row["gold"] is None and len(row["samples"]) == 2 and len(row["query_ids"]) == 16
     assert json.loads((project / "data" / "preferences" / "format.json").read_text())["format"] == PAIRWISE
+
+
+def test_an_overlong_user_text_is_refused_before_tokenization(project, capsys, monkeypatch):
+    """A 5 MB row: the stage refuses it by length (exit 3) without handing it to the tokenizer."""
+    rows = [{"prompt": f"Prompt number {i}.", "chosen": f"A good answer {i}.", "rejected": f"A bad answer {i}."} for i in range(10)]
+    rows[4]["rejected"] = "x" * 5_000_000
+    (project / "data" / "labels").mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(project / "data" / "labels" / "pairs.parquet")
+    project.write_params(**{"data.preferences.source": "data/labels/pairs.parquet", "data.queries.test_fraction": 0.1})
+    assert run_stage_script("preferences") == 3
+    err = capsys.readouterr().err
+    assert "column 'rejected', row " in err and "a text of 5000000 characters, over data.validation.max_text_chars (4000)" in err
+    assert not (project / "data" / "preferences").exists()

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from rlhf_pipeline.errors import NonFiniteError
 from rlhf_pipeline.functional import best_of_n_loss
 from rlhf_pipeline.models import freeze_lower_layers, load_tokenizer
 from rlhf_pipeline.reward import (
@@ -206,3 +207,29 @@ def test_tensorflow_adam_by_hand():
     restored = adam([torch.nn.Parameter(torch.tensor([1.0]))], lr=0.1, eps=1e-3)
     restored.load_state_dict(adam([param], lr=0.1, eps=1e-3).state_dict())
     assert restored.param_groups[0]["tensorflow_eps"] == 1e-3
+
+
+def test_a_non_finite_loss_stops_with_exit_code_4(tiny_base_dir, pad):
+    """An infinite learning rate makes the weights NaN after step 0, so step 1's loss is NaN: a
+    NonFiniteError (exit 4, not retried by the flow), not a generic error that Prefect retries."""
+    rm = make_rm(tiny_base_dir, pad).train()
+    queries, samples = batch(pad, rows=16, n=4, seed=3)
+    best = samples[:, :, 0].argmax(-1)
+    with pytest.raises(NonFiniteError, match="loss became non-finite at step 1; nothing was written") as info:
+        train_reward_model(rm, queries, samples, best, None, lr=float("inf"), epochs=1, batch_size=8, microbatch_size=8,
+                           adam_eps=1e-5, generator=torch.Generator().manual_seed(0))
+    assert info.value.exit_code == 4
+
+
+def test_a_non_finite_gradient_stops_before_the_step(tiny_base_dir, pad):
+    """A finite loss with a NaN gradient (an fp16/bf16 overflow) stops before the optimizer step."""
+    rm = make_rm(tiny_base_dir, pad).train()
+    before = {name: p.detach().clone() for name, p in rm.named_parameters()}
+    head = rm.head.weight
+    head.register_hook(lambda grad: grad * float("nan"))
+    queries, samples = batch(pad, rows=8, n=4, seed=3)
+    best = samples[:, :, 0].argmax(-1)
+    with pytest.raises(NonFiniteError, match=r"gradient became non-finite at step 0 \(head.weight"):
+        train_reward_model(rm, queries, samples, best, None, lr=1e-2, epochs=1, batch_size=8, microbatch_size=8,
+                           adam_eps=1e-5, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(before[name], p) for name, p in rm.named_parameters())
