@@ -80,9 +80,12 @@ def declared_code_hash(stage: str, root: str | os.PathLike = ".") -> str:
     with Repo(str(root), uninitialized=True) as repo:
         declaration = repo.stage.load_one(path=str(root / "dvc.yaml"), name=stage)
     files = sorted({dep.def_path for dep in declaration.deps if str(dep.def_path).endswith(".py")})
+    # hash the files that actually run: this package's checkout (the same as root in a project,
+    # the repository when tests run a stage in a scratch directory)
+    code_root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for name in files:
-        digest.update(f"{name}\0{sha256_file(root / name)}\n".encode())
+        digest.update(f"{name}\0{sha256_file(code_root / name)}\n".encode())
     return digest.hexdigest()
 
 
@@ -94,7 +97,7 @@ def declared_keys_by_stage(root: str | os.PathLike = ".") -> dict[str, frozenset
     if not (root / "dvc.yaml").is_file():
         return {}
     with Repo(str(root), uninitialized=True) as repo:
-        return {stage.addressing: _params_file_keys(stage, root) for stage in repo.index.stages}
+        return {stage.name: _params_file_keys(stage, root) for stage in repo.index.stages}
 
 
 def missing_declared_keys(raw: Any, keys: Iterable[str]) -> list[str]:

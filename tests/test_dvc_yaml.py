@@ -181,3 +181,17 @@ def test_a_stage_whose_declared_key_is_missing_from_the_file_fails_with_exit_2(t
         run_stage("probe", lambda params: ran.append(params.seed), argv=[])
     assert exit_.value.code == 2 and not ran
     assert "ppo.lr: missing; dvc.yaml tracks it for stage probe" in capsys.readouterr().err
+
+
+def test_the_code_hash_follows_the_declared_code(monkeypatch):
+    """train_policy's checkpoint fingerprint includes this hash: editing any module the stage
+    declares (here ppo.py, simulated) changes it, so an old checkpoint is not resumed."""
+    import rlhf_pipeline.io as io
+    from rlhf_pipeline.stage_params import declared_code_hash
+
+    before, base_before = declared_code_hash("train_policy", REPO), declared_code_hash("base_model", REPO)
+    assert before == declared_code_hash("train_policy", REPO)
+    real = io.sha256_file
+    monkeypatch.setattr(io, "sha256_file", lambda path: "edited" if str(path).endswith("rlhf_pipeline/ppo.py") else real(path))
+    assert declared_code_hash("train_policy", REPO) != before
+    assert declared_code_hash("base_model", REPO) == base_before  # base_model does not import ppo.py

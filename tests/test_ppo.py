@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import add_pipeline_definition
+from conftest import add_pipeline_definition, full_params
 from safetensors.torch import load_file
 
 import rlhf_pipeline.ppo as ppo_module
@@ -203,7 +203,7 @@ def policy_project(tiny_base_dir, reward_model, queries, tmp_path_factory):
     rows = {"query_ids": queries.tolist(), "query": ["q"] * len(queries)}
     DatasetDict({"train": Dataset.from_dict(rows), "test": Dataset.from_dict(rows)}).save_to_disk(str(root / "data/queries"))
     params = {"task": TASK, "ppo": {**PPO, "total_episodes": 160, "checkpoint_every": 2, "device": "cpu"}, "data": {"preferences": {"source": "user.jsonl"}}}
-    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    (root / "params.yaml").write_text(yaml.safe_dump(full_params(params)))
     add_pipeline_definition(root)
     return root
 
