@@ -484,6 +484,11 @@ class PPOTrainer:
         from tqdm import tqdm
 
         self.resume_if_possible()
+        if self.log is not None:
+            # the checkpoint holds every record up to it: replaying them gives the log the same
+            # series as an uninterrupted run (a resumed DVCLive log would repeat or lose steps)
+            for record in self.history:
+                self.log(record)
         bar = tqdm(total=self.num_updates, initial=self.start_update, desc="train_policy", unit="update", disable=not progress)
         for update in range(self.start_update, self.num_updates):
             started = time.perf_counter()

@@ -70,10 +70,9 @@ def main(params: Params) -> None:
     fingerprint = fingerprint_of(params.seed, cfg.model_dump(), params.task.model_dump(), reward_hash, content_hash(f"{QUERIES}"),
                                  declared_code_hash("train_policy", project_root()))
     checkpointer = Checkpointer(CHECKPOINTS, fingerprint)
-    # rank 0 checks the checkpoint (discarding a damaged one) before DVCLive decides whether to resume its logs
-    resuming = checkpointer.prepare() if is_main else False
-
-    with open_live(LIVE, resume=resuming) if is_main else nullcontext() as live:
+    # DVCLive starts afresh every time: on a resume the trainer replays the checkpoint's history
+    # into it first, so the series match an uninterrupted run's step for step
+    with open_live(LIVE) if is_main else nullcontext() as live:
         def log(record: dict) -> None:
             if live is None:
                 return

@@ -228,12 +228,17 @@ def test_stage_killed_with_sigkill_resumes_bit_identical(policy_project, tmp_pat
     while time.time() < deadline and not meta.exists():
         time.sleep(0.05)
     assert meta.exists(), "no checkpoint appeared"
+    # kill between checkpoints: once an update past the checkpoint (every 2) is in the DVCLive log
+    score = tmp_path / "killed/dvclive/train_policy/plots/metrics/objective/score.tsv"
+    while time.time() < deadline and not (score.exists() and len(score.read_text().splitlines()) - 1 in (3, 5, 7)):
+        time.sleep(0.01)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     assert victim.returncode == -signal.SIGKILL
     assert not (tmp_path / "killed/models/policy").exists(), "killed before the final model was written"
     killed_at = json.loads(meta.read_text())["update"]
     assert killed_at < 10
+    assert len(score.read_text().splitlines()) - 1 > killed_at, "killed after an update the checkpoint does not hold"
 
     rerun = run_stage(policy_project, tmp_path / "killed")
     output, _ = rerun.communicate(timeout=300)
@@ -242,6 +247,18 @@ def test_stage_killed_with_sigkill_resumes_bit_identical(policy_project, tmp_pat
     a = (tmp_path / "whole/models/policy/model.safetensors").read_bytes()
     b = (tmp_path / "killed/models/policy/model.safetensors").read_bytes()
     assert a == b, "resumed weights differ from an uninterrupted run"
+    # the DVCLive series (what `dvc plots` draws) match too: one row per update, same steps and values
+    for series in ("objective/score", "objective/kl", "loss/policy"):
+        whole_rows, killed_rows = (live_series(tmp_path / run, series) for run in ("whole", "killed"))
+        assert len(whole_rows) == 10 and killed_rows == whole_rows, series
+
+
+def live_series(run: Path, name: str) -> list[tuple[str, str]]:
+    """(step, value) rows of a DVCLive metric of train_policy (the timestamp column differs by design)."""
+    lines = (run / "dvclive/train_policy/plots/metrics" / f"{name}.tsv").read_text().splitlines()
+    header = lines[0].split("\t")
+    step, value = header.index("step"), len(header) - 1
+    return [(row.split("\t")[step], row.split("\t")[value]) for row in lines[1:]]
 
 
 def test_data_parallel_run_with_two_processes(policy_project, tmp_path):
