@@ -18,18 +18,14 @@ def cmd_check_params(args) -> int:
 
     from rlhf_pipeline.errors import ParamsError
     from rlhf_pipeline.params import parse_params, read_params_file
-    from rlhf_pipeline.stage_params import declared_keys_by_stage, missing_declared_keys
+    from rlhf_pipeline.stage_params import declared_keys_by_stage, missing_key_problems
 
     raw = read_params_file(args.path)
     parse_params(raw, args.path)
     # the keys dvc.yaml (next to the file) tracks must be in the file: DVC does not know the schema's defaults
-    stages_by_missing_key: dict[str, list[str]] = {}
-    for stage, keys in declared_keys_by_stage(Path(args.path).resolve().parent).items():
-        for key in missing_declared_keys(raw, keys or ()):
-            stages_by_missing_key.setdefault(key, []).append(stage)
-    if stages_by_missing_key:
-        raise ParamsError(args.path, [f"{key}: missing; dvc.yaml tracks it for {', '.join(stages)} (DVC reads it from this file, "
-                                      "not from the schema's default)" for key, stages in sorted(stages_by_missing_key.items())])
+    problems = missing_key_problems(raw, declared_keys_by_stage(Path(args.path).resolve().parent))
+    if problems:
+        raise ParamsError(args.path, problems)
     print("ok")
     return 0
 

@@ -280,11 +280,11 @@ def validate_file_cli(path: str, params_path: str = "params.yaml", result_path: 
     Prints ``ok: N rows passed M expectations`` or the failure summary; writes the GX JSON to
     ``result_path`` if given; returns 0 (passed) or 3 (refused).
     """
+    import pandas as pd
+
     from rlhf_pipeline.corpus import read_table
     from rlhf_pipeline.errors import DataContractError
     from rlhf_pipeline.io import write_json
-    import pandas as pd
-
     from rlhf_pipeline.preferences import detect_format, split_by_column, to_flat_frame
 
     validation = load_validation_params(params_path)

@@ -616,5 +616,13 @@ def minibatch_indices(
 
 
 def non_finite_tensors(named: dict[str, Tensor | None]) -> list[str]:
-    """Names of the tensors holding a NaN or an infinity (None entries, e.g. absent gradients, are skipped)."""
-    return [name for name, tensor in named.items() if tensor is not None and not bool(torch.isfinite(tensor).all())]
+    """Names of the tensors holding a NaN or an infinity (None entries, e.g. absent gradients, are skipped).
+
+    It runs before every optimizer step, so the per-tensor flags are gathered into one tensor and
+    read once: one device synchronisation, not one per parameter."""
+    present = [(name, tensor) for name, tensor in named.items() if tensor is not None]
+    if not present:
+        return []
+    device = present[0][1].device
+    finite = torch.stack([torch.isfinite(tensor).all().to(device) for _, tensor in present]).tolist()
+    return [name for (name, _), ok in zip(present, finite) if not ok]

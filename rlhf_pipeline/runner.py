@@ -17,7 +17,7 @@ import numpy as np
 from rlhf_pipeline.env import project_root
 from rlhf_pipeline.errors import ParamsError, PipelineError
 from rlhf_pipeline.params import Params, parse_params, read_params_file
-from rlhf_pipeline.stage_params import DeclaredParams, declared_param_keys, missing_declared_keys
+from rlhf_pipeline.stage_params import DeclaredParams, declared_param_keys, missing_key_problems
 
 # When set to a folder, each stage writes there the params keys it read (tests compare them with dvc.yaml).
 RECORD_READS_ENV = "RLHF_RECORD_PARAM_READS"
@@ -50,10 +50,9 @@ def stage_params(name: str, path: str, root: str | os.PathLike) -> Params | Decl
     keys = declared_param_keys(name, root)
     if keys is None:
         return params
-    missing = missing_declared_keys(raw, keys)
-    if missing:
-        raise ParamsError(path, [f"{key}: missing; dvc.yaml tracks it for stage {name}, and DVC reads it from this file "
-                                 "(the schema's default does not count): add it (see params.yaml in the repository)" for key in missing])
+    problems = missing_key_problems(raw, {f"stage {name}": keys})
+    if problems:
+        raise ParamsError(path, problems)
     return DeclaredParams(params, keys, name)
 
 

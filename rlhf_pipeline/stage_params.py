@@ -32,11 +32,16 @@ class UndeclaredParamError(PipelineError):
 def declared_param_keys(stage: str, root: str | os.PathLike = ".") -> frozenset[str] | None:
     """The params.yaml keys ``dvc.yaml`` at ``root`` declares for ``stage``; None when it
     declares the whole file (a ``- params.yaml:`` entry with no keys)."""
+    root = Path(root).resolve()
+    return _params_file_keys(_stage_declaration(stage, root), root)
+
+
+def _stage_declaration(stage: str, root: Path):
+    """``stage`` as DVC reads it from ``root``/dvc.yaml, or a PipelineError saying why not."""
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
     from dvc.stage.exceptions import StageNotFound
 
-    root = Path(root).resolve()
     dvcfile = root / "dvc.yaml"
     if not dvcfile.is_file():
         raise PipelineError(
@@ -46,12 +51,11 @@ def declared_param_keys(stage: str, root: str | os.PathLike = ".") -> frozenset[
     try:
         # uninitialized: the declaration is all we need, also in a folder without .dvc/ (tests, exports)
         with Repo(str(root), uninitialized=True) as repo:
-            declaration = repo.stage.load_one(path=str(dvcfile), name=stage)
+            return repo.stage.load_one(path=str(dvcfile), name=stage)
     except StageNotFound:
         raise PipelineError(f"stage {stage}: {dvcfile} has no stage named {stage!r}.") from None
     except DvcException as error:
         raise PipelineError(f"stage {stage}: DVC cannot read {dvcfile}: {error}") from None
-    return _params_file_keys(declaration, root)
 
 
 def _params_file_keys(declaration, root: Path) -> frozenset[str] | None:
@@ -72,13 +76,9 @@ def declared_code_hash(stage: str, root: str | os.PathLike = ".") -> str:
     checkpoint records it, so a checkpoint written by other code is not resumed by this code."""
     import hashlib
 
-    from dvc.repo import Repo
-
     from rlhf_pipeline.io import sha256_file
 
-    root = Path(root).resolve()
-    with Repo(str(root), uninitialized=True) as repo:
-        declaration = repo.stage.load_one(path=str(root / "dvc.yaml"), name=stage)
+    declaration = _stage_declaration(stage, Path(root).resolve())
     files = sorted({dep.def_path for dep in declaration.deps if str(dep.def_path).endswith(".py")})
     # hash the files that actually run: this package's checkout (the same as root in a project,
     # the repository when tests run a stage in a scratch directory)
@@ -115,6 +115,17 @@ def missing_declared_keys(raw: Any, keys: Iterable[str]) -> list[str]:
                 break
             node = node[part]
     return missing
+
+
+def missing_key_problems(raw: Any, declared: dict[str, frozenset[str] | None]) -> list[str]:
+    """One ``key: missing; ...`` line per declared key that ``raw`` lacks, naming who declares it
+    (``declared`` maps a label, such as a stage name, to its declared keys; None: the whole file)."""
+    declarers: dict[str, list[str]] = {}
+    for who, keys in declared.items():
+        for key in missing_declared_keys(raw, keys or ()):
+            declarers.setdefault(key, []).append(who)
+    return [f"{key}: missing; dvc.yaml tracks it for {', '.join(names)} (DVC reads it from this file, not from the schema's default)"
+            for key, names in sorted(declarers.items())]
 
 
 def _covers(declared: Iterable[str], path: str) -> bool:

@@ -6,8 +6,6 @@ import csv
 import json
 from pathlib import Path
 
-import torch
-
 from rlhf_pipeline.evaluation import curve_point, length_stats, load_snapshot, overoptimization_plot, sample_and_score, snapshot_matches, summarize
 from rlhf_pipeline.io import atomic_file, write_json
 from rlhf_pipeline.labelers import get_labeler

@@ -7,6 +7,7 @@ from contextlib import nullcontext
 
 import torch
 
+from rlhf_pipeline.env import project_root
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.logging import open_live
@@ -16,7 +17,6 @@ from rlhf_pipeline.params import Params
 from rlhf_pipeline.ppo import Checkpointer, PolicyWithValue, PPOTrainer, fingerprint_of, save_policy
 from rlhf_pipeline.reward import RewardModel
 from rlhf_pipeline.rollout import load_queries
-from rlhf_pipeline.env import project_root
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.stage_params import declared_code_hash
 

@@ -471,3 +471,9 @@ def test_minibatch_indices_rejects_uneven_splits():
         fn.minibatch_indices(8, 3, 1, None)
     with pytest.raises(ValueError):
         fn.minibatch_indices(8, 2, 3, None)
+
+
+def test_non_finite_tensors_names_each_bad_tensor_and_skips_none():
+    named = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")]), "c": None, "d": torch.tensor(float("-inf")), "e": torch.zeros(2, 2)}
+    assert fn.non_finite_tensors(named) == ["b", "d"]
+    assert fn.non_finite_tensors({"c": None}) == [] and fn.non_finite_tensors({}) == []
