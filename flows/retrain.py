@@ -26,8 +26,9 @@ What a run does, in order:
 4. Each stage of ``dvc.yaml``, in file order, is one task running ``dvc repro --single-item
    STAGE``: DVC re-runs the stage only if it is stale, and never recurses into upstream stages
    (they ran, or were checked, just before). Exit codes of the stage command (DVC reports
-   "exited with N"): 2 = params.yaml invalid, 3 = data-contract failure: not retried, the flow
-   fails at once with the stage's message; anything else is retried with exponential backoff.
+   "exited with N"): the codes of ``rlhf_pipeline.errors.NOT_RETRIED_EXIT_CODES`` (2 params, 3 data
+   contract, 4 non-finite training, 5 an output not writable) are not retried, the flow fails at
+   once with the stage's message; anything else is retried with exponential backoff.
 5. ``dvc push`` (to ``remote`` if given, else the default remote, else ``localremote``), then a
    markdown summary artifact (stages, metrics against HEAD and against the previous run, lineage
    of the policy) and a table artifact of the metrics.
@@ -61,7 +62,7 @@ from prefect.runtime import task_run as task_run_runtime
 from prefect.tasks import exponential_backoff
 from pydantic import ValidationError
 
-from rlhf_pipeline.errors import ParamsError, PipelineError
+from rlhf_pipeline.errors import EXIT_CODE_MEANINGS, NOT_RETRIED_EXIT_CODES, ParamsError, PipelineError
 from rlhf_pipeline.params import ScheduleParams, format_validation_error, load_params
 from rlhf_pipeline.runner import report_error
 
@@ -69,8 +70,6 @@ DEPLOYMENT_NAME = "retrain-schedule"
 DEFAULT_PREFERENCES_TARGET = "data/labels/preferences.jsonl"
 DEFAULT_LINEAGE_TARGET = "models/policy"
 DEFAULT_LOCAL_REMOTE = "localremote"
-NON_RETRYABLE_EXIT_CODES = frozenset({2, 3, 4})  # rlhf_pipeline.errors: ParamsError, DataContractError, NonFiniteError
-EXIT_MEANINGS = {2: "parameter error (params.yaml invalid)", 3: "data-contract failure", 4: "non-finite training (NaN/inf); last good checkpoint kept"}
 PREFERENCE_SUFFIXES = (".jsonl", ".parquet")
 LOCK_RELATIVE_PATH = Path(".dvc") / "tmp" / "retrain.lock"
 LAST_METRICS_RELATIVE_PATH = Path(".dvc") / "tmp" / "retrain" / "last_metrics.json"
@@ -188,8 +187,8 @@ def stage_exit_code(result: CommandResult) -> int:
 
 
 def _stage_message(stage: str, code: int, output: str, attempts: int | None = None) -> str:
-    meaning = EXIT_MEANINGS.get(code, "failure")
-    retry = "not retried" if code in NON_RETRYABLE_EXIT_CODES else f"after {attempts or 1} attempt(s)"
+    meaning = EXIT_CODE_MEANINGS.get(code, "failure")
+    retry = "not retried" if code in NOT_RETRIED_EXIT_CODES else f"after {attempts or 1} attempt(s)"
     lines = [line for line in output.splitlines() if line.strip()][-OUTPUT_TAIL_LINES:]
     return f"DVC stage '{stage}' failed with exit code {code} ({meaning}; {retry}):\n" + "\n".join(lines)
 
@@ -309,14 +308,14 @@ def _configured_remote(root: Path, remote: str | None) -> tuple[list[str], str] 
 
 
 def refuse_retry_on_contract_errors(task, task_run, state) -> bool:
-    """retry_condition_fn: no retry for exit 2 (params) or 3 (data contract), retry the rest."""
+    """retry_condition_fn: no retry for the exit codes of deterministic failures (errors.NOT_RETRIED_EXIT_CODES)."""
     error = state.data if isinstance(state.data, BaseException) else None
     if error is None:
         try:
             error = state.result(raise_on_failure=False)
         except Exception:  # noqa: BLE001 - unknown failure: retry it
             return True
-    return getattr(error, "exit_code", 1) not in NON_RETRYABLE_EXIT_CODES
+    return getattr(error, "exit_code", 1) not in NOT_RETRIED_EXIT_CODES
 
 
 @task(name="dvc-repro", task_run_name="dvc-repro-{stage}", retries=3, retry_delay_seconds=exponential_backoff(30),
@@ -502,7 +501,7 @@ def retrain(
         validate_command: validator argv, the file path is appended; exit 0 = valid. Default:
             ``python -m rlhf_pipeline.cli validate-preferences``.
         preferences_target: where valid incoming data is copied (relative to ``repo``).
-        retries: retries of a stage failing with an exit code other than 2 or 3.
+        retries: retries of a stage failing with an exit code not in errors.NOT_RETRIED_EXIT_CODES.
         retry_delay_seconds: first retry delay; doubles each retry (exponential backoff).
         lock_timeout: seconds to wait for an overlapping run to finish before failing.
         lineage_target: artifact whose ``rlhf lineage`` goes into the summary (None: skip).

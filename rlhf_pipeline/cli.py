@@ -1,7 +1,7 @@
 """The ``rlhf`` command: checks and audits around the DVC pipeline.
 
-Subcommands register themselves in ``COMMANDS``; each gets the parsed args and returns an exit
-code. User errors (:class:`PipelineError`) print one paragraph and exit non-zero, no traceback.
+Each subcommand is a ``cmd_*`` function set as its parser's default ``func``: it gets the parsed
+args and returns an exit code. User errors (:class:`PipelineError`) print one paragraph and exit non-zero, no traceback.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.runner import report_error
+from rlhf_pipeline.runner import report_error, report_unexpected
 
 
 def cmd_check_params(args) -> int:
@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
         code = args.func(args)
     except PipelineError as error:
         code = report_error(error, f"rlhf {args.command}")
+    except Exception as error:
+        code = report_unexpected(error, f"rlhf {args.command}")
     sys.exit(code)
 
 

@@ -33,6 +33,7 @@ from rlhf_pipeline.preferences import BAD_CHARACTERS, PAIRWISE, VISIBLE_CHARACTE
 
 INTEGER_TYPES = ["int", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "Int64", "Int32"]
 EXAMPLES = 3
+TABLE_SHAPE_EXPECTATIONS = ("expect_table_columns_to_match_set", "expect_table_row_count_to_be_between")
 
 
 @dataclass
@@ -78,7 +79,11 @@ def add_helper_columns(frame, tokenizer=None, max_text_chars: int | None = None)
 
 
 def build_suite(frame, validation, label_check: bool = True, min_rows: int | None = None):
-    """The ExpectationSuite for ``frame`` (with helper columns) under ``data.validation``."""
+    """The ExpectationSuite of the row checks for ``frame`` (with helper columns) under ``data.validation``.
+
+    The per-text checks run on :func:`text_cells` with :func:`build_text_suite`, so the number of
+    expectations does not grow with the number of samples per row (a best-of-1000 file has the
+    same 20-odd expectations as a pairwise one)."""
     import great_expectations as gx
     import great_expectations.expectations as gxe
 
@@ -86,27 +91,19 @@ def build_suite(frame, validation, label_check: bool = True, min_rows: int | Non
     samples = expected_samples(frame)
     required = ["query", *samples, "best"]
     present = [c for c in required if c in frame.columns]
-    texts = [c for c in ["query", *samples] if c in frame.columns]
     suite = gx.ExpectationSuite(name="preferences")
 
     def add(expectation, check):
         expectation.meta = {"check": check}
         suite.add_expectation(expectation)
 
-    for column in required:
-        add(gxe.ExpectColumnToExist(column=column), "missing column")
+    add(gxe.ExpectTableColumnsToMatchSet(column_set=required, exact_match=False), "missing column")
     add(gxe.ExpectTableRowCountToBeBetween(min_value=min_rows), f"row count >= min_rows ({min_rows})")
-    for column in present:
-        add(gxe.ExpectColumnValuesToNotBeNull(column=column), "no nulls")
-    for column in texts:
-        add(gxe.ExpectColumnValuesToBeOfType(column=column, type_="str"), "text type (string)")
-        add(gxe.ExpectColumnValuesToMatchRegex(column=column, regex=VISIBLE_CHARACTER), "no empty, whitespace-only or invisible-only text")
-        add(gxe.ExpectColumnValuesToNotMatchRegex(column=column, regex=BAD_CHARACTERS), "no invalid UTF-8 or control characters")
-        add(gxe.ExpectColumnValueLengthsToBeBetween(column=column, max_value=validation.max_text_chars), f"text length <= max_text_chars ({validation.max_text_chars})")
     sample_present = [c for c in samples if c in frame.columns]
     if len(sample_present) >= 2:
         add(gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(column_list=sample_present), "distinct samples in a row (chosen != rejected)")
     if "best" in frame.columns:
+        add(gxe.ExpectColumnValuesToNotBeNull(column="best"), "no nulls")
         add(gxe.ExpectColumnValuesToBeInTypeList(column="best", type_list=INTEGER_TYPES), "best type (integer)")
         add(gxe.ExpectColumnValuesToBeBetween(column="best", min_value=0, max_value=len(samples) - 1), f"best within [0, {len(samples)})")
         if label_check:
@@ -124,6 +121,36 @@ def build_suite(frame, validation, label_check: bool = True, min_rows: int | Non
     return suite
 
 
+def text_cells(frame):
+    """One row per text cell of ``frame``: ``_row`` (its row), ``_column`` (its column), ``text``."""
+    import pandas as pd
+
+    texts = [c for c in _text_columns(frame) if c in frame.columns]
+    if not texts:
+        return pd.DataFrame({"_row": pd.Series(dtype=int), "_column": pd.Series(dtype=object), "text": pd.Series(dtype=object)})
+    cells = frame[texts].astype(object).melt(ignore_index=False, var_name="_column", value_name="text")
+    return cells.rename_axis("_row").reset_index()
+
+
+def build_text_suite(validation):
+    """The checks every text (query and each sample) must pass, on :func:`text_cells`."""
+    import great_expectations as gx
+    import great_expectations.expectations as gxe
+
+    suite = gx.ExpectationSuite(name="preference-texts")
+    for expectation, check in [
+        (gxe.ExpectColumnValuesToNotBeNull(column="text"), "no nulls"),
+        (gxe.ExpectColumnValuesToBeOfType(column="text", type_="str"), "text type (string)"),
+        (gxe.ExpectColumnValuesToMatchRegex(column="text", regex=VISIBLE_CHARACTER), "no empty, whitespace-only or invisible-only text"),
+        (gxe.ExpectColumnValuesToNotMatchRegex(column="text", regex=BAD_CHARACTERS), "no invalid UTF-8 or control characters"),
+        (gxe.ExpectColumnValueLengthsToBeBetween(column="text", max_value=validation.max_text_chars),
+         f"text length <= max_text_chars ({validation.max_text_chars})"),
+    ]:
+        expectation.meta = {"check": check}
+        suite.add_expectation(expectation)
+    return suite
+
+
 def ephemeral_context():
     """An in-memory GX context with progress bars off (analytics are off via the environment).
 
@@ -136,11 +163,12 @@ def ephemeral_context():
     return context
 
 
-def run_suite(context, frame, suite) -> Any:
+def run_suite(context, frame, suite, result_format: str = "SUMMARY") -> Any:
     """Validate ``frame`` (the whole dataframe as one batch) against ``suite``."""
-    batch_definition = context.data_sources.add_pandas("preferences").add_dataframe_asset("frame").add_batch_definition_whole_dataframe("all")
+    source = context.data_sources.add_pandas(suite.name)
+    batch_definition = source.add_dataframe_asset("frame").add_batch_definition_whole_dataframe("all")
     batch = batch_definition.get_batch(batch_parameters={"dataframe": frame})
-    return batch.validate(suite, result_format={"result_format": "SUMMARY", "partial_unexpected_count": 20})
+    return batch.validate(suite, result_format={"result_format": result_format, "partial_unexpected_count": 20})
 
 
 def _json_safe(value):
@@ -151,6 +179,23 @@ def _json_safe(value):
     return value
 
 
+def _example_columns(user_columns: list[str], columns: list[str]) -> list[str]:
+    """The cells an example row shows: all of them for a narrow frame, else the query, the
+    columns at fault and the label (a best-of-1000 row would print a thousand texts)."""
+    if len(user_columns) <= 8:
+        return user_columns
+    return [c for c in user_columns if c in ("query", "best") or c in columns]
+
+
+def _examples(frame, rows: list[int], user_columns: list[str], columns: list[str], label) -> list[dict[str, Any]]:
+    examples = []
+    for index in rows[:EXAMPLES]:
+        row = {"row": int(index)}
+        row.update({label(c): _json_safe(frame.at[index, c]) for c in _example_columns(user_columns, columns) if label(c)})
+        examples.append(row)
+    return examples
+
+
 def _failure(result, frame, user_columns: list[str], names: dict[str, str]) -> dict[str, Any]:
     config = result.expectation_config
     kwargs = config.kwargs
@@ -158,15 +203,12 @@ def _failure(result, frame, user_columns: list[str], names: dict[str, str]) -> d
     label = lambda c: names.get(c, c)  # noqa: E731
     shown = ", ".join(label(c) for c in columns if not c.startswith("_") and label(c)) or "(table)"
     details = result.result or {}
-    indices = list(details.get("partial_unexpected_index_list") or [])[:EXAMPLES]
-    examples = []
-    for index in indices:
-        row = {"row": int(index)}
-        row.update({label(c): _json_safe(frame.at[index, c]) for c in user_columns if label(c)})
-        examples.append(row)
+    indices = list(details.get("partial_unexpected_index_list") or [])
     exception = (result.exception_info or {}).get("exception_message") if result.exception_info else None
     observed = _json_safe(details.get("observed_value"))
-    if config.type == "expect_column_to_exist":
+    if config.type == "expect_table_columns_to_match_set":
+        missing = set(details.get("details", {}).get("mismatched", {}).get("missing") or [])
+        shown = ", ".join(label(c) for c in kwargs["column_set"] if c in missing)
         observed = "not found; the columns are " + ", ".join(label(c) for c in user_columns if label(c))
     return {
         "check": (config.meta or {}).get("check", config.type),
@@ -174,9 +216,26 @@ def _failure(result, frame, user_columns: list[str], names: dict[str, str]) -> d
         "column": shown,
         "count": details.get("unexpected_count"),
         "observed": observed,
-        "examples": examples,
+        "examples": _examples(frame, indices, user_columns, columns, label),
         **({"error": exception} if exception else {}),
     }
+
+
+def _text_failures(result, cells, frame, user_columns: list[str], names: dict[str, str]) -> list[dict[str, Any]]:
+    """One failure per text column at fault, as if the check had run on that column alone."""
+    config = result.expectation_config
+    label = lambda c: names.get(c, c)  # noqa: E731
+    exception = (result.exception_info or {}).get("exception_message") if result.exception_info else None
+    if exception:
+        return [{"check": config.meta["check"], "expectation": config.type, "column": "(texts)", "count": None,
+                 "observed": None, "examples": [], "error": exception}]
+    unexpected = cells.loc[list((result.result or {}).get("unexpected_index_list") or []), ["_row", "_column"]]
+    failures = []
+    for column in [c for c in user_columns if c in set(unexpected["_column"])]:
+        rows = unexpected.loc[unexpected["_column"] == column, "_row"].tolist()
+        failures.append({"check": config.meta["check"], "expectation": config.type, "column": label(column), "count": len(rows),
+                         "observed": None, "examples": _examples(frame, rows, user_columns, [column], label)})
+    return failures
 
 
 def validate_dataframe(df, validation_params, tokenizer=None, label_check: bool = True, min_rows: int | None = None, names: dict[str, str] | None = None) -> ContractResult:
@@ -201,11 +260,20 @@ def validate_dataframe(df, validation_params, tokenizer=None, label_check: bool 
     user_columns = [c for c in frame.columns if not str(c).startswith("_")]
     frame = add_helper_columns(frame, tokenizer, validation_params.max_text_chars)
     context = ephemeral_context()
-    suite = build_suite(frame, validation_params, label_check=label_check, min_rows=min_rows)
-    result = run_suite(context, frame, suite)
-    failures = [_failure(r, frame, user_columns, names) for r in result.results if not r.success]
+    rows = run_suite(context, frame, build_suite(frame, validation_params, label_check=label_check, min_rows=min_rows))
+    cells = text_cells(frame)
+    # COMPLETE: every failing cell's index, to report each column at fault with its own count
+    texts = run_suite(context, cells, build_text_suite(validation_params), result_format="COMPLETE")
+    row_failures = [_failure(r, frame, user_columns, names) for r in rows.results if not r.success]
+    text_failures = [f for r in texts.results if not r.success for f in _text_failures(r, cells, frame, user_columns, names)]
+    # reported in the order a reader fixes them: the table's shape, each text, then whole rows
+    shape = [f for f in row_failures if f["expectation"] in TABLE_SHAPE_EXPECTATIONS]
+    failures = shape + text_failures + [f for f in row_failures if f not in shape]
+    gx_json = rows.to_json_dict()
+    gx_json["success"] = bool(rows.success and texts.success)
+    gx_json["results"] = gx_json["results"] + texts.to_json_dict()["results"]
     notes = [] if tokenizer is not None else ["token lengths not checked (no tokenizer)"]
-    return ContractResult(not failures, failures, result.to_json_dict(), len(frame), len(result.results), notes)
+    return ContractResult(not failures, failures, gx_json, len(frame), len(gx_json["results"]), notes)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import re
+
 
 class PipelineError(Exception):
     """A problem with the user's input (file, dataset, parameter) rather than a bug.
@@ -31,6 +34,51 @@ class DataContractError(PipelineError):
 
 
 class NonFiniteError(PipelineError):
-    """Training produced NaN/inf; the last good checkpoint is kept."""
+    """Training produced NaN/inf; nothing is written and the last good checkpoint is kept."""
 
     exit_code = 4
+
+
+class StorageError(PipelineError):
+    """An output could not be written: the disk or quota is full, the file system is read-only, or
+    permission is denied. Retrying does not help until the user frees space or fixes the folder."""
+
+    exit_code = 5
+
+
+# Exit codes of failures that are the same on every attempt: the retrain flow fails at once on these.
+NOT_RETRIED_EXIT_CODES = frozenset({ParamsError.exit_code, DataContractError.exit_code, NonFiniteError.exit_code, StorageError.exit_code})
+EXIT_CODE_MEANINGS = {
+    ParamsError.exit_code: "params.yaml invalid",
+    DataContractError.exit_code: "data-contract failure",
+    NonFiniteError.exit_code: "non-finite training (NaN/inf)",
+    StorageError.exit_code: "an output could not be written (disk full, read-only or no permission)",
+}
+
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+# Writers that wrap the OS error in their own text: safetensors ("I/O error: No space left on device (os error 28)")
+_STORAGE_TEXT = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied|Operation not permitted")
+
+
+def storage_failure(error: BaseException) -> str | None:
+    """The operating system's reason when ``error``, or an exception it was raised from or while
+    handling (torch.save raises a RuntimeError while handling the OSError), is a storage failure."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _STORAGE_ERRNOS:
+            return current.strerror or _STORAGE_TEXT.search(str(current)).group(0)
+        match = _STORAGE_TEXT.search(str(current))
+        if match:
+            return match.group(0)
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def storage_error(reason: str, target: object) -> StorageError:
+    return StorageError(
+        f"could not write {target}: {reason}. Nothing half-written is left in its place (outputs are written to a "
+        "temporary sibling, renamed into place only when complete, and the temporary is removed on failure). "
+        "Free disk space, or make the folder writable, then run the stage again; the retrain flow does not retry this."
+    )

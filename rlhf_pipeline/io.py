@@ -16,28 +16,47 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.errors import PipelineError, storage_error, storage_failure
+
 
 @contextlib.contextmanager
 def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temporary directory that replaces ``target`` only if the block succeeds.
 
     The swap is two renames (target -> .old, tmp -> target); a kill between them is undone by
-    :func:`recover_interrupted_write`, which runs first."""
+    :func:`recover_interrupted_write`, which runs first. A full disk or a read-only folder raises
+    :class:`StorageError` naming ``target``."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    recover_interrupted_write(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; outputs are meant to be shared
+    with storage_errors_name(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        recover_interrupted_write(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; outputs are meant to be shared
+            yield tmp
+            old = target.parent / f".{target.name}.old-{os.getpid()}"
+            if target.exists():
+                os.replace(target, old)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def storage_errors_name(target: Path) -> Iterator[None]:
+    """Turn a full-disk / read-only / permission failure inside the block into a
+    :class:`StorageError` that names ``target`` (the OS error often names no file)."""
     try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        yield
+    except PipelineError:
         raise
-    old = target.parent / f".{target.name}.old-{os.getpid()}"
-    if target.exists():
-        os.replace(target, old)
-    os.replace(tmp, target)
-    shutil.rmtree(old, ignore_errors=True)
+    except Exception as error:
+        reason = storage_failure(error)
+        if reason is None:
+            raise
+        raise storage_error(reason, target) from error
 
 
 def recover_interrupted_write(target: str | os.PathLike) -> None:
@@ -59,17 +78,18 @@ def recover_interrupted_write(target: str | os.PathLike) -> None:
 def atomic_file(target: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     """Open a temporary sibling of ``target`` for writing; rename it over ``target`` on success."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
-    os.chmod(tmp_name, 0o644)
-    try:
-        with os.fdopen(fd, mode) as handle:
-            yield handle
-        os.replace(tmp_name, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
+    with storage_errors_name(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+        try:
+            os.chmod(tmp_name, 0o644)
+            with os.fdopen(fd, mode) as handle:
+                yield handle
+            os.replace(tmp_name, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
+            raise
 
 
 def write_json(target: str | os.PathLike, payload: Any) -> None:

@@ -38,11 +38,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save as save_safetensors
 from torch import Tensor, nn
 
 from rlhf_pipeline import functional as F
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
-from rlhf_pipeline.io import atomic_dir, recover_interrupted_write, sha256_file
+from rlhf_pipeline.io import atomic_dir, atomic_file, recover_interrupted_write, sha256_file
 from rlhf_pipeline.models import adam, backbone_of, freeze_lower_layers
 from rlhf_pipeline.params import PPOParams, TaskParams
 from rlhf_pipeline.reward import RewardModel, score_query_responses
@@ -217,11 +218,12 @@ class Checkpointer:
         bad = F.non_finite_tensors(weights)
         if bad:  # never replace a good checkpoint with a broken one
             raise NonFiniteError(f"The weights after update {update} are not finite ({', '.join(bad[:3])}...). {self.last_good()}")
-        self.snapshots.mkdir(parents=True, exist_ok=True)
-        save_file({k: v for k, v in weights.items() if k.startswith("lm.")}, str(self.snapshots / f"update_{update:05d}.safetensors"))
+        with atomic_file(self.snapshots / f"update_{update:05d}.safetensors", "wb") as handle:
+            handle.write(save_safetensors({k: v for k, v in weights.items() if k.startswith("lm.")}))
         with atomic_dir(self.state_dir) as tmp:
             save_file(weights, str(tmp / "trainable.safetensors"))
-            torch.save({"optimizer": optimizer.state_dict(), "kl": kl_ctl.state_dict(), "rng": rng_state()}, tmp / "training_state.pt")
+            with open(tmp / "training_state.pt", "wb") as handle:  # a handle: a full disk then surfaces as an OSError
+                torch.save({"optimizer": optimizer.state_dict(), "kl": kl_ctl.state_dict(), "rng": rng_state()}, handle)
             (tmp / "history.json").write_text(json.dumps(stats_history))
             checksums = {name: sha256_file(tmp / name) for name in self.STATE_FILES}
             (tmp / "meta.json").write_text(json.dumps({"fingerprint": self.fingerprint, "update": update, "sha256": checksums}))

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from rlhf_pipeline.env import project_root
-from rlhf_pipeline.errors import ParamsError, PipelineError
+from rlhf_pipeline.errors import ParamsError, PipelineError, storage_error, storage_failure
 from rlhf_pipeline.params import Params, parse_params, read_params_file
 from rlhf_pipeline.stage_params import DeclaredParams, declared_param_keys, missing_key_problems
 
@@ -40,6 +40,16 @@ def report_error(error: PipelineError, prog: str) -> int:
     else:
         print(f"{prog}: error: {error}", file=sys.stderr)
     return error.exit_code
+
+
+def report_unexpected(error: Exception, prog: str) -> int:
+    """A storage failure outside the atomic writers (a library writing its own files) exits 5 with
+    one paragraph; anything else is a bug: its traceback is printed, exit 1."""
+    reason = storage_failure(error)
+    if reason is not None:
+        return report_error(storage_error(reason, getattr(error, "filename", None) or "an output"), prog)
+    traceback.print_exception(error)
+    return 1
 
 
 def stage_params(name: str, path: str, root: str | os.PathLike) -> Params | DeclaredParams:
@@ -93,6 +103,5 @@ def run_stage(name: str, body: Callable[[Params], None], argv: list[str] | None 
     except KeyboardInterrupt:
         print(f"stage {name}: interrupted", file=sys.stderr)
         sys.exit(130)
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    except Exception as error:
+        sys.exit(report_unexpected(error, f"stage {name}"))

@@ -195,3 +195,17 @@ def test_an_overlong_text_is_never_tokenized(tiny_base_dir):
     result = validate_dataframe(flat, ValidationParams(), recording, label_check=False, names=display_names(PAIRWISE))
     assert not result.success and any("text length <= max_text_chars" in f["check"] for f in result.failures)
     assert longest and max(longest) <= 4000
+
+
+def test_best_of_1000_costs_the_same_expectations_as_pairwise():
+    """The per-text checks run once over all texts, not once per sample column: the suite of a
+    best-of-1000 file is as small as a pairwise one's, and a bad text is still named by column."""
+    k = 1000
+    rows = [{"query": f"Query {r}.", **{f"sample{i}": f"Sample {i} for query {r}." for i in range(k)}, "best": r % k} for r in range(ROWS)]
+    rows[5]["sample700"] = "bell \x07 here"
+    result = validate_dataframe(pd.DataFrame(rows), ValidationParams())
+    pairwise = validate_dataframe(to_flat_frame(pd.DataFrame(pairwise_rows()), PAIRWISE), ValidationParams(), label_check=False)
+    assert result.expectations == pairwise.expectations + 1  # + the label-share check pairwise data skips
+    [failure] = result.failures
+    assert failure["column"] == "sample700" and failure["count"] == 1
+    assert failure["examples"] == [{"row": 5, "query": "Query 5.", "sample700": "bell \x07 here", "best": 5}]

@@ -17,7 +17,7 @@ from filelock import FileLock  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
-from rlhf_pipeline.errors import ParamsError  # noqa: E402
+from rlhf_pipeline.errors import EXIT_CODE_MEANINGS, NOT_RETRIED_EXIT_CODES, ParamsError  # noqa: E402
 from flows.retrain import (  # noqa: E402
     DEPLOYMENT_NAME,
     CommandResult,
@@ -197,17 +197,27 @@ def test_invalid_preferences_fail_the_run_before_any_stage(project: Path, tmp_pa
     assert (project / "data/labels/preferences.jsonl").read_text() == before
 
 
-def test_parameter_error_is_not_retried(project: Path):
-    _control(project, train_reward={"exit": 2, "message": "params.yaml is invalid: ppo.lr: must be > 0"})
+DETERMINISTIC_FAILURES = {  # exit code -> a stage's message for it
+    2: "params.yaml is invalid: ppo.lr: must be > 0",
+    4: "The weights after update 3 are not finite",
+    5: "could not write models/reward: No space left on device",
+}
+
+
+@pytest.mark.parametrize("code", sorted(DETERMINISTIC_FAILURES))
+def test_deterministic_failures_are_not_retried(project: Path, code: int):
+    assert code in NOT_RETRIED_EXIT_CODES
+    message = DETERMINISTIC_FAILURES[code]
+    _control(project, train_reward={"exit": code, "message": message})
 
     state = retrain(repo=str(project), retries=3, return_state=True, **FAST)
 
     assert state.is_failed()
-    assert "ppo.lr: must be > 0" in state.message and "exit code 2" in state.message
-    assert _counters(project) == {"prepare": 1, "train_reward": 1}, "exit 2 was retried or later stages ran"
+    assert message in state.message and f"exit code {code} ({EXIT_CODE_MEANINGS[code]}; not retried)" in state.message
+    assert _counters(project) == {"prepare": 1, "train_reward": 1}, f"exit {code} was retried or later stages ran"
     assert not (project / "models/policy").exists()
     summary = _artifacts(state.state_details.flow_run_id)["retrain-summary"].data
-    assert "# Retrain: failed" in summary and "ppo.lr: must be > 0" in summary
+    assert "# Retrain: failed" in summary and message in summary
 
 
 def test_unchanged_project_runs_nothing(project: Path):

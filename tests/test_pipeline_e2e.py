@@ -203,3 +203,34 @@ def test_bad_preference_data_stops_the_pipeline_and_touches_nothing(project, tmp
     assert (clone / "models/reward/reward_head.safetensors").read_bytes() == reward_before
     summary = json.loads((clone / "data/validation/summary.json").read_text())
     assert summary["success"] is False
+
+
+# Two threads of matrix products: it competes with the stage for both cores and for the same
+# OpenMP/MKL machinery, the worst case for a thread-count-dependent result.
+COMPETITOR = "import torch\ntorch.set_num_threads(2)\na = torch.randn(768, 768)\nwhile True:\n    a = torch.tanh(a @ a)\n"
+
+
+def file_digests(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in skip}
+
+
+def test_outputs_are_byte_identical_beside_a_competing_process(project, tmp_path):
+    """corpus (sampling) and train_policy (sampling and training), rerun while another CPU-bound
+    torch process runs, write the same bytes as the first run, which ran alone."""
+    root, _ = project
+    clone = tmp_path / "clone"
+    shutil.copytree(root, clone, symlinks=True)
+    shutil.rmtree(clone / "checkpoints" / "policy")  # else train_policy resumes from its final checkpoint
+    competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR])
+    try:
+        for stage in ("corpus", "train_policy"):
+            sh(["dvc", "repro", "--force", "--single-item", stage], clone)
+        assert competitor.poll() is None, "the competing process stopped early"
+    finally:
+        competitor.kill()
+    assert file_digests(clone / "data" / "corpus") == file_digests(root / "data" / "corpus")
+    # the model card names the run's temporary folder; every weight, config and tokenizer file must match
+    assert file_digests(clone / "models" / "policy", skip=("README.md",)) == file_digests(root / "models" / "policy", skip=("README.md",))

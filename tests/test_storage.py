@@ -1,0 +1,84 @@
+"""A full disk or a read-only folder: exit 5 with one paragraph naming the output, nothing
+half-written, the previous version kept (on real file systems: small tmpfs mounts)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import run_stage_script
+from rlhf_pipeline.errors import StorageError, storage_failure
+from rlhf_pipeline.io import atomic_dir, write_json
+
+
+def mount_tmpfs(where: Path, options: str) -> Path:
+    where.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {result.stderr.strip()}")
+    return where
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = mount_tmpfs(tmp_path / "disk", "size=256k")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def _error_of(write) -> BaseException:
+    with pytest.raises(Exception) as caught:
+        write()
+    return caught.value
+
+
+def test_real_write_failures_are_recognised(small_disk):
+    """The errors each writer really raises on a full disk: the plain OSError, torch.save's
+    RuntimeError raised while handling it, safetensors' own error type."""
+    def plain():
+        with open(small_disk / "plain.txt", "w") as handle:
+            handle.write("x" * 1_000_000)
+
+    def torch_save():
+        with open(small_disk / "state.pt", "wb") as handle:
+            torch.save({"x": torch.zeros(1_000_000)}, handle)
+
+    errors = []
+    for write in (plain, torch_save, lambda: save_file({"x": torch.zeros(1_000_000)}, str(small_disk / "x.safetensors"))):
+        errors.append(_error_of(write))
+        for leftover in small_disk.iterdir():  # each writer starts on an empty disk
+            leftover.unlink()
+    assert [type(e).__name__ for e in errors] == ["OSError", "RuntimeError", "SafetensorError"]
+    assert all(storage_failure(e) == "No space left on device" for e in errors)
+    assert storage_failure(ValueError("a bug")) is None and storage_failure(FileNotFoundError(2, "No such file")) is None
+
+
+def test_full_disk_keeps_the_previous_output(small_disk):
+    target = small_disk / "model"
+    with atomic_dir(target) as tmp:
+        (tmp / "weights.bin").write_bytes(b"previous")
+    with pytest.raises(StorageError, match=rf"could not write {target}: No space left on device\. Nothing half-written"):
+        with atomic_dir(target) as tmp:
+            (tmp / "weights.bin").write_bytes(b"\0" * 1_000_000)
+    assert (target / "weights.bin").read_bytes() == b"previous"
+    assert sorted(p.name for p in small_disk.iterdir()) == ["model"], "a temporary was left behind"
+    with pytest.raises(StorageError, match="metrics.json: No space left on device"):
+        write_json(small_disk / "metrics.json", {"x": "y" * 1_000_000})
+    assert sorted(p.name for p in small_disk.iterdir()) == ["model"]
+
+
+def test_stage_with_a_read_only_output_folder_exits_5(project, capsys, tmp_path):
+    assert run_stage_script("corpus") == 0
+    mount_tmpfs(project / "metrics", "size=64k,ro")
+    try:
+        code = run_stage_script("queries")
+    finally:
+        subprocess.run(["umount", str(project / "metrics")], check=True)
+    err = capsys.readouterr().err
+    assert code == StorageError.exit_code == 5
+    assert "stage queries: error: could not write metrics/queries.json: Read-only file system." in err
+    assert "Traceback" not in err
