@@ -182,6 +182,8 @@ class Checkpointer:
         """True if a resumable state with the same fingerprint exists and its files match the
         checksums in its meta.json; else start clean (with a warning when it was damaged)."""
         recover_interrupted_write(self.state_dir)
+        for leftover in self.snapshots.glob(".update_*.tmp-*"):  # a snapshot write that was killed
+            leftover.unlink()
         problem = self._damage()
         if problem is None:
             return True

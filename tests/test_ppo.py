@@ -395,6 +395,9 @@ def test_a_kill_between_the_two_renames_keeps_the_previous_checkpoint(tiny_base_
     os.replace(directory / "state", directory / ".state.old-4242")
     (directory / ".state.tmp-abc").mkdir()
     (directory / ".state.tmp-abc/trainable.safetensors").write_bytes(b"half")
+    snapshots = sorted(p.name for p in (directory / "snapshots").iterdir())
+    (directory / "snapshots/.update_00003.safetensors.tmp-xyz").write_bytes(b"half")  # a snapshot write killed
     assert Checkpointer(directory, "test").prepare() is True
     assert json.loads((directory / "state/meta.json").read_text())["update"] == 2
     assert sorted(p.name for p in directory.iterdir()) == ["snapshots", "state"]
+    assert sorted(p.name for p in (directory / "snapshots").iterdir()) == snapshots
