@@ -140,7 +140,7 @@ def main() -> None:
     torch.set_num_threads(2)
     cache = Path(args.cache)
     if cache.is_file():
-        data = torch.load(cache, weights_only=False)
+        data = torch.load(cache, weights_only=True)  # tensors and plain containers only
     else:
         data = sample_features(args)
         cache.parent.mkdir(parents=True, exist_ok=True)
