@@ -189,20 +189,22 @@ def test_json_is_an_openlineage_run_event(repo, monkeypatch, capsys):
     assert _lineage_json(capsys, "metrics/policy.json")["run"]["runId"] == run["runId"]  # same stage run
     assert _lineage_json(capsys, "models/base")["run"]["runId"] != run["runId"]
     facets = run["facets"]
-    assert facets["parameters"] == {"policy.lr": 0.1, "policy.steps": 3}
-    assert facets["upstreamParameters"]["preferences"] == {"seed": 1, "prefs.n_rows": 6}
-    assert facets["paramsDiff"] == {}
+    assert facets["parameters"]["values"] == {"policy.lr": 0.1, "policy.steps": 3}
+    assert facets["upstreamParameters"]["stages"]["preferences"] == {"seed": 1, "prefs.n_rows": 6}
+    assert facets["paramsDiff"]["changes"] == {}
     assert facets["git"]["dirty"] is False
-    assert facets["stale"] == {"stale": False, "artifactModified": False, "reasons": []}
-    assert facets["metrics"] == {"metrics/policy.json": {"reward": 1.5, "steps": 3}}
-    assert facets["upstreamMetrics"]["metrics/preferences.json"]["agreement"] == 0.75
+    assert {k: v for k, v in facets["stale"].items() if not k.startswith("_")} == {"stale": False, "artifactModified": False, "reasons": []}
+    assert facets["metrics"]["files"] == {"metrics/policy.json": {"reward": 1.5, "steps": 3}}
+    assert facets["upstreamMetrics"]["files"]["metrics/preferences.json"]["agreement"] == 0.75
     env = facets["environment"]
     assert set(env) >= {"torch", "transformers", "datasets", "dvc", "prefect", "device"}
     assert env["device"] == "cpu-test"
-    names = [s["name"] for s in facets["dvcStages"]]
+    names = [s["name"] for s in facets["dvcStages"]["stages"]]
     assert names[0] == "train_policy" and sorted(names[1:]) == ["base_model", "preferences"]
 
-    inputs = {d["name"]: d["facets"] for d in event["inputs"]}
+    inputs = {d["name"]: d["facets"]["dvc"] for d in event["inputs"]}
+    base_card = next(d["facets"]["baseModel"] for d in event["inputs"] if d["name"] == "models/base")
+    preference_data = next(d["facets"]["preferenceData"] for d in event["inputs"] if d["name"] == "data/preferences")
     assert set(inputs) == {"scripts/policy.py", "models/base", "data/preferences", "scripts/base.py", "source.txt", "scripts/prefs.py"}
     assert all(d["namespace"] == "dvc://proj" for d in event["inputs"])
     source = inputs["source.txt"]
@@ -211,11 +213,10 @@ def test_json_is_an_openlineage_run_event(repo, monkeypatch, capsys):
     assert inputs["models/base"]["producedBy"] == "base_model"
     assert sorted(inputs["models/base"]["consumedBy"]) == ["preferences", "train_policy"]
     assert inputs["models/base"]["hash"] == _locked(repo, "base_model", "models/base")
-    assert inputs["models/base"]["baseModel"]["source_sha256"] == hashlib.sha256(SOURCE_TEXT.encode()).hexdigest()
-    prefs = inputs["data/preferences"]
-    assert prefs["producedBy"] == "preferences"
-    assert prefs["preferenceData"]["rows"] == 6 and prefs["preferenceData"]["validation"]["success"] is True
-    outputs = {d["name"]: d["facets"] for d in event["outputs"]}
+    assert base_card["source_sha256"] == hashlib.sha256(SOURCE_TEXT.encode()).hexdigest()
+    assert inputs["data/preferences"]["producedBy"] == "preferences"
+    assert preference_data["rows"] == 6 and preference_data["validation"]["success"] is True
+    outputs = {d["name"]: d["facets"]["dvc"] for d in event["outputs"]}
     assert outputs["models/policy"]["hash"] == _locked(repo, "train_policy", "models/policy")
     assert outputs["metrics/policy.json"]["metric"] is True
 
@@ -232,11 +233,11 @@ def test_files_inside_outputs_metrics_and_dvc_added_sources(repo, monkeypatch, c
     event = _lineage_json(capsys, "data/preferences")
     assert event["job"]["name"] == "preferences"
     assert {d["name"] for d in event["inputs"]} >= {"models/base", "source.txt"}
-    assert event["run"]["facets"]["metrics"]["metrics/preferences.json"]["rows"] == 6
+    assert event["run"]["facets"]["metrics"]["files"]["metrics/preferences.json"]["rows"] == 6
 
     event = _lineage_json(capsys, "source.txt")
     assert event["job"]["name"] == "source.txt.dvc"
-    assert event["inputs"] == [] and event["outputs"][0]["facets"]["hash"] == _source_md5()
+    assert event["inputs"] == [] and event["outputs"][0]["facets"]["dvc"]["hash"] == _source_md5()
     assert _lineage_json(capsys, "source.txt.dvc")["job"]["name"] == "source.txt.dvc"
 
 
@@ -247,7 +248,7 @@ def test_params_diff_after_editing_params(work, capsys):
     Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
     event = _lineage_json(capsys, "models/policy")
-    diff = event["run"]["facets"]["paramsDiff"]
+    diff = event["run"]["facets"]["paramsDiff"]["changes"]
     assert diff == {
         "policy.lr": {"old": 0.1, "new": 0.5, "stages": ["train_policy"]},
         "prefs.n_rows": {"old": 6, "new": 9, "stages": ["preferences"]},
@@ -267,7 +268,7 @@ def test_params_diff_after_editing_params(work, capsys):
 def test_corrupted_input_and_output_are_reported(work, capsys):
     (work / "models/base/weights.txt").write_text("corrupted\n")
     event = _lineage_json(capsys, "models/policy")
-    inputs = {d["name"]: d["facets"] for d in event["inputs"]}
+    inputs = {d["name"]: d["facets"]["dvc"] for d in event["inputs"]}
     assert inputs["models/base"]["stale"] is True
     assert inputs["models/base"]["status"] == "modified"
     assert inputs["models/base"]["files"]["modified"] == ["models/base/weights.txt"]
@@ -288,7 +289,7 @@ def test_corrupted_input_and_output_are_reported(work, capsys):
     (work / "source.txt").write_text("tampered\n")
     (work / "models/policy/README.md").write_text("no front matter\n")
     event = _lineage_json(capsys, "models/policy")
-    inputs = {d["name"]: d["facets"] for d in event["inputs"]}
+    inputs = {d["name"]: d["facets"]["dvc"] for d in event["inputs"]}
     assert inputs["source.txt"]["stale"] is True
     assert inputs["source.txt"]["hash"] == _source_md5()
     stale = event["run"]["facets"]["stale"]
@@ -329,13 +330,39 @@ def test_real_cli(repo):
     assert "does/not/exist.txt" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_dvc_lock_exponent_floats_equal_params_floats(tmp_path):
-    """dvc.lock (YAML 1.2) writes 1e-05; params.yaml says 1.0e-5: the same number, not a change."""
-    from rlhf_pipeline.lineage import _load_yaml
+def test_an_exponent_float_in_params_equals_the_locked_float(work, capsys):
+    """dvc.lock (YAML 1.2) writes 1e-05 where params.yaml may say 1.0e-5: the same number, not a change."""
+    text = Path("params.yaml").read_text()
+    Path("params.yaml").write_text(text.replace("lr: 0.1", "lr: 1.0e-1"))
+    assert "1.0e-1" in Path("params.yaml").read_text()
+    assert _lineage_json(capsys, "models/policy")["run"]["facets"]["paramsDiff"]["changes"] == {}
 
-    path = tmp_path / "x.yaml"
-    path.write_text("lock: 1e-05\nparams: 1.0e-5\nbig: -2E+3\ncount: 7\nquoted: '1e-05'\nword: e5\n")
-    data = _load_yaml(path)
-    assert data["lock"] == data["params"] == 1e-5 and isinstance(data["lock"], float)
-    assert data["big"] == -2000.0 and data["count"] == 7
-    assert data["quoted"] == "1e-05" and data["word"] == "e5"
+
+def _validate_event(event: dict) -> None:
+    """The event against the schema shipped with the package, formats (uri, uuid, date-time) checked,
+    and each custom facet against the definition its own _schemaURL names."""
+    from jsonschema import Draft202012Validator
+
+    import rlhf_pipeline.lineage as lineage_package
+
+    schema = json.loads((Path(lineage_package.__file__).parent / "schema.json").read_text())
+    checker = Draft202012Validator.FORMAT_CHECKER
+    assert {"uri", "uuid", "date-time"} <= set(checker.checkers), "jsonschema's format extras are not installed"
+    Draft202012Validator(schema, format_checker=checker).validate(event)
+    facets = [*event["run"]["facets"].values(), *(f for d in event["inputs"] + event["outputs"] for f in d["facets"].values())]
+    for facet in facets:
+        url, _, pointer = facet["_schemaURL"].partition("#/$defs/")
+        if url == schema["$id"]:
+            Draft202012Validator({**schema, "$ref": f"#/$defs/{pointer}"}, format_checker=checker).validate(facet)
+
+
+def test_json_event_validates_against_the_openlineage_schema(work, capsys):
+    for path in ("models/policy", "models/policy/README.md", "source.txt", "data/preferences"):
+        _validate_event(_lineage_json(capsys, path))
+    (work / "models/base/weights.txt").write_text("corrupted\n")  # a stale event: files and reasons filled in
+    event = _lineage_json(capsys, "models/policy")
+    assert event["run"]["facets"]["stale"]["stale"] is True
+    _validate_event(event)
+    event["run"]["facets"]["git"].pop("_producer")
+    with pytest.raises(Exception, match="_producer"):
+        _validate_event(event)

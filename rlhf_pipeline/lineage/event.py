@@ -1,0 +1,174 @@
+"""The lineage of an artifact as one OpenLineage ``RunEvent``.
+
+Standard facets where the spec has them (``sourceCode``, ``sourceCodeLocation``); every other
+fact is a custom facet carrying ``_producer`` and a ``_schemaURL`` into ``schema.json`` beside
+this module, which describes each of them (the tests validate events against it)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import uuid
+from typing import Any
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.lineage import facts, record
+
+PRODUCER = "https://github.com/rlhf-pipeline/rlhf-pipeline"
+RUN_EVENT_SCHEMA = "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunEvent"
+STANDARD_FACETS = "https://openlineage.io/spec/facets/1-0-1/{name}.json#/$defs/{name}"
+CUSTOM_FACETS = PRODUCER + "/blob/main/rlhf_pipeline/lineage/schema.json#/$defs/{name}"
+
+
+def facet(name: str, standard: bool = False, **fields: Any) -> dict[str, Any]:
+    """A facet object: the spec's two base fields, then ``fields``."""
+    schema = (STANDARD_FACETS if standard else CUSTOM_FACETS).format(name=name)
+    return {"_producer": PRODUCER, "_schemaURL": schema, **fields}
+
+
+def _stage_report(repo, stage) -> dict[str, Any]:
+    reasons = record.stage_reasons(repo, stage)
+    return {
+        "name": record.stage_name(stage),
+        "kind": "dvcfile" if stage.is_data_source else "stage",
+        "recordedIn": record.record_file(stage),
+        "cmd": record.command(stage),
+        "deps": [record.repo_path(repo, d) for d in record.file_deps(stage)],
+        "outs": [record.repo_path(repo, o) for o in stage.outs],
+        "parameters": record.params_used(repo, stage),
+        "stale": bool(reasons),
+        "reasons": reasons,
+    }
+
+
+def _artifact(repo, out, rel: str) -> dict[str, Any]:
+    """The requested path: the whole output, or a file or folder inside one."""
+    output = record.repo_path(repo, out)
+    check = record.entry_check(repo, out) if rel == output else record.inner_file_check(repo, out, rel)
+    hashes = {"lockedHash": check["locked"], "workspaceHash": check["workspace"], "status": check["status"]}
+    return {"path": rel, "output": output, **hashes, **({"files": check["files"]} if check.get("files") else {})}
+
+
+def _dataset(repo, entry, producer, **dvc_fields: Any) -> dict[str, Any]:
+    """An input or output: DVC's record of it, and what it says about itself."""
+    path = record.repo_path(repo, entry)
+    check = record.entry_check(repo, entry)
+    meta = {"size": entry.meta.size, "nfiles": entry.meta.nfiles} if entry.meta else {"size": None, "nfiles": None}
+    state = {"status": check["status"], "stale": check["status"] in ("modified", "missing")}
+    files = {"files": check["files"]} if check.get("files") else {}
+    dvc = facet("DvcEntryDatasetFacet", hash=check["locked"], **meta, **state, **dvc_fields, **files)
+    notes = facts.annotate(repo, path, producer)
+    notes = {name: facet(f"{name[0].upper()}{name[1:]}DatasetFacet", **value) for name, value in notes.items()}
+    return {"namespace": f"dvc://{os.path.basename(repo.root_dir)}", "name": path, "facets": {"dvc": dvc, **notes}}
+
+
+def _inputs(repo, order: list) -> list[dict[str, Any]]:
+    """Every file dep of the stages in ``order``, with who produced and who read it."""
+    readers: dict[str, tuple[Any, list[str]]] = {}
+    for stage in order:
+        for dep in record.file_deps(stage):
+            readers.setdefault(record.repo_path(repo, dep), (dep, []))[1].append(record.stage_name(stage))
+    datasets = []
+    for path, (dep, names) in readers.items():
+        found = record.producer_of(repo, path)
+        producer = found[0] if found and not found[0].is_data_source else None
+        tracker = {"trackedBy": record.stage_name(found[0])} if found and found[0].is_data_source else {}
+        produced_by = record.stage_name(producer) if producer else None
+        datasets.append(
+            _dataset(repo, dep, producer, producedBy=produced_by, consumedBy=names, source=not produced_by, **tracker)
+        )
+    return datasets
+
+
+def _run_id(repo, stage) -> str:
+    """Deterministic: the same stage run (same locked outputs) always gets the same id."""
+    outs = ",".join(
+        sorted(f"{record.repo_path(repo, o)}={o.hash_info.value if o.hash_info else None}" for o in stage.outs)
+    )
+    namespace = f"dvc://{os.path.basename(repo.root_dir)}"
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{namespace}/{record.stage_name(stage)}?outs={outs}"))
+
+
+def _run_facets(repo, stage, order: list, artifact: dict, git: dict, card_paths: list[str]) -> dict[str, Any]:
+    reports = [_stage_report(repo, s) for s in order]
+    reasons = [f"{r['name']}: {reason}" for r in reports for reason in r["reasons"]]
+    changed: dict[str, dict[str, Any]] = {}
+    for item in order:
+        for key, change in record.params_changed(repo, item).items():
+            changed.setdefault(key, {**change, "stages": []})["stages"].append(record.stage_name(item))
+    modified = artifact["status"] != "ok"
+    metrics = [record.repo_path(repo, o) for o in stage.outs if o.metric]
+    upstream = [record.repo_path(repo, o) for s in order[1:] for o in s.outs if o.metric]
+    return {
+        "artifact": facet("ArtifactRunFacet", **artifact),
+        "parameters": facet("ParametersRunFacet", values=record.params_used(repo, stage)),
+        "upstreamParameters": facet(
+            "UpstreamParametersRunFacet", stages={r["name"]: r["parameters"] for r in reports[1:] if r["parameters"]}
+        ),
+        "paramsDiff": facet("ParamsDiffRunFacet", changes=changed),
+        "git": facet("GitRunFacet", **git),
+        "environment": facet("EnvironmentRunFacet", **facts.environment(repo.root_dir, card_paths)),
+        "metrics": facet("MetricsRunFacet", files=facts.read_metrics(repo, metrics)),
+        "upstreamMetrics": facet("MetricsRunFacet", files=facts.read_metrics(repo, upstream)),
+        "stale": facet("StaleRunFacet", stale=modified or bool(reasons), artifactModified=modified, reasons=reasons),
+        "dvcStages": facet("DvcStagesRunFacet", stages=reports),
+    }
+
+
+def build_lineage(path: str | os.PathLike) -> dict[str, Any]:
+    """The OpenLineage RunEvent for the stage run that produced ``path``."""
+    from dvc.lock import LockError
+
+    repo, rel = record.open_repo(path)
+    if not list(repo.index.stages):
+        raise PipelineError(
+            f"{path} has no recorded lineage: there is no dvc.lock (nor any .dvc file) in {repo.root_dir}. "
+            "Run `dvc repro` first so DVC records which stage produced what."
+        )
+    found = record.producer_of(repo, rel)
+    if found is None:
+        raise PipelineError(record.not_produced_message(repo, str(path), rel))
+    stage, out = found
+    try:
+        with repo.lock:  # DVC's stage status needs it; held only while reading
+            return _event(repo, stage, out, rel)
+    except LockError as error:
+        raise PipelineError(
+            f"{path}: DVC's lock is held by another dvc command ({error}); run `rlhf lineage` again when it finishes."
+        ) from None
+
+
+def _event(repo, stage, out, rel: str) -> dict[str, Any]:
+    order = record.upstream_stages(repo, stage)
+    artifact = _artifact(repo, out, rel)
+    output = record.repo_path(repo, out)
+    card_paths = [rel, output, *(record.repo_path(repo, o) for o in stage.outs)]
+    params_files = sorted({record.repo_path(repo, d) for s in order for d in record.params_deps(s)})
+    git = record.git_facts(repo.root_dir, record.record_file(stage), params_files)
+    location = facet(
+        "SourceCodeLocationJobFacet",
+        standard=True,
+        type="git",
+        url=git.get("url") or repo.root_dir,
+        path=record.record_file(stage),
+        version=git.get("commit"),
+    )
+    code = facet(
+        "SourceCodeJobFacet", standard=True, language="shell", sourceCode=record.command(stage) or f"dvc add {output}"
+    )
+    name = record.stage_name(stage)
+    outputs = [_dataset(repo, o, stage, producedBy=name, metric=bool(o.metric)) for o in stage.outs]
+    return {
+        "eventType": "COMPLETE",
+        "eventTime": dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z"),
+        "producer": PRODUCER,
+        "schemaURL": RUN_EVENT_SCHEMA,
+        "job": {
+            "namespace": outputs[0]["namespace"],
+            "name": name,
+            "facets": {"sourceCode": code, "sourceCodeLocation": location},
+        },
+        "run": {"runId": _run_id(repo, stage), "facets": _run_facets(repo, stage, order, artifact, git, card_paths)},
+        "inputs": _inputs(repo, order),
+        "outputs": outputs,
+    }

@@ -1,0 +1,135 @@
+"""What the artifacts say about themselves: model cards (read with ``huggingface_hub.ModelCard``),
+the preference data's size and contract verdict, the stage's metrics (read by DVC), the software
+and the device."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.lineage.record import is_under, stage_name
+
+PACKAGES = ("torch", "transformers", "datasets", "dvc", "prefect")
+VALIDATION_SUMMARY = "data/validation/summary.json"
+PREFERENCES_DIR = "data/preferences"
+BASE_MODEL_DIR = "models/base"
+ROW_COUNT_KEYS = ("rows", "num_rows", "pairs", "count")
+BASE_MODEL_KEYS = ("source", "source_sha256", "source_file", "base_model", "revision")
+MODEL_CARD_KEYS = ("base_model", "library_name", "device", "license")
+
+
+def card_metadata(root: str, path: str) -> tuple[str, dict] | None:
+    """(the card's path, its metadata) when ``path`` is a model folder with a README.md card, or the card itself."""
+    from huggingface_hub import ModelCard
+
+    target = Path(root, path)
+    card = target / "README.md" if target.is_dir() else target if target.name == "README.md" else None
+    if card is None or not card.is_file() or not card.read_text(errors="replace").startswith("---"):
+        return None  # no metadata block (ModelCard would warn and return empty data)
+    try:
+        metadata = ModelCard.load(card).data.to_dict()
+    except Exception:  # a damaged card must not hide the rest of the lineage
+        return None
+    return (card.relative_to(root).as_posix(), metadata) if metadata else None
+
+
+def read_metrics(repo, paths: list[str]) -> dict[str, Any]:
+    """Each metrics file's values as DVC reads them, or ``{"error": ...}``."""
+    if not paths:
+        return {}
+    shown = repo.metrics.show(targets=paths).get("", {}).get("data", {})
+    return {
+        path: shown.get(path, {}).get("data", {"error": str(shown.get(path, {}).get("error", "missing"))})
+        for path in paths
+    }
+
+
+def count_rows(target: Path) -> int | None:
+    """Rows of a ``datasets`` folder, all splits together; None when it is not one."""
+    from datasets import load_from_disk
+
+    try:
+        data = load_from_disk(str(target))
+    except Exception:  # not a dataset we can read: the count is simply unknown
+        return None
+    return sum(data.num_rows.values()) if isinstance(data.num_rows, dict) else data.num_rows
+
+
+def _rows_in_metrics(payload: Any) -> int | None:
+    for key in ROW_COUNT_KEYS:
+        value = payload.get(key) if isinstance(payload, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, dict) and value and all(isinstance(v, int) for v in value.values()):
+            return sum(value.values())  # per split
+    return None
+
+
+def preference_facts(repo, path: str, metrics_files: list[str]) -> dict[str, Any]:
+    """Rows (from the stage's metrics, else counted) and the Great Expectations verdict."""
+    root = repo.root_dir
+    rows, source = None, None
+    for candidate in [f"{path}/metrics.json", *metrics_files]:
+        if Path(root, candidate).is_file():
+            rows = _rows_in_metrics(json.loads(Path(root, candidate).read_text()))
+            if rows is not None:
+                source = candidate
+                break
+    if rows is None:
+        rows = count_rows(Path(root, path))
+        source = "counted" if rows is not None else None
+    validation: dict[str, Any] = {"summary": VALIDATION_SUMMARY, "success": None}
+    summary = Path(root, VALIDATION_SUMMARY)
+    if summary.is_file():
+        verdict = json.loads(summary.read_text()).get("success")
+        validation["success"] = verdict if isinstance(verdict, bool) else None
+    else:
+        validation["note"] = "no validation summary"
+    return {"rows": rows, "rowsSource": source, "validation": validation}
+
+
+def annotate(repo, path: str, producer) -> dict[str, Any]:
+    """Facts about known kinds of artifact: a base model's provenance, another model's card, preference data."""
+    notes: dict[str, Any] = {}
+    card = card_metadata(repo.root_dir, path)
+    if card:
+        where, metadata = card
+        is_base = "source" in metadata or "source_sha256" in metadata or path == BASE_MODEL_DIR
+        keys = BASE_MODEL_KEYS if is_base else MODEL_CARD_KEYS
+        notes["baseModel" if is_base else "modelCard"] = {
+            "card": where,
+            **{k: metadata[k] for k in keys if metadata.get(k) is not None},
+        }
+    if (producer is not None and stage_name(producer) == "preferences") or is_under(path, PREFERENCES_DIR):
+        metrics = [out.def_path for out in producer.outs if out.metric] if producer is not None else []
+        notes["preferenceData"] = preference_facts(repo, path, metrics)
+    return notes
+
+
+def environment(root: str, card_paths: list[str]) -> dict[str, Any]:
+    """Package versions and the device: the one a model card records, else this machine's."""
+    from importlib import metadata
+
+    env: dict[str, Any] = {}
+    for package in PACKAGES:
+        try:
+            env[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            env[package] = "not installed"
+    env["python"] = platform.python_version()
+    for path in card_paths:
+        card = card_metadata(root, path)
+        if card and card[1].get("device"):
+            return {**env, "device": str(card[1]["device"]), "deviceSource": card[0]}
+    return {**env, "device": _current_device(), "deviceSource": "current machine"}
+
+
+def _current_device() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # no torch, or a broken CUDA set-up: the report still stands
+        return "cpu"

@@ -1,0 +1,288 @@
+"""What DVC records about an artifact, read through ``dvc.repo.Repo``: the stage that produced it,
+the stages upstream of it in DVC's graph, and how each recorded entry (a dep, an out, a params
+file) compares with the workspace."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import subprocess
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.errors import PipelineError
+
+# DVC's words for an entry that differs from the lock -> the report's
+STATUS_WORDS = {"deleted": "missing", "new": "unknown"}
+
+
+def open_repo(path: str | os.PathLike):
+    """The DVC repo holding ``path`` and ``path`` relative to its root (a ``.dvc`` file stands for what it tracks)."""
+    from dvc.exceptions import NotDvcRepoError
+    from dvc.repo import Repo
+    from dvc.scm import SCMError
+
+    absolute = Path(os.path.abspath(path))
+    existing = next(p for p in (absolute, *absolute.parents) if p.exists())
+    try:
+        root = Repo.find_root(str(existing if existing.is_dir() else existing.parent))
+    except NotDvcRepoError:
+        raise PipelineError(
+            f"{path} is not inside a DVC repository: no .dvc/ directory in {absolute.parent} or any parent. "
+            "Run `rlhf lineage` from the project (where `dvc init` was run) on an artifact the pipeline produced."
+        ) from None
+    rel = Path(os.path.relpath(absolute, root)).as_posix()
+    if rel == ".." or rel.startswith("../"):
+        raise PipelineError(f"{path} is outside the DVC repository at {root}.")
+    try:
+        repo = Repo(root)
+    except SCMError:  # DVC outside git (its config not saying so): read what DVC has, git facts stay empty
+        repo = Repo(root, uninitialized=True)
+    tracker = next((s for s in repo.index.stages if s.is_data_source and s.path_in_repo == rel), None)
+    return repo, (repo_path(repo, tracker.outs[0]) if tracker else rel)
+
+
+def repo_path(repo, entry) -> str:
+    """An out's or dep's path relative to the repo root, with forward slashes."""
+    return Path(os.path.relpath(entry.fs_path, repo.root_dir)).as_posix()
+
+
+def is_under(path: str, parent: str) -> bool:
+    return parent in ("", ".") or path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def producer_of(repo, rel: str):
+    """(stage, out) whose output is ``rel`` or contains it; None when no stage or .dvc file wrote it."""
+    found = [(stage, out) for stage in repo.index.stages for out in stage.outs if is_under(rel, repo_path(repo, out))]
+    return max(found, key=lambda pair: len(repo_path(repo, pair[1])), default=None)
+
+
+def upstream_stages(repo, stage) -> list:
+    """``stage``, then every pipeline stage it depends on, breadth first through DVC's stage graph
+    (``.dvc`` files are sources: the inputs they track name them)."""
+    graph = repo.index.graph
+    order, queue = [stage], deque([stage])
+    while queue:
+        for dependency in graph.successors(queue.popleft()):
+            if dependency not in order and not dependency.is_data_source:
+                order.append(dependency)
+                queue.append(dependency)
+    return order
+
+
+def stage_name(stage) -> str:
+    """How ``dvc repro`` names the stage from the repo root: ``NAME``, ``sub/dvc.yaml:NAME`` or ``FILE.dvc``
+    (DVC's own ``addressing`` is relative to the current directory)."""
+    if stage.is_data_source:
+        return stage.path_in_repo
+    return stage.name if stage.path_in_repo == "dvc.yaml" else f"{stage.path_in_repo}:{stage.name}"
+
+
+def record_file(stage) -> str:
+    """The file that records a stage's hashes: the ``dvc.lock`` beside its ``dvc.yaml``, or its ``.dvc`` file."""
+    return (
+        stage.path_in_repo
+        if stage.is_data_source
+        else posixpath.join(posixpath.dirname(stage.path_in_repo), "dvc.lock")
+    )
+
+
+def command(stage) -> str | None:
+    return " && ".join(stage.cmd) if isinstance(stage.cmd, list) else stage.cmd
+
+
+def params_deps(stage) -> list:
+    from dvc.dependency.param import ParamsDependency
+
+    return [dep for dep in stage.deps if isinstance(dep, ParamsDependency)]
+
+
+def file_deps(stage) -> list:
+    return [dep for dep in stage.deps if dep not in params_deps(stage)]
+
+
+def _param_label(params_file: str, key: str) -> str:
+    return key if params_file == "params.yaml" else f"{params_file}:{key}"
+
+
+def params_used(repo, stage) -> dict[str, Any]:
+    """The params ``dvc.lock`` recorded for the stage, as flat ``key: value`` leaves."""
+    from dvc.utils.flatten import flatten
+
+    return {
+        _param_label(repo_path(repo, dep), key): value
+        for dep in params_deps(stage)
+        for key, value in flatten(dep.hash_info.value or {}).items()
+    }
+
+
+def params_changed(repo, stage) -> dict[str, dict[str, Any]]:
+    """``{key: {"old", "new"}}`` for each recorded param whose value differs now (DVC's params diff)."""
+    from dvc.utils.diff import diff
+
+    changes = {}
+    for dep in params_deps(stage):
+        name = repo_path(repo, dep)
+        current = dep.read_params() if Path(dep.fs_path).is_file() else {}
+        for key, change in (
+            diff({name: {"data": dep.hash_info.value or {}}}, {name: {"data": current}}).get(name, {}).items()
+        ):
+            changes[_param_label(name, key)] = {"old": change["old"], "new": change["new"]}
+    return changes
+
+
+def changed_files(repo, entry) -> dict[str, list[str]] | None:
+    """For a directory that differs from its lock: the files modified, added and deleted against the
+    tree DVC cached for it (None when that tree is not in the cache)."""
+    from dvc_data.hashfile.build import build
+    from dvc_data.hashfile.diff import diff
+
+    recorded = entry.get_obj() if entry.hash_info and entry.hash_info.isdir else None
+    if recorded is None or not Path(entry.fs_path).is_dir():
+        return None
+    _, _, current = build(entry.cache, entry.fs_path, entry.fs, entry.hash_name, ignore=entry.dvcignore)
+    changes = diff(recorded, current, entry.cache)
+    base = repo_path(repo, entry)
+
+    def paths(items, side):
+        return sorted(posixpath.join(base, *getattr(c, side).key) for c in items if any(getattr(c, side).key))
+
+    return {
+        "modified": paths(changes.modified, "old"),
+        "added": paths(changes.added, "new"),
+        "deleted": paths(changes.deleted, "old"),
+    }
+
+
+def entry_check(repo, entry) -> dict[str, Any]:
+    """How an out or file dep compares with ``dvc.lock``: status ok / modified / missing / unknown."""
+    locked = entry.hash_info.value if entry.hash_info else None
+    result: dict[str, Any] = {"path": repo_path(repo, entry), "locked": locked, "workspace": locked, "status": "ok"}
+    if not entry.exists:
+        result.update(workspace=None, status="missing")
+    elif not locked:
+        result.update(workspace=entry.get_hash().value, status="unknown")
+    elif entry.status():
+        status = next(iter(entry.status().values()))
+        result["status"] = STATUS_WORDS.get(status, status)
+        if result["status"] == "modified":
+            result["workspace"] = entry.get_hash().value
+            result["files"] = changed_files(repo, entry)
+    return result
+
+
+def inner_file_check(repo, out, rel: str) -> dict[str, Any]:
+    """The check of ``rel``, a file or folder inside the directory output ``out``."""
+    from dvc_data.hashfile.build import build
+
+    recorded = out.get_obj() if out.hash_info and out.hash_info.isdir else None
+    key = tuple(Path(rel).relative_to(repo_path(repo, out)).parts)
+    locked = None
+    if recorded is not None:
+        found = recorded.get(key)  # a file; a folder is a subtree, hashed as DVC hashes directories
+        subtree = None if found else recorded.get_obj(out.cache, key)
+        locked = found[1].value if found else subtree.hash_info.value if subtree else None
+    target = Path(repo.root_dir, rel)
+    current = build(out.cache, str(target), out.fs, out.hash_name, ignore=out.dvcignore)[2] if target.exists() else None
+    current = current.hash_info.value if current is not None else None
+    if recorded is None:
+        status = entry_check(repo, out)["status"]
+    elif current == locked:
+        status = "ok"
+    else:
+        status = "missing" if current is None else "untracked" if locked is None else "modified"
+    return {"locked": locked, "workspace": current, "status": status}
+
+
+def stage_reasons(repo, stage) -> list[str]:
+    """Why ``dvc repro`` would run the stage again, from DVC's own stage status."""
+    changed = params_changed(repo, stage)
+    reasons = []
+    for item in next(iter(stage.status().values()), []):
+        if isinstance(item, str):
+            reasons.append(item.replace("changed command", "command changed in dvc.yaml"))
+            continue
+        for kind, entries in item.items():
+            word = "dep" if kind == "changed deps" else "out"
+            for path, status in entries.items():
+                if isinstance(status, dict):  # a params file: one reason per changed value
+                    reasons += [
+                        f"param {key} changed: {show(c['old'])} -> {show(c['new'])}" for key, c in changed.items()
+                    ]
+                    continue
+                entry = next(e for e in [*stage.deps, *stage.outs] if e.def_path == path)
+                check = entry_check(repo, entry)
+                reasons.append(f"{word} {check['path']} {check['status']}{files_note(check)}")
+    return reasons
+
+
+def files_note(check: dict) -> str:
+    parts = [
+        f"{label} {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+        for label, names in (check.get("files") or {}).items()
+        if names
+    ]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def show(value: Any) -> str:
+    import json
+
+    return "(unset)" if value is None else value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def git(root: str, *args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.rstrip() if proc.returncode == 0 else None
+
+
+def git_facts(root: str, recorded_in: str, params_files: list[str]) -> dict[str, Any]:
+    """The last commit that changed the lock (or .dvc) file, and whether the tree moved on since."""
+    if git(root, "rev-parse", "--is-inside-work-tree") is None:
+        return {"recordFile": recorded_in, "commit": None, "dirty": None, "note": f"{root} is not in a git work tree"}
+    status = git(root, "status", "--porcelain", "--untracked-files=no") or ""
+    facts: dict[str, Any] = {
+        "recordFile": recorded_in,
+        "commit": git(root, "log", "-1", "--format=%H", "--", recorded_in) or None,
+        "head": git(root, "rev-parse", "HEAD"),
+        "url": git(root, "config", "--get", "remote.origin.url") or Path(root).resolve().as_uri(),
+        "dirtyFiles": sorted({line[3:].split(" -> ")[-1].strip('"') for line in status.splitlines() if len(line) > 3}),
+    }
+    if facts["commit"] is None:
+        return {**facts, "dirty": True, "note": f"{recorded_in} has never been committed"}
+    facts["committedAt"] = git(root, "log", "-1", "--format=%cI", facts["commit"])
+    changed = (git(root, "diff", "--name-only", facts["commit"], "--", recorded_in, *params_files) or "").splitlines()
+    # a params file that commit never had counts as changed, not as clean
+    changed += [
+        f for f in params_files if f not in changed and git(root, "cat-file", "-e", f"{facts['commit']}:{f}") is None
+    ]
+    facts["changedSinceCommit"] = sorted(changed)
+    facts["dirty"] = bool(changed or facts["dirtyFiles"])
+    return facts
+
+
+def not_produced_message(repo, path: str, rel: str) -> str:
+    """Why ``path`` has no lineage, and what to ask for instead."""
+    outs = [(stage, repo_path(repo, out)) for stage in repo.index.stages for out in stage.outs]
+    inside = sorted({f"{out} ({stage_name(stage)})" for stage, out in outs if is_under(out, rel) and out != rel})
+    if inside and rel not in ("", "."):
+        return (
+            f"{path} is not itself an output of any DVC stage, but it contains outputs: {', '.join(inside[:8])}"
+            f"{' ...' if len(inside) > 8 else ''}. Run `rlhf lineage` on one of those."
+        )
+    readers = [stage_name(s) for s in repo.index.stages if any(is_under(rel, repo_path(repo, d)) for d in file_deps(s))]
+    if readers:
+        return (
+            f"{path} is not produced by any DVC stage (nor tracked by a .dvc file): it is a plain source that "
+            f"stage(s) {', '.join(readers)} read. Ask for the lineage of one of their outputs instead, "
+            f"or track it with `dvc add {rel}`."
+        )
+    return (
+        f"{path} is not produced by any DVC stage: no output in dvc.lock (nor any .dvc file) is or contains it. "
+        "Check the path (it is resolved from the current directory), or run `dvc repro` if the stage that "
+        "should write it has not run yet."
+    )
