@@ -46,13 +46,32 @@ class StorageError(PipelineError):
     exit_code = 5
 
 
+class MissingPackageError(PipelineError):
+    """The interpreter running a stage lacks a package the stage imports: an installation problem."""
+
+    exit_code = 6
+
+
+COMMAND_NOT_FOUND_EXIT_CODE = 127  # the shell's: a stage's command (e.g. `python`) is not on PATH
+
 # Exit codes of failures that are the same on every attempt: the retrain flow fails at once on these.
-NOT_RETRIED_EXIT_CODES = frozenset({ParamsError.exit_code, DataContractError.exit_code, NonFiniteError.exit_code, StorageError.exit_code})
+NOT_RETRIED_EXIT_CODES = frozenset(
+    {
+        ParamsError.exit_code,
+        DataContractError.exit_code,
+        NonFiniteError.exit_code,
+        StorageError.exit_code,
+        MissingPackageError.exit_code,
+        COMMAND_NOT_FOUND_EXIT_CODE,
+    }
+)
 EXIT_CODE_MEANINGS = {
     ParamsError.exit_code: "params.yaml invalid",
     DataContractError.exit_code: "data-contract failure",
     NonFiniteError.exit_code: "non-finite training (NaN/inf)",
     StorageError.exit_code: "an output could not be written (disk full, read-only or no permission)",
+    MissingPackageError.exit_code: "a package is missing from the stage's interpreter",
+    COMMAND_NOT_FOUND_EXIT_CODE: "the stage's command is not on PATH",
 }
 
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})

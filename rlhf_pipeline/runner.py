@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from rlhf_pipeline.env import project_root
-from rlhf_pipeline.errors import ParamsError, PipelineError, storage_error, storage_failure
+from rlhf_pipeline.errors import MissingPackageError, ParamsError, PipelineError, storage_error, storage_failure
 from rlhf_pipeline.params import Params, parse_params, read_params_file
 from rlhf_pipeline.stage_params import DeclaredParams, declared_param_keys, missing_key_problems
 
@@ -48,8 +48,17 @@ def report_unexpected(error: Exception, prog: str) -> int:
     reason = storage_failure(error)
     if reason is not None:
         return report_error(storage_error(reason, getattr(error, "filename", None) or "an output"), prog)
+    if isinstance(error, ImportError):
+        return report_error(missing_package_error(error), prog)
     traceback.print_exception(error)
     return 1
+
+
+def missing_package_error(error: ImportError) -> MissingPackageError:
+    return MissingPackageError(
+        f"{error} (interpreter {sys.executable}). Install the project into that interpreter (`make setup`, or "
+        "`pip install -e .`), or run `dvc` from the project's virtual environment (`source .venv/bin/activate`)."
+    )
 
 
 def stage_params(name: str, path: str, root: str | os.PathLike) -> Params | DeclaredParams:

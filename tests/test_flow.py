@@ -17,7 +17,7 @@ from filelock import FileLock  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
-from rlhf_pipeline.errors import EXIT_CODE_MEANINGS, NOT_RETRIED_EXIT_CODES, ParamsError  # noqa: E402
+from rlhf_pipeline.errors import EXIT_CODE_MEANINGS, NOT_RETRIED_EXIT_CODES, MissingPackageError, ParamsError  # noqa: E402
 from flows.retrain import (  # noqa: E402
     DEPLOYMENT_NAME,
     CommandResult,
@@ -144,10 +144,19 @@ FAST = {"retry_delay_seconds": 0.0, "lineage_target": None}
 
 def test_stage_order_and_exit_code_parsing(project: Path):
     assert stage_order(project) == STAGES
+    # the order comes from DVC's graph, not from the file: dependents listed first still run last
+    import yaml
+
+    spec = yaml.safe_load((project / "dvc.yaml").read_text())
+    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": dict(reversed(spec["stages"].items()))}, sort_keys=False))
+    assert list(yaml.safe_load((project / "dvc.yaml").read_text())["stages"]) == STAGES[::-1]
+    assert stage_order(project) == STAGES
     dvc_error = "boom\nERROR: failed to reproduce 'x': failed to run: python s.py, exited with 3"
     assert stage_exit_code(CommandResult(255, dvc_error)) == 3
     assert stage_exit_code(CommandResult(255, "ERROR: Unable to acquire lock")) == 1
     assert stage_exit_code(CommandResult(0, "")) == 0
+    missing = "Traceback (most recent call last):\nModuleNotFoundError: No module named 'torch'\nERROR: failed to reproduce 'x': exited with 1"
+    assert stage_exit_code(CommandResult(255, missing)) == MissingPackageError.exit_code
 
 
 def test_transient_failure_is_retried_and_valid_data_ingested(project: Path, tmp_path: Path):
@@ -201,14 +210,17 @@ DETERMINISTIC_FAILURES = {  # exit code -> a stage's message for it
     2: "params.yaml is invalid: ppo.lr: must be > 0",
     4: "The weights after update 3 are not finite",
     5: "could not write models/reward: No space left on device",
+    6: "ModuleNotFoundError: No module named 'torch'",  # a stage that died importing: exit 1, read as 6
+    127: "/bin/sh: 1: python: not found",
 }
+EXITS = {6: 1}  # the code the stage process itself returns, where it is not the code the flow reports
 
 
 @pytest.mark.parametrize("code", sorted(DETERMINISTIC_FAILURES))
 def test_deterministic_failures_are_not_retried(project: Path, code: int):
     assert code in NOT_RETRIED_EXIT_CODES
     message = DETERMINISTIC_FAILURES[code]
-    _control(project, train_reward={"exit": code, "message": message})
+    _control(project, train_reward={"exit": EXITS.get(code, code), "message": message})
 
     state = retrain(repo=str(project), retries=3, return_state=True, **FAST)
 
@@ -262,3 +274,17 @@ def test_schedule_is_registered(project: Path):
         assert deployment.schedules[0].active
         assert deployment.parameters["repo"] == str(project.resolve())
         assert deployment.global_concurrency_limit is not None and deployment.global_concurrency_limit.limit == 1
+
+
+def test_stages_run_with_the_flows_interpreter_without_an_activated_venv(project: Path, monkeypatch):
+    """A stage command saying plain `python` gets the flow's interpreter even when PATH has no venv."""
+    import yaml
+
+    spec = yaml.safe_load((project / "dvc.yaml").read_text())
+    prepare = spec["stages"]["prepare"]
+    prepare["cmd"] = "python -c 'import sys; open(\"counters-interpreter.txt\", \"w\").write(sys.executable)' && " + prepare["cmd"].replace(PY, "python")
+    (project / "dvc.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no venv, no pyenv shims: `python` alone is not found here
+    state = retrain(repo=str(project), return_state=True, **FAST)
+    assert state.is_completed(), state.message
+    assert (project / "counters-interpreter.txt").read_text() == PY

@@ -1,0 +1,86 @@
+"""``python -m flows.retrain [run|serve|server]``: one retrain run, the weekly schedule, or a Prefect server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from flows.retrain.flow import DEFAULT_PREFERENCES_TARGET, build_deployment, retrain
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.runner import report_error
+
+
+def _api_url() -> str | None:
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in {"run", "serve", "server"} else "run"
+    parser = argparse.ArgumentParser(prog=f"python -m flows.retrain {command}")
+    if command == "server":
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", default="4200")
+        args = parser.parse_args(argv)
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", args.host, "--port", str(args.port)]
+        print(
+            f"PREFECT_HOME={os.environ['PREFECT_HOME']}; then export PREFECT_API_URL=http://{args.host}:{args.port}/api",
+            flush=True,
+        )
+        os.execv(sys.executable, cmd)
+    parser.add_argument("--repo", default=".")
+    parser.add_argument("--incoming", default=None, help="preference file, or folder (newest .jsonl/.parquet)")
+    parser.add_argument(
+        "--remote", default=None, help="DVC remote to push to (default: default remote, else localremote)"
+    )
+    parser.add_argument("--no-push", dest="push", action="store_false")
+    if command == "serve":
+        parser.add_argument("--cron", default=None, help="default: params.yaml schedule.cron")
+        parser.add_argument(
+            "--timezone", default=None, help="IANA time zone of the cron (default: params.yaml schedule.timezone)"
+        )
+        args = parser.parse_args(argv)
+        if not _api_url():
+            print(
+                "serve needs a Prefect server: start one with `python -m flows.retrain server` and "
+                "export PREFECT_API_URL=http://127.0.0.1:4200/api",
+                file=sys.stderr,
+            )
+            return 2
+        from prefect import serve
+
+        try:
+            deployment = build_deployment(args.repo, args.cron, args.timezone, args.incoming, args.remote, args.push)
+        except PipelineError as error:
+            return report_error(error, "python -m flows.retrain serve")
+        serve(deployment)
+        return 0
+    parser.add_argument("--preferences-target", default=DEFAULT_PREFERENCES_TARGET)
+    parser.add_argument("--retries", type=int, default=3)
+    parser.add_argument("--retry-delay", type=float, default=30.0, help="first retry delay in seconds, doubling")
+    parser.add_argument("--lock-timeout", type=float, default=3600.0)
+    args = parser.parse_args(argv)
+    state = retrain(
+        repo=args.repo,
+        incoming=args.incoming,
+        remote=args.remote,
+        push=args.push,
+        preferences_target=args.preferences_target,
+        retries=args.retries,
+        retry_delay_seconds=args.retry_delay,
+        lock_timeout=args.lock_timeout,
+        return_state=True,
+    )
+    if state.is_completed():
+        print(state.result()["status"])
+        return 0
+    error = state.result(raise_on_failure=False)
+    print(f"retrain failed: {error if isinstance(error, BaseException) else state.message}", file=sys.stderr)
+    return getattr(error, "exit_code", 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Everything the flow asks of DVC: the stage order from DVC's graph, status, metrics, outputs and
+remotes through ``dvc.repo.Repo``; ``dvc repro``/``push``/``add`` as subprocesses (each stage gets a
+process of its own, and its output is streamed to the flow's log line by line)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.errors import EXIT_CODE_MEANINGS, NOT_RETRIED_EXIT_CODES, MissingPackageError
+from rlhf_pipeline.lineage.record import stage_name
+
+DEFAULT_LOCAL_REMOTE = "localremote"
+OUTPUT_TAIL_LINES = 40
+_EXITED_WITH = re.compile(r"exited with (-?\d+)")
+# A traceback ending in one of these: the environment lacks a package, the same on every attempt.
+_MISSING_MODULE = re.compile(r"^(ModuleNotFoundError|ImportError): ", re.MULTILINE)
+
+
+class RetrainError(Exception):
+    """A retrain run failed for a reason the user can act on; ``exit_code`` is the CLI's."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def open_repo(root: Path):
+    from dvc.exceptions import NotDvcRepoError
+    from dvc.repo import Repo
+
+    if not (root / "dvc.yaml").is_file():
+        raise RetrainError(
+            f"{root / 'dvc.yaml'} not found: --repo must point at a DVC project (the folder holding dvc.yaml)", 2
+        )
+    try:
+        return Repo(str(root))
+    except NotDvcRepoError as error:
+        raise RetrainError(f"{root} is not a DVC repository ({error}): run `dvc init` there first", 2) from None
+
+
+def stage_order(repo: str | Path) -> list[str]:
+    """Pipeline stages, dependencies first (DVC's stage graph); ``dvc.yaml`` order among independent ones."""
+    import networkx as nx
+
+    with open_repo(Path(repo).resolve()) as dvc_repo:
+        stages = [s for s in dvc_repo.index.stages if not s.is_data_source]
+        if not stages:
+            raise RetrainError(f"{Path(repo) / 'dvc.yaml'} defines no stages", 2)
+        position = {stage: index for index, stage in enumerate(stages)}
+        # edges point from a stage to the stages it depends on: reversed, a dependency comes first
+        graph = dvc_repo.index.graph.reverse().subgraph(stages)
+        return [stage_name(s) for s in nx.lexicographical_topological_sort(graph, key=lambda s: position[s])]
+
+
+def stale_stages(root: Path) -> dict[str, Any]:
+    """DVC's status of every stage and tracked file: ``{}`` when all are up to date."""
+    with open_repo(root) as dvc_repo:
+        return dvc_repo.status()
+
+
+def workspace_metrics(root: Path) -> dict[str, dict[str, Any]]:
+    """``{metrics file: {dotted.metric: value}}`` of the workspace, as DVC reads them."""
+    from dvc.utils.flatten import flatten
+
+    with open_repo(root) as dvc_repo:
+        shown = dvc_repo.metrics.show().get("", {}).get("data", {})
+    return {path: flatten(content["data"]) for path, content in shown.items() if isinstance(content.get("data"), dict)}
+
+
+def is_stage_output(root: Path, target: Path) -> bool:
+    """Whether ``target`` is (inside) an output of a ``dvc.yaml`` stage, which must not be ``dvc add``-ed."""
+    target = target.resolve()
+    with open_repo(root) as dvc_repo:
+        outs = [Path(o.fs_path) for s in dvc_repo.index.stages if not s.is_data_source for o in s.outs]
+    return any(target == out or out in target.parents for out in outs)
+
+
+def configured_remote(root: Path, remote: str | None) -> tuple[list[str], str] | None:
+    """The ``dvc push`` arguments and a label, or None when no remote is configured."""
+    if remote:
+        return ["-r", remote], f"remote '{remote}'"
+    with open_repo(root) as dvc_repo:
+        default, names = dvc_repo.config["core"].get("remote"), set(dvc_repo.config["remote"])
+    if default:
+        return [], f"default remote '{default}'"
+    if DEFAULT_LOCAL_REMOTE in names:
+        return ["-r", DEFAULT_LOCAL_REMOTE], f"remote '{DEFAULT_LOCAL_REMOTE}'"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# subprocesses
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CommandResult:
+    returncode: int
+    output: str  # stdout+stderr interleaved (streamed commands) or stdout only (captured)
+    stderr: str = ""
+
+
+def command_env() -> dict[str, str]:
+    """The flow's environment with its own interpreter's bin directory first on PATH, so a stage's
+    ``python`` is the flow's even when no virtual environment is activated."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("DVC_NO_ANALYTICS", "1")
+    return env
+
+
+def dvc_command(*args: str) -> list[str]:
+    """DVC from the interpreter running the flow, so the flow needs no PATH set-up."""
+    return [sys.executable, "-m", "dvc", *args]
+
+
+def rlhf_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rlhf_pipeline.cli", *args]
+
+
+def capture(cmd: list[str], cwd: Path, timeout: float | None = 600) -> CommandResult:
+    try:
+        proc = subprocess.run(
+            cmd,
+            cwd=cwd,
+            env=command_env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return CommandResult(124, "", f"timed out after {timeout}s: {' '.join(cmd)}")
+    except OSError as error:
+        return CommandResult(127, "", f"cannot run {cmd[0]}: {error}")
+    return CommandResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def stream(cmd: list[str], cwd: Path, logger) -> CommandResult:
+    """Run ``cmd``, logging each output line as it comes; keep the tail for error messages."""
+    tail: deque[str] = deque(maxlen=400)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=command_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        bufsize=1,
+    )
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            if line.strip():
+                logger.info(line)
+    finally:
+        returncode = proc.wait()
+    return CommandResult(returncode, "\n".join(tail))
+
+
+def stage_exit_code(result: CommandResult) -> int:
+    """The stage command's exit status, from DVC's "failed to reproduce ... exited with N".
+
+    DVC itself exits 255 whatever the stage returned; when the message is missing (DVC failed
+    before running the command, e.g. a lock held by another process) the failure counts as 1. A
+    stage that died of a missing module counts as exit 6: reinstalling, not retrying, fixes it.
+    """
+    if result.returncode == 0:
+        return 0
+    text = result.output + "\n" + result.stderr
+    found = _EXITED_WITH.findall(text)
+    code = int(found[-1]) if found else 1
+    return MissingPackageError.exit_code if code == 1 and _MISSING_MODULE.search(text) else code
+
+
+def stage_failure_message(stage: str, code: int, output: str, attempts: int | None = None) -> str:
+    meaning = EXIT_CODE_MEANINGS.get(code, "failure")
+    retry = "not retried" if code in NOT_RETRIED_EXIT_CODES else f"after {attempts or 1} attempt(s)"
+    lines = [line for line in output.splitlines() if line.strip()][-OUTPUT_TAIL_LINES:]
+    return f"DVC stage '{stage}' failed with exit code {code} ({meaning}; {retry}):\n" + "\n".join(lines)

@@ -1,0 +1,303 @@
+"""The retrain flow, its tasks and its scheduled deployment (what a run does: see the package docstring)."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+from prefect.runtime import task_run as task_run_runtime
+from prefect.tasks import exponential_backoff
+from pydantic import ValidationError
+
+from flows.retrain.dvc_project import (
+    OUTPUT_TAIL_LINES,
+    RetrainError,
+    capture,
+    configured_remote,
+    dvc_command,
+    is_stage_output,
+    rlhf_command,
+    stage_exit_code,
+    stage_failure_message,
+    stage_order,
+    stale_stages,
+    stream,
+)
+from flows.retrain.report import publish_summary
+from rlhf_pipeline.errors import NOT_RETRIED_EXIT_CODES, ParamsError
+from rlhf_pipeline.params import ScheduleParams, format_validation_error, load_params
+
+DEPLOYMENT_NAME = "retrain-schedule"
+DEFAULT_PREFERENCES_TARGET = "data/labels/preferences.jsonl"
+DEFAULT_LINEAGE_TARGET = "models/policy"
+PREFERENCE_SUFFIXES = (".jsonl", ".parquet")
+LOCK_RELATIVE_PATH = Path(".dvc") / "tmp" / "retrain.lock"
+
+
+class StageFailed(RetrainError):
+    """A ``dvc repro`` of one stage failed; ``exit_code`` is the stage command's exit status."""
+
+    def __init__(self, message: str, exit_code: int = 1, stage: str = ""):
+        super().__init__(message, exit_code)
+        self.stage = stage
+
+
+class InvalidPreferences(RetrainError):
+    """The incoming preference file failed validation; nothing was replaced."""
+
+
+class RetrainLocked(RetrainError):
+    """Another retrain run held the lock for longer than ``lock_timeout``."""
+
+
+# --------------------------------------------------------------------------------------------
+# Subprocess helpers
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_schedule(repo: str | Path = ".", cron: str | None = None, timezone: str | None = None) -> ScheduleParams:
+    """The retrain schedule: ``cron``/``timezone`` when given, else params.yaml's ``schedule``
+    section (validated by the params schema, so a bad value stops with its key path), else the
+    schema's defaults when there is no params.yaml."""
+    path = Path(repo) / "params.yaml"
+    schedule = load_params(path).schedule if path.is_file() else ScheduleParams()
+    overrides = {key: value for key, value in (("cron", cron), ("timezone", timezone)) if value}
+    try:
+        return ScheduleParams.model_validate({**schedule.model_dump(), **overrides})
+    except ValidationError as error:
+        raise ParamsError(
+            "--cron/--timezone", [f"schedule.{line}" for line in format_validation_error(error)]
+        ) from None
+
+
+def _newest_preference_file(incoming: Path) -> Path:
+    if incoming.is_file():
+        return incoming
+    if incoming.is_dir():
+        candidates = [p for p in incoming.iterdir() if p.is_file() and p.suffix in PREFERENCE_SUFFIXES]
+        if candidates:
+            return max(candidates, key=lambda p: (p.stat().st_mtime, p.name))
+        raise RetrainError(f"no .jsonl or .parquet preference file in {incoming}", 2)
+    raise RetrainError(f"incoming preference path {incoming} does not exist", 2)
+
+
+def refuse_retry_on_contract_errors(task, task_run, state) -> bool:
+    """retry_condition_fn: no retry for the exit codes of deterministic failures (errors.NOT_RETRIED_EXIT_CODES)."""
+    error = state.data if isinstance(state.data, BaseException) else None
+    if error is None:
+        try:
+            error = state.result(raise_on_failure=False)
+        except Exception:  # noqa: BLE001 - unknown failure: retry it
+            return True
+    return getattr(error, "exit_code", 1) not in NOT_RETRIED_EXIT_CODES
+
+
+@task(
+    name="dvc-repro",
+    task_run_name="dvc-repro-{stage}",
+    retries=3,
+    retry_delay_seconds=exponential_backoff(30),
+    retry_condition_fn=refuse_retry_on_contract_errors,
+    cache_policy=NO_CACHE,
+)
+def reproduce_stage(repo: str, stage: str) -> dict[str, Any]:
+    """``dvc repro --single-item STAGE``: runs the stage if stale, never its upstream stages."""
+    logger = get_run_logger()
+    attempt = task_run_runtime.run_count or 1
+    result = stream(dvc_command("repro", "--single-item", stage), Path(repo), logger)
+    if result.returncode != 0:
+        code = stage_exit_code(result)
+        raise StageFailed(stage_failure_message(stage, code, result.output, attempt), exit_code=code, stage=stage)
+    ran = f"Running stage '{stage}" in result.output
+    return {"stage": stage, "result": "ran" if ran else "up to date", "attempts": attempt}
+
+
+@task(name="dvc-status", cache_policy=NO_CACHE)
+def dvc_status(repo: str) -> dict[str, Any]:
+    """DVC's status of the project: ``{}`` when every stage and tracked file is up to date."""
+    return stale_stages(Path(repo))
+
+
+@task(name="ingest-preferences", cache_policy=NO_CACHE)
+def ingest_preferences(repo: str, incoming: str, target: str, validate_command: list[str]) -> dict[str, Any]:
+    """Validate the incoming file, then copy it atomically over ``target`` and ``dvc add`` it."""
+    logger = get_run_logger()
+    root = Path(repo).resolve()
+    source = _newest_preference_file(Path(incoming).expanduser().resolve())
+    destination = (root / target).resolve()
+    if root not in destination.parents:
+        raise RetrainError(f"preferences_target {target} is outside the repository {root}", 2)
+    if source.suffix != destination.suffix:
+        raise RetrainError(
+            f"incoming preference file {source} is {source.suffix} but preferences_target {target} is "
+            f"{destination.suffix}: pass a preferences_target with the same extension",
+            2,
+        )
+    logger.info("validating %s", source)
+    check = capture([*validate_command, str(source)], root, timeout=3600)
+    if check.returncode != 0:
+        summary = "\n".join(part.strip() for part in (check.output, check.stderr) if part.strip())
+        raise InvalidPreferences(
+            f"incoming preference file {source} failed validation (exit {check.returncode}); "
+            f"nothing was replaced.\n{summary}",
+            exit_code=3 if check.returncode == 3 else 1,
+        )
+    unchanged = destination.is_file() and filecmp.cmp(source, destination, shallow=False)
+    if not unchanged:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent)
+        try:
+            with os.fdopen(fd, "wb") as out, source.open("rb") as src:
+                shutil.copyfileobj(src, out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, destination)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        logger.info("copied %s -> %s", source, destination)
+    tracked = "stage output (not dvc-added)"
+    if not is_stage_output(root, destination):
+        dvc_file = destination.with_name(destination.name + ".dvc")
+        if unchanged and dvc_file.is_file():
+            tracked = f"unchanged ({dvc_file.name})"
+        else:
+            added = capture(dvc_command("add", str(destination.relative_to(root))), root)
+            if added.returncode != 0:
+                raise RetrainError(
+                    f"dvc add {target} failed (exit {added.returncode}):\n"
+                    f"{added.stderr.strip() or added.output.strip()}"
+                )
+            tracked = f"dvc add -> {dvc_file.name}"
+    return {"source": str(source), "target": target, "changed": not unchanged, "tracked": tracked}
+
+
+@task(name="dvc-push", retries=3, retry_delay_seconds=exponential_backoff(30), cache_policy=NO_CACHE)
+def dvc_push(repo: str, remote_args: list[str]) -> str:
+    logger = get_run_logger()
+    result = stream(dvc_command("push", *remote_args), Path(repo), logger)
+    if result.returncode != 0:
+        lines = "\n".join(result.output.splitlines()[-OUTPUT_TAIL_LINES:])
+        raise RetrainError(f"dvc push {' '.join(remote_args)} failed (exit {result.returncode}):\n{lines}")
+    return result.output.splitlines()[-1] if result.output.strip() else "pushed"
+
+
+@flow(name="retrain", description="Ingest preferences, reproduce the stale DVC stages, push, report.")
+def retrain(
+    repo: str = ".",
+    incoming: str | None = None,
+    remote: str | None = None,
+    push: bool = True,
+    validate_command: list[str] | None = None,
+    preferences_target: str = DEFAULT_PREFERENCES_TARGET,
+    retries: int = 3,
+    retry_delay_seconds: float = 30.0,
+    lock_timeout: float = 3600.0,
+    lineage_target: str | None = DEFAULT_LINEAGE_TARGET,
+) -> dict[str, Any]:
+    """One retrain run; see the module docstring.
+
+    Args:
+        repo: the DVC project (folder holding dvc.yaml).
+        incoming: a preference file, or a folder whose newest .jsonl/.parquet is taken.
+        remote: DVC remote to push to; default: the repo's default remote, else ``localremote``.
+        push: push the DVC cache at the end.
+        validate_command: validator argv, the file path is appended; exit 0 = valid. Default:
+            ``python -m rlhf_pipeline.cli validate-preferences``.
+        preferences_target: where valid incoming data is copied (relative to ``repo``).
+        retries: retries of a stage failing with an exit code not in errors.NOT_RETRIED_EXIT_CODES.
+        retry_delay_seconds: first retry delay; doubles each retry (exponential backoff).
+        lock_timeout: seconds to wait for an overlapping run to finish before failing.
+        lineage_target: artifact whose ``rlhf lineage`` goes into the summary (None: skip).
+    """
+    logger = get_run_logger()
+    root = Path(repo).expanduser().resolve()
+    stages = stage_order(root)
+    validate_command = list(validate_command or rlhf_command("validate-preferences"))
+    lock_path = root / LOCK_RELATIVE_PATH
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path), timeout=lock_timeout)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RetrainLocked(
+            f"another retrain run holds {lock_path} (waited {lock_timeout:g}s); nothing was changed. "
+            "If no run is active the lock is stale only if its process died: the OS releases it then.",
+            exit_code=75,
+        ) from None
+    report: dict[str, Any] = {"status": "running", "repo": str(root), "stages": [], "ingested": None}
+    try:
+        try:
+            if incoming:
+                report["ingested"] = ingest_preferences(str(root), incoming, preferences_target, validate_command)
+            stale = dvc_status(str(root))
+            if not stale:
+                report["status"] = "all stages up to date"
+                logger.info("all stages up to date; nothing to reproduce")
+            else:
+                logger.info("stale: %s", ", ".join(sorted(stale)))
+                repro = reproduce_stage.with_options(
+                    retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_seconds)
+                )
+                for stage in stages:
+                    report["stages"].append(repro(str(root), stage))
+                ran = [s["stage"] for s in report["stages"] if s["result"] == "ran"]
+                report["status"] = f"reproduced {', '.join(ran)}" if ran else "all stages up to date"
+            if push:
+                target = configured_remote(root, remote)
+                if target is None:
+                    report["push"] = "skipped: no DVC remote configured"
+                else:
+                    pusher = dvc_push.with_options(
+                        retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_seconds)
+                    )
+                    report["push"] = f"{target[1]}: {pusher(str(root), target[0])}"
+            else:
+                report["push"] = "disabled (push=False)"
+        except BaseException as error:
+            report["status"] = "failed"
+            try:
+                publish_summary(root, report, lineage_target, error=error)
+            except Exception as summary_error:  # noqa: BLE001 - never hide the real failure
+                logger.warning("could not publish the failure summary: %s", summary_error)
+            raise
+        report["summary"] = publish_summary(root, report, lineage_target)
+        return report
+    finally:
+        lock.release()
+
+
+def build_deployment(
+    repo: str = ".",
+    cron: str | None = None,
+    timezone: str | None = None,
+    incoming: str | None = None,
+    remote: str | None = None,
+    push: bool = True,
+):
+    """The ``retrain-schedule`` deployment (used by ``serve`` and by the tests)."""
+    from prefect.schedules import Cron
+
+    root = Path(repo).expanduser().resolve()
+    schedule = resolve_schedule(root, cron, timezone)
+    parameters: dict[str, Any] = {"repo": str(root), "push": push}
+    if incoming:
+        parameters["incoming"] = str(Path(incoming).expanduser().resolve())
+    if remote:
+        parameters["remote"] = remote
+    return retrain.to_deployment(
+        name=DEPLOYMENT_NAME,
+        schedules=[Cron(schedule.cron, timezone=schedule.timezone)],
+        parameters=parameters,
+        concurrency_limit=1,  # collision strategy ENQUEUE: an overlapping scheduled run waits
+        tags=["rlhf", "retrain"],
+        description="Weekly RLHF retrain: ingest, dvc repro (stale stages only), push, report.",
+    )
