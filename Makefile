@@ -32,7 +32,10 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/dvc repro
 
+# lint and format first (seconds), then the suite
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest -q
 
 bench: setup

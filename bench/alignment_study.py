@@ -15,15 +15,24 @@ from __future__ import annotations
 from experiments import Experiment, collect, emit, parser, render, run_all, stage_times
 
 STUDY = [
-    Experiment("oracle-reward", {"ppo.score_source": "gold"},
-               "PPO scored by the gold labeler itself: what PPO reaches on this budget with a perfect reward"),
+    Experiment(
+        "oracle-reward",
+        {"ppo.score_source": "gold"},
+        "PPO scored by the gold labeler itself: what PPO reaches on this budget with a perfect reward",
+    ),
     Experiment("ppo-lr-3e-4", {"ppo.lr": "3e-4"}, "a larger PPO step"),
     Experiment("rm-last-token", {"reward.train.pooling": "last"}, "the reference readout"),
     Experiment("labels-512", {"data.preferences.num_labels": "512"}, "half the labels"),
-    Experiment("rm-top-6-of-30", {"reward.train.num_layers": "null", "reward.train.freeze_layers": "24", "reward.train.lr": "3e-4"},
-               "the previous profile's reward model: all 30 blocks, top 6 trainable"),
-    Experiment("truncate-at-period", {"task.truncate_token": "'.'", "task.truncate_after": "8"},
-               "the reference task shape: responses cut after the first '.' from token 8, -1 if none"),
+    Experiment(
+        "rm-top-6-of-30",
+        {"reward.train.num_layers": "null", "reward.train.freeze_layers": "24", "reward.train.lr": "3e-4"},
+        "the previous profile's reward model: all 30 blocks, top 6 trainable",
+    ),
+    Experiment(
+        "truncate-at-period",
+        {"task.truncate_token": "'.'", "task.truncate_after": "8"},
+        "the reference task shape: responses cut after the first '.' from token 8, -1 if none",
+    ),
 ]
 
 

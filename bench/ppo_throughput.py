@@ -21,7 +21,10 @@ time/reference (+ value forward when separate), time/scoring, time/training); TR
 ``batch_generation``, ``forward`` (no-grad = reference) and ``get_reward`` (value / reward model)
 in the ppo_trainer module namespace, and ``accelerator.backward`` / ``optimizer.step``.
 
-Usage: ``.venv/bin/python bench/ppo_throughput.py [--model smollm2|smollm2-random|tiny] [--tiny] [--updates 2] [--markdown] [--output FILE]``
+Usage::
+
+    .venv/bin/python bench/ppo_throughput.py [--model smollm2|smollm2-random|tiny] [--tiny] [--updates 2]
+        [--markdown] [--output FILE]
 """
 
 from __future__ import annotations
@@ -35,9 +38,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MODEL_NAMES, benchmark_parser, emit, environment_lines, prepare, random_token_ids, render_report, render_table, seed_everything, trl_cpu_arguments  # noqa: E402
-
 import torch  # noqa: E402
+from common import (
+    MODEL_NAMES,
+    benchmark_parser,
+    emit,
+    environment_lines,
+    prepare,
+    random_token_ids,
+    render_report,
+    render_table,
+    seed_everything,
+    trl_cpu_arguments,
+)  # noqa: E402
 
 PHASES = ["generation", "ref_value", "reward", "train", "other"]
 
@@ -56,31 +69,62 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
     from rlhf_pipeline.ppo import PolicyWithValue, PPOTrainer
     from rlhf_pipeline.reward import RewardModel
 
-    params = Params.model_validate({
-        "seed": args.seed,
-        "task": {"response_length": args.response_tokens, "temperature": 0.7, "truncate_token": ".", "truncate_after": 16, "stop_at_eos": False},
-        "ppo": {
-            "total_episodes": args.batch * (args.updates + 1), "batch_size": args.batch, "nminibatches": 1,
-            "microbatch_size": args.microbatch, "ppo_epochs": 4, "lr": args.lr, "freeze_layers": 0,
-            "value_model": value_model, "checkpoint_every": 10**6, "device": args.device,
-        },
-    })
+    params = Params.model_validate(
+        {
+            "seed": args.seed,
+            "task": {
+                "response_length": args.response_tokens,
+                "temperature": 0.7,
+                "truncate_token": ".",
+                "truncate_after": 16,
+                "stop_at_eos": False,
+            },
+            "ppo": {
+                "total_episodes": args.batch * (args.updates + 1),
+                "batch_size": args.batch,
+                "nminibatches": 1,
+                "microbatch_size": args.microbatch,
+                "ppo_epochs": 4,
+                "lr": args.lr,
+                "freeze_layers": 0,
+                "value_model": value_model,
+                "checkpoint_every": 10**6,
+                "device": args.device,
+            },
+        }
+    )
     plan = resolve_device(args.device)
     seed_everything(args.seed)
     lm = load_causal_lm(model_dir, plan.device)
     if value_model == "shared":
         policy = PolicyWithValue(lm).to(plan.device)
     else:
-        value_init = RewardModel.from_base(model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed + 1))
+        value_init = RewardModel.from_base(
+            model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed + 1)
+        )
         policy = PolicyWithValue(lm, value_init.backbone.train(), value_init.head).to(plan.device)
     ref_model = load_causal_lm(model_dir, plan.device)
-    reward_model = RewardModel.from_base(model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed)).to(plan.device)
+    reward_model = RewardModel.from_base(
+        model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed)
+    ).to(plan.device)
+
     def log(record: dict) -> None:
         if profiler is not None and record["update"] == 1:
             profiler.start()
 
-    trainer = PPOTrainer(policy, ref_model, reward_model, queries, params.task, params.ppo, tokenizer, args.seed, plan.device, log=log,
-                         autocast=plan.autocast if plan.autocast_dtype else None)
+    trainer = PPOTrainer(
+        policy,
+        ref_model,
+        reward_model,
+        queries,
+        params.task,
+        params.ppo,
+        tokenizer,
+        args.seed,
+        plan.device,
+        log=log,
+        autocast=plan.autocast if plan.autocast_dtype else None,
+    )
     history = trainer.train(progress=False)
     if profiler is not None:
         profiler.stop()
@@ -130,8 +174,13 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
     from trl.experimental.ppo import ppo_trainer as trl_ppo
 
     seed_everything(args.seed)
-    load_lm = lambda: AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)  # noqa: E731
-    load_cls = lambda: AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32)  # noqa: E731
+
+    def load_lm():
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+
+    def load_cls():
+        return AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32)
+
     policy, ref_model = load_lm(), load_lm()
     reward_model, value_model = load_cls(), load_cls()
     for m in (policy, ref_model, reward_model, value_model):
@@ -139,10 +188,15 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
     dataset = Dataset.from_dict({"input_ids": queries.tolist()})
 
     clock = PhaseClock()
+    reward_model_id = id(reward_model)  # the wrapper must not keep the model alive past its `del`
     originals = {name: getattr(trl_ppo, name) for name in ("batch_generation", "forward", "get_reward")}
     trl_ppo.batch_generation = clock.wrap(originals["batch_generation"], lambda *a, **k: "generation")
-    trl_ppo.forward = clock.wrap(originals["forward"], lambda *a, **k: "train" if torch.is_grad_enabled() else "ref_value")
-    trl_ppo.get_reward = clock.wrap(originals["get_reward"], lambda model, *a, **k: "reward" if model is reward_model else "ref_value")
+    trl_ppo.forward = clock.wrap(
+        originals["forward"], lambda *a, **k: "train" if torch.is_grad_enabled() else "ref_value"
+    )
+    trl_ppo.get_reward = clock.wrap(
+        originals["get_reward"], lambda model, *a, **k: "reward" if id(model) == reward_model_id else "ref_value"
+    )
 
     updates: list[dict] = []
 
@@ -185,8 +239,14 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
                 **trl_cpu_arguments(args.seed),
             )
             trainer = PPOTrainer(
-                args=config, processing_class=tokenizer, model=policy, ref_model=ref_model, reward_model=reward_model,
-                train_dataset=dataset, value_model=value_model, callbacks=[UpdateTimer()],
+                args=config,
+                processing_class=tokenizer,
+                model=policy,
+                ref_model=ref_model,
+                reward_model=reward_model,
+                train_dataset=dataset,
+                value_model=value_model,
+                callbacks=[UpdateTimer()],
             )
             accelerator, optimizer = trainer.accelerator, trainer.optimizer
             accelerator.backward = clock.wrap(accelerator.backward, lambda *a, **k: "train")
@@ -206,15 +266,29 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
 # --------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     parser = benchmark_parser(__doc__)
-    parser.add_argument("--updates", type=int, default=2, help="timed PPO updates per implementation (after 1 warmup update)")
+    parser.add_argument(
+        "--updates", type=int, default=2, help="timed PPO updates per implementation (after 1 warmup update)"
+    )
     parser.add_argument("--batch", type=int, default=16, help="episodes per update")
     parser.add_argument("--microbatch", type=int, default=16, help="episodes per forward/backward (both sides)")
     parser.add_argument("--query-tokens", type=int, default=64)
     parser.add_argument("--response-tokens", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="ours only on cuda (bf16 autocast, TF32, as ppo.device auto picks); TRL runs on CPU")
-    parser.add_argument("--only", choices=["shared", "separate", "trl"], action="append", help="run only these sides (repeatable)")
-    parser.add_argument("--profile", action="store_true", help="run each side under torch.profiler (timed updates only) and append its top ops by self CPU time; timings then include profiler overhead")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="ours only on cuda (bf16 autocast, TF32, as ppo.device auto picks); TRL runs on CPU",
+    )
+    parser.add_argument(
+        "--only", choices=["shared", "separate", "trl"], action="append", help="run only these sides (repeatable)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each side under torch.profiler (timed updates only) and append its top ops by self CPU time; "
+        "timings then include profiler overhead",
+    )
     parser.add_argument("--profile-rows", type=int, default=30, help="rows of the --profile op table")
     args = parser.parse_args(argv)
     if args.batch % args.microbatch:
@@ -223,7 +297,9 @@ def main(argv=None) -> None:
         parser.error("--device cuda times this project only: add --only shared and/or --only separate")
 
     model_dir, tokenizer = prepare(args)
-    queries = random_token_ids(tokenizer, (args.batch * (args.updates + 1), args.query_tokens), torch.Generator().manual_seed(args.seed))
+    queries = random_token_ids(
+        tokenizer, (args.batch * (args.updates + 1), args.query_tokens), torch.Generator().manual_seed(args.seed)
+    )
 
     profiles: dict[str, object] = {}
 
@@ -233,17 +309,30 @@ def main(argv=None) -> None:
         return run(profiles.get(key))
 
     sides = {
-        "shared": ("rlhf_pipeline PPOTrainer, value_model shared (reference)", lambda: profiled("shared", lambda prof: run_ours(model_dir, tokenizer, queries, args, "shared", prof))),
-        "separate": ("rlhf_pipeline PPOTrainer, value_model separate (TRL-like)", lambda: profiled("separate", lambda prof: run_ours(model_dir, tokenizer, queries, args, "separate", prof))),
-        "trl": ("TRL 1.12 experimental PPOTrainer", lambda: profiled("trl", lambda prof: run_trl(model_dir, tokenizer, queries, args, prof))),
+        "shared": (
+            "rlhf_pipeline PPOTrainer, value_model shared (reference)",
+            lambda: profiled("shared", lambda prof: run_ours(model_dir, tokenizer, queries, args, "shared", prof)),
+        ),
+        "separate": (
+            "rlhf_pipeline PPOTrainer, value_model separate (TRL-like)",
+            lambda: profiled("separate", lambda prof: run_ours(model_dir, tokenizer, queries, args, "separate", prof)),
+        ),
+        "trl": (
+            "TRL 1.12 experimental PPOTrainer",
+            lambda: profiled("trl", lambda prof: run_trl(model_dir, tokenizer, queries, args, prof)),
+        ),
     }
     results: dict[str, list[dict]] = {}
-    for key, (label, run) in sides.items():
+    for key, (_label, run) in sides.items():
         if args.only and key not in args.only:
             continue
         print(f"[ppo_throughput] running {key} ...", file=sys.stderr, flush=True)
         results[key] = run()
-        print(f"[ppo_throughput] {key} update times: {[round(u['update'], 2) for u in results[key]]}", file=sys.stderr, flush=True)
+        print(
+            f"[ppo_throughput] {key} update times: {[round(u['update'], 2) for u in results[key]]}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     timed = {k: v[1:] for k, v in results.items()}
@@ -252,31 +341,64 @@ def main(argv=None) -> None:
     for key, rows_ in timed.items():
         ratio = f"{sec['trl'] / sec[key]:.2f}x" if "trl" in sec else "n/a"
         phase_cells = [f"{mean(rows_, p):.2f}" for p in PHASES]
-        rows.append([sides[key][0], f"{args.batch / sec[key]:.2f}", f"{sec[key]:.2f}", ratio, *phase_cells, f"{results[key][0]['update']:.2f}"])
-    headers = ["implementation", "episodes/s", "s/update", "speed vs TRL", "generation s", "ref+value fwd s", "reward s", "PPO epochs s", "other s", "warmup update s"]
+        rows.append(
+            [
+                sides[key][0],
+                f"{args.batch / sec[key]:.2f}",
+                f"{sec[key]:.2f}",
+                ratio,
+                *phase_cells,
+                f"{results[key][0]['update']:.2f}",
+            ]
+        )
+    headers = [
+        "implementation",
+        "episodes/s",
+        "s/update",
+        "speed vs TRL",
+        "generation s",
+        "ref+value fwd s",
+        "reward s",
+        "PPO epochs s",
+        "other s",
+        "warmup update s",
+    ]
     table = render_table(headers, rows, args.markdown)
     model_name = MODEL_NAMES[args.model]
     notes = [
-        f"workload: {args.batch} episodes/update, query {args.query_tokens} tokens (fixed-seed random ids, no padding), {args.response_tokens} sampled tokens "
-        f"(temperature 0.7, no stop token), 1 minibatch, microbatch {args.microbatch}, 4 PPO epochs, full fine-tune, lr {args.lr}; "
+        f"workload: {args.batch} episodes/update, query {args.query_tokens} tokens (fixed-seed random ids, no "
+        f"padding), {args.response_tokens} sampled tokens "
+        f"(temperature 0.7, no stop token), 1 minibatch, microbatch {args.microbatch}, 4 PPO epochs, full "
+        f"fine-tune, lr {args.lr}; "
         f"1 warmup update + {args.updates} timed updates per side (mean of the timed updates).",
-        "ours: task truncate_token '.' after 16 tokens (scoring only), KL adaptive init 0.15, whitened rewards, Adam eps 1e-5; no checkpointing; "
-        "torch deterministic algorithms not enabled (the train_policy stage enables them; no measurable effect on CPU expected).",
-        f"TRL: per_device_train_batch_size {args.microbatch} x gradient_accumulation_steps {args.batch // args.microbatch}, num_mini_batches 1, "
-        f"local_rollout_forward_batch_size {args.batch}, stop_token None, missing_eos_penalty None, kl_coef 0.15, whiten_rewards, optimizer "
-        f"{getattr(args, 'trl_optimizer', 'n/a')}, no gradient checkpointing, report_to none, num_sample_generations 0.",
-        "phases: generation = sampling; ref+value fwd = frozen reference forward (+ the value model's forward for separate/TRL); reward = reward-model "
-        "scoring; PPO epochs = ours time/training (forward+backward+step of all epochs), TRL the wrapped training forward + accelerator.backward + "
-        "optimizer.step; other = update time minus those (advantages, loss arithmetic, logging, TRL's gc.collect/empty_cache).",
+        "ours: task truncate_token '.' after 16 tokens (scoring only), KL adaptive init 0.15, whitened rewards, "
+        "Adam eps 1e-5; no checkpointing; "
+        "torch deterministic algorithms not enabled (the train_policy stage enables them; no measurable effect on "
+        "CPU expected).",
+        f"TRL: per_device_train_batch_size {args.microbatch} x gradient_accumulation_steps "
+        f"{args.batch // args.microbatch}, num_mini_batches 1, "
+        f"local_rollout_forward_batch_size {args.batch}, stop_token None, missing_eos_penalty None, kl_coef 0.15, "
+        "whiten_rewards, optimizer "
+        f"{getattr(args, 'trl_optimizer', 'n/a')}, no gradient checkpointing, report_to none, "
+        "num_sample_generations 0.",
+        "phases: generation = sampling; ref+value fwd = frozen reference forward (+ the value model's forward for "
+        "separate/TRL); reward = reward-model "
+        "scoring; PPO epochs = ours time/training (forward+backward+step of all epochs), TRL the wrapped training "
+        "forward + accelerator.backward + "
+        "optimizer.step; other = update time minus those (advantages, loss arithmetic, logging, TRL's "
+        "gc.collect/empty_cache).",
         "speed vs TRL = TRL s/update / implementation s/update (>1 means faster than TRL).",
     ]
     if args.profile:
-        notes.append("PROFILED RUN: every side ran under torch.profiler during the timed updates, so their timings include profiler overhead.")
+        notes.append(
+            "PROFILED RUN: every side ran under torch.profiler during the timed updates, so their timings include "
+            "profiler overhead."
+        )
     report = render_report("PPO throughput", environment_lines(model_name, args.device), table, notes, args.markdown)
     for key, prof in profiles.items():
         ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
         heading = f"torch.profiler, {sides[key][0]}: top ops by self CPU time over {args.updates} timed update(s)"
-        report += (f"\n## {heading}\n\n```\n{ops}\n```\n" if args.markdown else f"\n{heading}\n{ops}\n")
+        report += f"\n## {heading}\n\n```\n{ops}\n```\n" if args.markdown else f"\n{heading}\n{ops}\n"
     emit(report, args.output)
 
 

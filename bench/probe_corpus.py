@@ -20,7 +20,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402,F401  (offline environment first)
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -67,14 +66,23 @@ def main() -> None:
     tokenizer = load_tokenizer("models/base")
     model = load_causal_lm("models/base").eval()
     labeler = get_labeler("vader")
-    style_sets = {"narrative": NARRATIVE_STYLES, "opinion": OPINION_STYLES, "reviews": list(corpus.STYLES)}  # reviews: the shipped set
-    print(f"| styles | passages (s) | queries kept | neutral responses | tied rows | gold std in row | mean gold | "
-          + " | ".join(f"valid@{t}" for t in (4, 6, 8)) + " | mean response tokens to '.' |")
+    style_sets = {
+        "narrative": NARRATIVE_STYLES,
+        "opinion": OPINION_STYLES,
+        "reviews": list(corpus.STYLES),
+    }  # reviews: the shipped set
+    print(
+        "| styles | passages (s) | queries kept | neutral responses | tied rows | gold std in row | mean gold | "
+        + " | ".join(f"valid@{t}" for t in (4, 6, 8))
+        + " | mean response tokens to '.' |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|" + "---:|" * 4)
     for name in args.styles.split(","):
         corpus.STYLES = style_sets[name]
         started = time.perf_counter()
-        texts = corpus.generate_passages(model, tokenizer, args.passages, args.passage_tokens, args.corpus_temperature, 64, args.seed)
+        texts = corpus.generate_passages(
+            model, tokenizer, args.passages, args.passage_tokens, args.corpus_temperature, 64, args.seed
+        )
         seconds = time.perf_counter() - started
         splits, counts = build_queries(texts, tokenizer, args.query_length, None, ".", 0.5, args.seed)
         queries = torch.tensor(splits["train"]["query_ids"] + splits["test"]["query_ids"])[:96]
@@ -90,11 +98,19 @@ def main() -> None:
         truncated, _ = sampler.truncate(out.responses)
         gold = np.asarray(labeler.score(tokenizer.batch_decode(truncated, skip_special_tokens=True))).reshape(-1, 4)
         period = sampler.truncate_token_id
-        first = [(row == period).nonzero()[0].item() + 1 if (row == period).any() else args.response_length for row in out.responses]
+        first = [
+            (row == period).nonzero()[0].item() + 1 if (row == period).any() else args.response_length
+            for row in out.responses
+        ]
         tied = np.mean([(g == g.max()).sum() > 1 for g in gold])
-        print(f"| {name} | {seconds:.0f} | {counts['kept']}/{counts['passages']} | {np.mean(gold == 0):.2f} | {tied:.2f} | "
-              f"{gold.std(1).mean():.3f} | {gold.mean():.3f} | " + " | ".join(f"{valid[t]:.2f}" for t in (4, 6, 8))
-              + f" | {np.mean(first):.1f} |", flush=True)
+        print(
+            f"| {name} | {seconds:.0f} | {counts['kept']}/{counts['passages']} | {np.mean(gold == 0):.2f} | "
+            f"{tied:.2f} | "
+            f"{gold.std(1).mean():.3f} | {gold.mean():.3f} | "
+            + " | ".join(f"{valid[t]:.2f}" for t in (4, 6, 8))
+            + f" | {np.mean(first):.1f} |",
+            flush=True,
+        )
         for text in texts[:3]:
             print("    passage:", repr(text[:150]))
 

@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402,F401  (offline environment first)
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -39,8 +38,13 @@ def sample_features(args) -> dict:
     from rlhf_pipeline.rollout import TaskSampler
 
     params = load_params("params.yaml")
-    task = params.task.model_copy(update={"response_length": args.response_length, "truncate_token": None if args.truncate_after < 0 else ".",
-                                          "truncate_after": max(args.truncate_after, 0)})
+    task = params.task.model_copy(
+        update={
+            "response_length": args.response_length,
+            "truncate_token": None if args.truncate_after < 0 else ".",
+            "truncate_after": max(args.truncate_after, 0),
+        }
+    )
     tokenizer = load_tokenizer("models/base")
     model = load_causal_lm("models/base").eval()
     norm = model.model.norm
@@ -51,14 +55,18 @@ def sample_features(args) -> dict:
 
     from rlhf_pipeline.queries import build_queries
 
-    cut, _ = build_queries(load_from_disk(args.corpus)["text"], tokenizer, args.query_length, None, ".", 0.4, params.seed)
+    cut, _ = build_queries(
+        load_from_disk(args.corpus)["text"], tokenizer, args.query_length, None, ".", 0.4, params.seed
+    )
     labeler = get_labeler(params.data.preferences.labeler)
     generator = torch.Generator().manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     out = {}
     for split, count in (("train", args.labels), ("test", args.test_labels)):
         pool = torch.tensor(cut[split]["query_ids"])
-        order = torch.cat([torch.randperm(len(pool), generator=generator) for _ in range(-(-count // len(pool)))])[:count]
+        order = torch.cat([torch.randperm(len(pool), generator=generator) for _ in range(-(-count // len(pool)))])[
+            :count
+        ]
         feats = {(layer, p): [] for layer in layers for p in POOLS}
         tokens = {layer: [] for layer in args.token_layers}
         gold, valid_all, ids = [], [], []
@@ -66,7 +74,9 @@ def sample_features(args) -> dict:
         for start in range(0, count, args.batch):
             queries = pool[order[start : start + args.batch]]
             with torch.no_grad():
-                sampled, truncated, valid = sampler.sample(model, queries, generator, num_samples=args.samples, capture_layers=layers)
+                sampled, truncated, valid = sampler.sample(
+                    model, queries, generator, num_samples=args.samples, capture_layers=layers
+                )
                 q = queries.shape[1]
                 keep = (truncated != tokenizer.pad_token_id).float()  # response tokens kept after truncation
                 lengths = keep.sum(-1).clamp(min=1)
@@ -148,8 +158,10 @@ def main() -> None:
     train, test = data["train"], data["test"]
     ceiling = float((test["gold"].argmax(-1) == test["best"]).double().mean())
     tied = float(np.mean([(g == g.max()).sum() > 1 for g in test["gold"].numpy()]))
-    print(f"sampling: train {train['seconds']:.0f} s for {len(train['best'])} rows, test {test['seconds']:.0f} s; "
-          f"valid responses {float(train['valid'].float().mean()):.2f}; test ceiling {ceiling:.3f} ({tied:.2f} tied)")
+    print(
+        f"sampling: train {train['seconds']:.0f} s for {len(train['best'])} rows, test {test['seconds']:.0f} s; "
+        f"valid responses {float(train['valid'].float().mean()):.2f}; test ceiling {ceiling:.3f} ({tied:.2f} tied)"
+    )
     sizes = [int(s) for s in args.sizes.split(",") if int(s) <= len(train["best"])]
     l2s = [float(x) for x in args.l2.split(",")]
     print("| layer | pooling | " + " | ".join(f"n={n}" for n in sizes) + " |")
@@ -165,7 +177,12 @@ def main() -> None:
                 xs = (test["features"][(layer, pool)].double() - mean) / std
                 # choose l2 on the last 20% of the n rows, refit on all n
                 cut = int(0.8 * n)
-                best_l2 = max(l2s, key=lambda l2: accuracy(xt[cut:], fit_head(xt[:cut], train["best"][:cut], l2), train["best"][cut:n]))
+                best_l2 = max(
+                    l2s,
+                    key=lambda l2: accuracy(
+                        xt[cut:], fit_head(xt[:cut], train["best"][:cut], l2), train["best"][cut:n]
+                    ),
+                )
                 w = fit_head(xt, train["best"][:n], best_l2)
                 cells.append(f"{accuracy(xs, w, test['best']):.3f}")
             print(f"| {layer} | {pool} | " + " | ".join(cells) + " |", flush=True)

@@ -19,7 +19,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402,F401  (offline environment first)
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -51,20 +50,38 @@ def main() -> None:
     train = tuple(t[:n] for t in train)
     gold = np.asarray(prefs["test"]["gold"])
     ceiling = float((gold.argmax(1) == np.asarray(prefs["test"]["best"])).mean())
-    model = RewardModel.from_base("models/base", tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed),
-                                  pooling=args.pooling, num_layers=args.layers)
+    model = RewardModel.from_base(
+        "models/base",
+        tokenizer.pad_token_id,
+        generator=torch.Generator().manual_seed(args.seed),
+        pooling=args.pooling,
+        num_layers=args.layers,
+    )
     model.backbone.get_input_embeddings().weight.requires_grad_(False)
     freeze_lower_layers(model.backbone, args.freeze)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     started = time.perf_counter()
-    history = train_reward_model(model, *train, lr=args.lr, epochs=args.epochs, batch_size=args.batch, microbatch_size=args.batch,
-                                 adam_eps=1e-5, generator=torch.Generator().manual_seed(args.seed))
+    history = train_reward_model(
+        model,
+        *train,
+        lr=args.lr,
+        epochs=args.epochs,
+        batch_size=args.batch,
+        microbatch_size=args.batch,
+        adam_eps=1e-5,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
     seconds = time.perf_counter() - started
     accuracy = best_of_n_accuracy(model, *test[:3], batch_size=64)
-    tail = history[-max(1, len(history) // 4):]
-    print(f"layers {args.layers} freeze {args.freeze} pooling {args.pooling} lr {args.lr} epochs {args.epochs} batch {args.batch} labels {n}: "
-          f"test accuracy {accuracy:.3f} (ceiling {ceiling:.3f}, {len(test[2])} rows); train accuracy {np.mean([r['accuracy'] for r in tail]):.2f}; "
-          f"{trainable / 1e6:.1f}M trainable; {seconds:.0f} s", flush=True)
+    tail = history[-max(1, len(history) // 4) :]
+    print(
+        f"layers {args.layers} freeze {args.freeze} pooling {args.pooling} lr {args.lr} epochs {args.epochs} batch "
+        f"{args.batch} labels {n}: "
+        f"test accuracy {accuracy:.3f} (ceiling {ceiling:.3f}, {len(test[2])} rows); train accuracy "
+        f"{np.mean([r['accuracy'] for r in tail]):.2f}; "
+        f"{trainable / 1e6:.1f}M trainable; {seconds:.0f} s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ CPU, for 1 warmup step + ``--steps`` timed steps each:
   directory, with pre-tokenised ``chosen_ids``/``rejected_ids`` (prompt + response each), no eval,
   no logging, no saving, no gradient checkpointing, dataloader workers 0.
 
-Usage: ``.venv/bin/python bench/reward_throughput.py [--model smollm2|smollm2-random|tiny] [--tiny] [--steps 6] [--markdown] [--output FILE]``
+Usage::
+
+    .venv/bin/python bench/reward_throughput.py [--model smollm2|smollm2-random|tiny] [--tiny] [--steps 6]
+        [--markdown] [--output FILE]
 """
 
 from __future__ import annotations
@@ -26,9 +29,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MODEL_NAMES, benchmark_parser, emit, environment_lines, prepare, random_token_ids, render_report, render_table, seed_everything, trl_cpu_arguments  # noqa: E402
-
 import torch  # noqa: E402
+from common import (
+    MODEL_NAMES,
+    benchmark_parser,
+    emit,
+    environment_lines,
+    prepare,
+    random_token_ids,
+    render_report,
+    render_table,
+    seed_everything,
+    trl_cpu_arguments,
+)  # noqa: E402
 
 
 def make_data(tokenizer, num_pairs: int, prompt_tokens: int, response_tokens: int, seed: int):
@@ -52,8 +65,17 @@ def run_ours(model_dir: Path, tokenizer, data, args) -> list[float]:
     stamps: list[float] = []
     start = time.perf_counter()
     train_reward_model(
-        model, prompts, samples, best, None, lr=args.lr, epochs=1, batch_size=args.batch_pairs,
-        microbatch_size=args.batch_pairs, adam_eps=1e-5, generator=torch.Generator().manual_seed(args.seed),
+        model,
+        prompts,
+        samples,
+        best,
+        None,
+        lr=args.lr,
+        epochs=1,
+        batch_size=args.batch_pairs,
+        microbatch_size=args.batch_pairs,
+        adam_eps=1e-5,
+        generator=torch.Generator().manual_seed(args.seed),
         log=lambda record: stamps.append(time.perf_counter()),
     )
     del model
@@ -68,10 +90,12 @@ def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
     from trl import RewardConfig, RewardTrainer
 
     prompts, chosen, rejected = data
-    dataset = Dataset.from_dict({
-        "chosen_ids": torch.cat([prompts, chosen], 1).tolist(),
-        "rejected_ids": torch.cat([prompts, rejected], 1).tolist(),
-    })
+    dataset = Dataset.from_dict(
+        {
+            "chosen_ids": torch.cat([prompts, chosen], 1).tolist(),
+            "rejected_ids": torch.cat([prompts, rejected], 1).tolist(),
+        }
+    )
     seed_everything(args.seed)
     model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -102,9 +126,13 @@ def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
             max_length=None,
             **trl_cpu_arguments(args.seed),
         )
-        trainer = RewardTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
+        trainer = RewardTrainer(
+            model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer]
+        )
         trainer.train()
-        optimizer_name = type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__
+        optimizer_name = type(
+            trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+        ).__name__
         args.trl_optimizer = f"{optimizer_name} ({config.optim})"
     del trainer, model
     gc.collect()
@@ -114,7 +142,9 @@ def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
 # --------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     parser = benchmark_parser(__doc__)
-    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per implementation (after 1 warmup step)")
+    parser.add_argument(
+        "--steps", type=int, default=6, help="timed optimizer steps per implementation (after 1 warmup step)"
+    )
     parser.add_argument("--batch-pairs", type=int, default=8, help="preference pairs per optimizer step")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--response-tokens", type=int, default=24)
@@ -133,7 +163,11 @@ def main(argv=None) -> None:
             continue
         print(f"[reward_throughput] running {name} ...", file=sys.stderr, flush=True)
         results[name] = runners[name](model_dir, tokenizer, data, args)
-        print(f"[reward_throughput] {name} step times: {[round(t, 3) for t in results[name]]}", file=sys.stderr, flush=True)
+        print(
+            f"[reward_throughput] {name} step times: {[round(t, 3) for t in results[name]]}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     labels = {
         "ours": "rlhf_pipeline train_reward_model (score_best_of_n, N=2, prompt shared in one packed sequence)",
@@ -147,19 +181,51 @@ def main(argv=None) -> None:
     for name in results:
         ratio = f"{sec['trl'] / sec[name]:.2f}x" if "trl" in sec else "n/a"
         median_ratio = f"{med['trl'] / med[name]:.2f}x" if "trl" in med else "n/a"
-        rows.append([labels[name], f"{args.batch_pairs / sec[name]:.2f}", f"{sec[name]:.3f}", f"{med[name]:.3f}", f"{results[name][0]:.3f}", ratio, median_ratio])
-    table = render_table(["implementation", "pairs/s", "s/step (mean)", "s/step (median)", "warmup step s", "speed vs TRL (mean)", "speed vs TRL (median)"], rows, args.markdown)
+        rows.append(
+            [
+                labels[name],
+                f"{args.batch_pairs / sec[name]:.2f}",
+                f"{sec[name]:.3f}",
+                f"{med[name]:.3f}",
+                f"{results[name][0]:.3f}",
+                ratio,
+                median_ratio,
+            ]
+        )
+    table = render_table(
+        [
+            "implementation",
+            "pairs/s",
+            "s/step (mean)",
+            "s/step (median)",
+            "warmup step s",
+            "speed vs TRL (mean)",
+            "speed vs TRL (median)",
+        ],
+        rows,
+        args.markdown,
+    )
     model_name = MODEL_NAMES[args.model]
     notes = [
-        f"workload: {args.batch_pairs} pairs/step, prompt {args.prompt_tokens} tokens + chosen/rejected {args.response_tokens} tokens each "
-        f"(fixed-seed random token ids, no padding), full fine-tune, lr {args.lr}, 1 warmup step + {args.steps} timed steps per side (mean of the timed steps).",
-        f"ours: Adam (eps 1e-5), one microbatch per step; per step it runs {args.batch_pairs} packed rows of prompt + chosen + rejected "
+        f"workload: {args.batch_pairs} pairs/step, prompt {args.prompt_tokens} tokens + chosen/rejected "
+        f"{args.response_tokens} tokens each "
+        f"(fixed-seed random token ids, no padding), full fine-tune, lr {args.lr}, 1 warmup step + {args.steps} "
+        "timed steps per side (mean of the timed steps).",
+        f"ours: Adam (eps 1e-5), one microbatch per step; per step it runs {args.batch_pairs} packed rows of prompt "
+        "+ chosen + rejected "
         f"({args.batch_pairs}x{args.prompt_tokens + 2 * args.response_tokens} tokens, block attention mask).",
-        f"TRL: pre-tokenised chosen_ids/rejected_ids = prompt + response ({2 * args.batch_pairs}x{args.prompt_tokens + args.response_tokens} tokens per step), optimizer {getattr(args, 'trl_optimizer', 'n/a')}, "
-        "no eval/logging/saving/gradient checkpointing, report_to none, use_cpu, dataloader workers 0; step time = interval between on_step_end callbacks.",
-        "speed vs TRL = TRL seconds/step / implementation seconds/step (>1 means faster than TRL), from the mean and from the median of the timed steps.",
+        "TRL: pre-tokenised chosen_ids/rejected_ids = prompt + response "
+        f"({2 * args.batch_pairs}x{args.prompt_tokens + args.response_tokens} tokens per step), optimizer "
+        f"{getattr(args, 'trl_optimizer', 'n/a')}, "
+        "no eval/logging/saving/gradient checkpointing, report_to none, use_cpu, dataloader workers 0; step time = "
+        "interval between on_step_end callbacks.",
+        "speed vs TRL = TRL seconds/step / implementation seconds/step (>1 means faster than TRL), from the mean "
+        "and from the median of the timed steps.",
     ]
-    emit(render_report("Reward-model training throughput", environment_lines(model_name), table, notes, args.markdown), args.output)
+    emit(
+        render_report("Reward-model training throughput", environment_lines(model_name), table, notes, args.markdown),
+        args.output,
+    )
 
 
 if __name__ == "__main__":

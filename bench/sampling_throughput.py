@@ -16,7 +16,10 @@ same run: the memory-bandwidth floor of one decoding step (every weight read onc
 measured copy bandwidth) and each call's compute floor (its unavoidable matrix-product FLOPs / a
 measured fp32 matrix-product rate).
 
-Usage: .venv/bin/python bench/sampling_throughput.py [--batch 64] [--query-tokens 24] [--response-tokens 16] [--samples-per-query 4] [--repeats 3] [--markdown] [--output FILE]
+Usage::
+
+    .venv/bin/python bench/sampling_throughput.py [--batch 64] [--query-tokens 24] [--response-tokens 16]
+        [--samples-per-query 4] [--repeats 3] [--markdown] [--output FILE]
 """
 
 from __future__ import annotations
@@ -28,9 +31,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MODEL_NAMES, benchmark_parser, emit, environment_lines, prepare, random_token_ids, render_report, render_table  # noqa: E402
-
 import torch  # noqa: E402
+from common import (
+    MODEL_NAMES,
+    benchmark_parser,
+    emit,
+    environment_lines,
+    prepare,
+    random_token_ids,
+    render_report,
+    render_table,
+)  # noqa: E402
 
 
 def measured_bandwidth(megabytes: int = 512) -> float:
@@ -63,8 +74,16 @@ def time_ours(model, queries, args, pad_id, samples) -> float:
 
     started = time.perf_counter()
     with torch.no_grad():
-        out = sample_responses(model, queries, queries != pad_id, args.response_tokens, 0.7, pad_id,
-                               generator=torch.Generator().manual_seed(args.seed), num_samples=samples)
+        out = sample_responses(
+            model,
+            queries,
+            queries != pad_id,
+            args.response_tokens,
+            0.7,
+            pad_id,
+            generator=torch.Generator().manual_seed(args.seed),
+            num_samples=samples,
+        )
     assert out.responses.shape == (len(queries) * samples, args.response_tokens)
     return time.perf_counter() - started
 
@@ -72,9 +91,18 @@ def time_ours(model, queries, args, pad_id, samples) -> float:
 def time_transformers(model, queries, args, pad_id, samples) -> float:
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=True, top_k=0, top_p=1.0, temperature=0.7, max_new_tokens=args.response_tokens,
-                              min_new_tokens=args.response_tokens, eos_token_id=None, pad_token_id=pad_id, bos_token_id=None,
-                              num_return_sequences=samples)
+    config = GenerationConfig(
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        temperature=0.7,
+        max_new_tokens=args.response_tokens,
+        min_new_tokens=args.response_tokens,
+        eos_token_id=None,
+        pad_token_id=pad_id,
+        bos_token_id=None,
+        num_return_sequences=samples,
+    )
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     with torch.no_grad():
@@ -89,7 +117,10 @@ def call_flops(model, distinct_queries: int, rows: int, args) -> float:
     Attention score products are left out (under 3% at these lengths)."""
     head = model.get_output_embeddings().weight.numel()
     body = sum(p.numel() for p in model.parameters()) - head
-    return 2 * body * (distinct_queries * args.query_tokens + rows * args.response_tokens) + 2 * head * rows * args.response_tokens
+    return (
+        2 * body * (distinct_queries * args.query_tokens + rows * args.response_tokens)
+        + 2 * head * rows * args.response_tokens
+    )
 
 
 def main() -> None:
@@ -97,7 +128,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="rows sampled per call")
     parser.add_argument("--query-tokens", type=int, default=24)
     parser.add_argument("--response-tokens", type=int, default=16)
-    parser.add_argument("--samples-per-query", type=int, default=4, help="the shared-query workload: best-of-N labelling samples N per query")
+    parser.add_argument(
+        "--samples-per-query",
+        type=int,
+        default=4,
+        help="the shared-query workload: best-of-N labelling samples N per query",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     model_dir, tokenizer = prepare(args)
@@ -107,12 +143,18 @@ def main() -> None:
     pad_id = tokenizer.pad_token_id
     workloads = {  # name: (distinct queries, samples per query)
         f"{args.batch} distinct queries": (args.batch, 1),
-        f"{args.batch // args.samples_per_query} queries x {args.samples_per_query} samples": (args.batch // args.samples_per_query, args.samples_per_query),
+        f"{args.batch // args.samples_per_query} queries x {args.samples_per_query} samples": (
+            args.batch // args.samples_per_query,
+            args.samples_per_query,
+        ),
     }
     sides = {"this project (sample_responses)": time_ours, "transformers generate": time_transformers}
-    queries = {name: random_token_ids(tokenizer, (n, args.query_tokens), torch.Generator().manual_seed(args.seed)) for name, (n, _) in workloads.items()}
+    queries = {
+        name: random_token_ids(tokenizer, (n, args.query_tokens), torch.Generator().manual_seed(args.seed))
+        for name, (n, _) in workloads.items()
+    }
     times = {(w, side): [] for w in workloads for side in sides}
-    for (w, side) in times:  # warm-up
+    for w, side in times:  # warm-up
         sides[side](model, queries[w], args, pad_id, workloads[w][1])
     for _ in range(args.repeats):
         for (w, side), runs in times.items():
@@ -127,19 +169,39 @@ def main() -> None:
             median = statistics.median(times[(w, side)])
             rows.append([w, side, f"{tokens / median:.0f}", f"{median:.2f}", f"{reference / median:.2f}x"])
         floor = call_flops(model, distinct, distinct * samples, args) / flops
-        rows.append([w, "floor: matrix products at the measured rate", f"{tokens / floor:.0f}", f"{floor:.2f}", f"{reference / floor:.2f}x"])
-    table = render_table(["workload", "implementation", "new tokens/s", "s per call", "vs transformers"], rows, args.markdown)
+        rows.append(
+            [
+                w,
+                "floor: matrix products at the measured rate",
+                f"{tokens / floor:.0f}",
+                f"{floor:.2f}",
+                f"{reference / floor:.2f}x",
+            ]
+        )
+    table = render_table(
+        ["workload", "implementation", "new tokens/s", "s per call", "vs transformers"], rows, args.markdown
+    )
     notes = [
-        f"{args.batch} rows per call, query {args.query_tokens} tokens, {args.response_tokens} new tokens, temperature 0.7, top_k 0, no stop token; "
+        f"{args.batch} rows per call, query {args.query_tokens} tokens, {args.response_tokens} new tokens, "
+        "temperature 0.7, top_k 0, no stop token; "
         f"median of {args.repeats} interleaved runs after one warm-up each (all runs: "
-        + "; ".join(f"{w} / {side}: {', '.join(f'{t:.2f}' for t in runs)} s" for (w, side), runs in times.items()) + ")",
-        f"the shared-query workload is what best-of-{args.samples_per_query} labelling and the corpus sample: this project runs each query's "
-        "prefill once and repeats its KV cache; `generate(num_return_sequences=N)` repeats the query before the prefill",
-        f"measured here: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matrix products {flops / 1e9:.0f} GFLOP/s (2048x2048); "
-        f"reading every weight once per decoding step ({step_bytes / 1e6:.0f} MB) takes {1000 * step_bytes / bandwidth:.0f} ms, so at this batch "
-        "a step is compute-bound, and the floor row is the call's unavoidable matrix-product FLOPs at the measured rate",
+        + "; ".join(f"{w} / {side}: {', '.join(f'{t:.2f}' for t in runs)} s" for (w, side), runs in times.items())
+        + ")",
+        f"the shared-query workload is what best-of-{args.samples_per_query} labelling and the corpus sample: this "
+        "project runs each query's "
+        "prefill once and repeats its KV cache; `generate(num_return_sequences=N)` repeats the query before the "
+        "prefill",
+        f"measured here: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matrix products {flops / 1e9:.0f} GFLOP/s "
+        "(2048x2048); "
+        f"reading every weight once per decoding step ({step_bytes / 1e6:.0f} MB) takes "
+        f"{1000 * step_bytes / bandwidth:.0f} ms, so at this batch "
+        "a step is compute-bound, and the floor row is the call's unavoidable matrix-product FLOPs at the measured "
+        "rate",
     ]
-    emit(render_report("Sampling throughput", environment_lines(MODEL_NAMES[args.model]), table, notes, args.markdown), args.output)
+    emit(
+        render_report("Sampling throughput", environment_lines(MODEL_NAMES[args.model]), table, notes, args.markdown),
+        args.output,
+    )
 
 
 if __name__ == "__main__":

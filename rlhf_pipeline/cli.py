@@ -43,20 +43,28 @@ def cmd_lineage(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`).")
+    parser = argparse.ArgumentParser(
+        prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`)."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check-params", help="validate params.yaml: prints ok, or one line per problem and exits 2")
     p.add_argument("path", nargs="?", default="params.yaml")
     p.set_defaults(func=cmd_check_params)
 
-    p = sub.add_parser("validate-preferences", help="run the Great Expectations contract on a preference file (either format)")
+    p = sub.add_parser(
+        "validate-preferences", help="run the Great Expectations contract on a preference file (either format)"
+    )
     p.add_argument("path")
-    p.add_argument("--params", default="params.yaml", help="bounds come from data.validation here (defaults if missing)")
+    p.add_argument(
+        "--params", default="params.yaml", help="bounds come from data.validation here (defaults if missing)"
+    )
     p.add_argument("--result", default=None, help="also write the GX JSON result here")
     p.set_defaults(func=cmd_validate_preferences)
 
-    p = sub.add_parser("lineage", help="which stage, params, inputs, commit and metrics produced a DVC-tracked artifact")
+    p = sub.add_parser(
+        "lineage", help="which stage, params, inputs, commit and metrics produced a DVC-tracked artifact"
+    )
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="emit an OpenLineage-shaped run event")
     p.set_defaults(func=cmd_lineage)

@@ -71,7 +71,10 @@ def add_helper_columns(frame, tokenizer=None, max_text_chars: int | None = None)
     if tokenizer is not None and texts:
         lengths = []
         for column in texts:
-            values = [v if isinstance(v, str) and (max_text_chars is None or len(v) <= max_text_chars) else "" for v in frame[column].tolist()]
+            values = [
+                v if isinstance(v, str) and (max_text_chars is None or len(v) <= max_text_chars) else ""
+                for v in frame[column].tolist()
+            ]
             ids = tokenizer(values, add_special_tokens=False)["input_ids"] if values else []
             lengths.append([len(x) for x in ids])
         frame["_max_tokens"] = [max(row) for row in zip(*lengths)] if len(frame) else []
@@ -101,23 +104,38 @@ def build_suite(frame, validation, label_check: bool = True, min_rows: int | Non
     add(gxe.ExpectTableRowCountToBeBetween(min_value=min_rows), f"row count >= min_rows ({min_rows})")
     sample_present = [c for c in samples if c in frame.columns]
     if len(sample_present) >= 2:
-        add(gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(column_list=sample_present), "distinct samples in a row (chosen != rejected)")
+        add(
+            gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(column_list=sample_present),
+            "distinct samples in a row (chosen != rejected)",
+        )
     if "best" in frame.columns:
         add(gxe.ExpectColumnValuesToNotBeNull(column="best"), "no nulls")
         add(gxe.ExpectColumnValuesToBeInTypeList(column="best", type_list=INTEGER_TYPES), "best type (integer)")
-        add(gxe.ExpectColumnValuesToBeBetween(column="best", min_value=0, max_value=len(samples) - 1), f"best within [0, {len(samples)})")
+        add(
+            gxe.ExpectColumnValuesToBeBetween(column="best", min_value=0, max_value=len(samples) - 1),
+            f"best within [0, {len(samples)})",
+        )
         if label_check:
-            add(gxe.ExpectColumnMaxToBeBetween(column="_label_share", max_value=validation.max_label_share),
-                f"labels not degenerate (most common best share <= max_label_share {validation.max_label_share})")
+            add(
+                gxe.ExpectColumnMaxToBeBetween(column="_label_share", max_value=validation.max_label_share),
+                f"labels not degenerate (most common best share <= max_label_share {validation.max_label_share})",
+            )
     if present:
         add(gxe.ExpectCompoundColumnsToBeUnique(column_list=present), "no duplicate rows")
     if "_max_tokens" in frame.columns:
-        add(gxe.ExpectColumnValuesToBeBetween(column="_max_tokens", max_value=validation.max_tokens), f"token length <= max_tokens ({validation.max_tokens})")
+        add(
+            gxe.ExpectColumnValuesToBeBetween(column="_max_tokens", max_value=validation.max_tokens),
+            f"token length <= max_tokens ({validation.max_tokens})",
+        )
     if "margin" in frame.columns:
         add(gxe.ExpectColumnValuesToNotBeNull(column="margin"), "no nulls")
         # pandas compares inf outside any bound, so this also refuses non-finite margins
-        add(gxe.ExpectColumnValuesToBeBetween(column="margin", min_value=-validation.max_abs_margin, max_value=validation.max_abs_margin),
-            f"|margin| <= max_abs_margin ({validation.max_abs_margin:g}), finite")
+        add(
+            gxe.ExpectColumnValuesToBeBetween(
+                column="margin", min_value=-validation.max_abs_margin, max_value=validation.max_abs_margin
+            ),
+            f"|margin| <= max_abs_margin ({validation.max_abs_margin:g}), finite",
+        )
     return suite
 
 
@@ -127,7 +145,9 @@ def text_cells(frame):
 
     texts = [c for c in _text_columns(frame) if c in frame.columns]
     if not texts:
-        return pd.DataFrame({"_row": pd.Series(dtype=int), "_column": pd.Series(dtype=object), "text": pd.Series(dtype=object)})
+        return pd.DataFrame(
+            {"_row": pd.Series(dtype=int), "_column": pd.Series(dtype=object), "text": pd.Series(dtype=object)}
+        )
     cells = frame[texts].astype(object).melt(ignore_index=False, var_name="_column", value_name="text")
     return cells.rename_axis("_row").reset_index()
 
@@ -141,10 +161,18 @@ def build_text_suite(validation):
     for expectation, check in [
         (gxe.ExpectColumnValuesToNotBeNull(column="text"), "no nulls"),
         (gxe.ExpectColumnValuesToBeOfType(column="text", type_="str"), "text type (string)"),
-        (gxe.ExpectColumnValuesToMatchRegex(column="text", regex=VISIBLE_CHARACTER), "no empty, whitespace-only or invisible-only text"),
-        (gxe.ExpectColumnValuesToNotMatchRegex(column="text", regex=BAD_CHARACTERS), "no invalid UTF-8 or control characters"),
-        (gxe.ExpectColumnValueLengthsToBeBetween(column="text", max_value=validation.max_text_chars),
-         f"text length <= max_text_chars ({validation.max_text_chars})"),
+        (
+            gxe.ExpectColumnValuesToMatchRegex(column="text", regex=VISIBLE_CHARACTER),
+            "no empty, whitespace-only or invisible-only text",
+        ),
+        (
+            gxe.ExpectColumnValuesToNotMatchRegex(column="text", regex=BAD_CHARACTERS),
+            "no invalid UTF-8 or control characters",
+        ),
+        (
+            gxe.ExpectColumnValueLengthsToBeBetween(column="text", max_value=validation.max_text_chars),
+            f"text length <= max_text_chars ({validation.max_text_chars})",
+        ),
     ]:
         expectation.meta = {"check": check}
         suite.add_expectation(expectation)
@@ -191,7 +219,9 @@ def _examples(frame, rows: list[int], user_columns: list[str], columns: list[str
     examples = []
     for index in rows[:EXAMPLES]:
         row = {"row": int(index)}
-        row.update({label(c): _json_safe(frame.at[index, c]) for c in _example_columns(user_columns, columns) if label(c)})
+        row.update(
+            {label(c): _json_safe(frame.at[index, c]) for c in _example_columns(user_columns, columns) if label(c)}
+        )
         examples.append(row)
     return examples
 
@@ -227,18 +257,42 @@ def _text_failures(result, cells, frame, user_columns: list[str], names: dict[st
     label = lambda c: names.get(c, c)  # noqa: E731
     exception = (result.exception_info or {}).get("exception_message") if result.exception_info else None
     if exception:
-        return [{"check": config.meta["check"], "expectation": config.type, "column": "(texts)", "count": None,
-                 "observed": None, "examples": [], "error": exception}]
+        return [
+            {
+                "check": config.meta["check"],
+                "expectation": config.type,
+                "column": "(texts)",
+                "count": None,
+                "observed": None,
+                "examples": [],
+                "error": exception,
+            }
+        ]
     unexpected = cells.loc[list((result.result or {}).get("unexpected_index_list") or []), ["_row", "_column"]]
     failures = []
     for column in [c for c in user_columns if c in set(unexpected["_column"])]:
         rows = unexpected.loc[unexpected["_column"] == column, "_row"].tolist()
-        failures.append({"check": config.meta["check"], "expectation": config.type, "column": label(column), "count": len(rows),
-                         "observed": None, "examples": _examples(frame, rows, user_columns, [column], label)})
+        failures.append(
+            {
+                "check": config.meta["check"],
+                "expectation": config.type,
+                "column": label(column),
+                "count": len(rows),
+                "observed": None,
+                "examples": _examples(frame, rows, user_columns, [column], label),
+            }
+        )
     return failures
 
 
-def validate_dataframe(df, validation_params, tokenizer=None, label_check: bool = True, min_rows: int | None = None, names: dict[str, str] | None = None) -> ContractResult:
+def validate_dataframe(
+    df,
+    validation_params,
+    tokenizer=None,
+    label_check: bool = True,
+    min_rows: int | None = None,
+    names: dict[str, str] | None = None,
+) -> ContractResult:
     """Run the contract on a flat frame.
 
     Args:
@@ -265,7 +319,9 @@ def validate_dataframe(df, validation_params, tokenizer=None, label_check: bool 
     # COMPLETE: every failing cell's index, to report each column at fault with its own count
     texts = run_suite(context, cells, build_text_suite(validation_params), result_format="COMPLETE")
     row_failures = [_failure(r, frame, user_columns, names) for r in rows.results if not r.success]
-    text_failures = [f for r in texts.results if not r.success for f in _text_failures(r, cells, frame, user_columns, names)]
+    text_failures = [
+        f for r in texts.results if not r.success for f in _text_failures(r, cells, frame, user_columns, names)
+    ]
     # reported in the order a reader fixes them: the table's shape, each text, then whole rows
     shape = [f for f in row_failures if f["expectation"] in TABLE_SHAPE_EXPECTATIONS]
     failures = shape + text_failures + [f for f in row_failures if f not in shape]
@@ -316,7 +372,9 @@ def summary_payload(results: dict[str, ContractResult]) -> dict:
     return {
         "success": all(r.success for r in results.values()),
         "rows": sum(r.rows for r in results.values()),
-        "splits": {name: {"rows": r.rows, "success": r.success, "expectations": r.expectations} for name, r in results.items()},
+        "splits": {
+            name: {"rows": r.rows, "success": r.success, "expectations": r.expectations} for name, r in results.items()
+        },
         "failures": [{"split": name, **f} for name, r in results.items() for f in r.failures],
     }
 
@@ -342,7 +400,9 @@ def optional_tokenizer(directory: str | Path = "models/base"):
     return load_tokenizer(directory)
 
 
-def validate_file_cli(path: str, params_path: str = "params.yaml", result_path: str | None = None, tokenizer_dir: str = "models/base") -> int:
+def validate_file_cli(
+    path: str, params_path: str = "params.yaml", result_path: str | None = None, tokenizer_dir: str = "models/base"
+) -> int:
     """``rlhf validate-preferences FILE``: contract check of a user preference file.
 
     Prints ``ok: N rows passed M expectations`` or the failure summary; writes the GX JSON to
@@ -359,14 +419,16 @@ def validate_file_cli(path: str, params_path: str = "params.yaml", result_path: 
     frame = read_table(path)
     if frame.empty and not len(frame.columns):
         raise PipelineError(f"{path} holds no rows.")
-    if "split" in frame.columns:  # the same rule the preferences stage applies, so the CLI passes only what the stage takes
+    if (
+        "split" in frame.columns
+    ):  # the same rule the preferences stage applies, so the CLI passes only what the stage takes
         frame = pd.concat(split_by_column(frame, path).values(), ignore_index=True)
     fmt = detect_format(frame.columns, path)
     flat = to_flat_frame(frame, fmt)
-    result = validate_dataframe(flat, validation, optional_tokenizer(tokenizer_dir), label_check=fmt != PAIRWISE, names=display_names(fmt))
+    result = validate_dataframe(
+        flat, validation, optional_tokenizer(tokenizer_dir), label_check=fmt != PAIRWISE, names=display_names(fmt)
+    )
     if result_path:
         write_json(result_path, result.gx_json)
     print(format_summary(result, title=f"{path} ({fmt.replace('_', '-')})"))
     return 0 if result.success else DataContractError.exit_code
-
-

@@ -29,16 +29,54 @@ GENERATED = "generated"
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 SUBJECTS = [
-    "the ocean", "a small village", "autumn leaves", "a busy train station", "learning to cook",
-    "an old library", "a thunderstorm", "friendship", "a first day at school", "the night sky",
-    "a family dinner", "a lost dog", "mountain hiking", "a rainy afternoon", "city traffic",
-    "a birthday party", "a garden in spring", "a long flight", "a football match", "moving to a new home",
-    "a winter morning", "a street market", "an art museum", "a job interview", "the desert",
-    "a piano lesson", "a summer festival", "a broken phone", "a road trip", "a snowy forest",
-    "a coffee shop", "a science fair", "grandparents", "a river at dawn", "a power outage",
-    "a new neighbour", "a bakery", "a camping trip", "an exam", "a concert",
-    "a lighthouse", "a farm", "a hospital waiting room", "a bicycle ride", "a quiet beach",
-    "a robot", "a lazy Sunday", "an island",
+    "the ocean",
+    "a small village",
+    "autumn leaves",
+    "a busy train station",
+    "learning to cook",
+    "an old library",
+    "a thunderstorm",
+    "friendship",
+    "a first day at school",
+    "the night sky",
+    "a family dinner",
+    "a lost dog",
+    "mountain hiking",
+    "a rainy afternoon",
+    "city traffic",
+    "a birthday party",
+    "a garden in spring",
+    "a long flight",
+    "a football match",
+    "moving to a new home",
+    "a winter morning",
+    "a street market",
+    "an art museum",
+    "a job interview",
+    "the desert",
+    "a piano lesson",
+    "a summer festival",
+    "a broken phone",
+    "a road trip",
+    "a snowy forest",
+    "a coffee shop",
+    "a science fair",
+    "grandparents",
+    "a river at dawn",
+    "a power outage",
+    "a new neighbour",
+    "a bakery",
+    "a camping trip",
+    "an exam",
+    "a concert",
+    "a lighthouse",
+    "a farm",
+    "a hospital waiting room",
+    "a bicycle ride",
+    "a quiet beach",
+    "a robot",
+    "a lazy Sunday",
+    "an island",
 ]
 # Opinions and reactions, happy and angry: their continuations carry sentiment words, so
 # best-of-4 labels by a sentiment labeler are less often a coin flip between neutral texts
@@ -64,7 +102,9 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """Token ids of a user turn asking for ``prompt``: the chat template when the tokenizer
     has one (instruct models answer in paragraphs), else the plain text."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt + "\n", add_special_tokens=False)
 
@@ -82,8 +122,16 @@ def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, to
 
 
 @torch.no_grad()
-def generate_passages(model, tokenizer, num_passages: int, passage_tokens: int, temperature: float, batch_size: int, seed: int,
-                      samples_per_prompt: int = 1) -> list[str]:
+def generate_passages(
+    model,
+    tokenizer,
+    num_passages: int,
+    passage_tokens: int,
+    temperature: float,
+    batch_size: int,
+    seed: int,
+    samples_per_prompt: int = 1,
+) -> list[str]:
     """Sample ``num_passages`` passages from ``model``, deterministic for a given seed and model.
 
     Prompt ``j`` is ``order[j % P]`` of :func:`topic_prompts` (``order`` a seeded permutation, so
@@ -101,8 +149,16 @@ def generate_passages(model, tokenizer, num_passages: int, passage_tokens: int, 
     for rows in iterate_batches(num_prompts, max(1, batch_size // samples_per_prompt)):
         ids, mask = left_pad(encoded[rows], pad_id)
         out = sample_responses(
-            model, ids, mask, passage_tokens, temperature, pad_id,
-            generator=generator, eos_token_id=tokenizer.eos_token_id, stop_at_eos=True, num_samples=samples_per_prompt,
+            model,
+            ids,
+            mask,
+            passage_tokens,
+            temperature,
+            pad_id,
+            generator=generator,
+            eos_token_id=tokenizer.eos_token_id,
+            stop_at_eos=True,
+            num_samples=samples_per_prompt,
         )
         texts.extend(tokenizer.batch_decode(out.responses.tolist(), skip_special_tokens=True))
     return texts[:num_passages]
@@ -113,7 +169,11 @@ def generate_passages(model, tokenizer, num_passages: int, passage_tokens: int, 
 # --------------------------------------------------------------------------------------------
 def is_local_source(source: str) -> bool:
     """A path (existing, or named like a supported file) rather than a hub dataset id."""
-    return Path(source).exists() or source.lower().endswith(LOCAL_SUFFIXES + (".json",)) or source.startswith(("/", "./", "../"))
+    return (
+        Path(source).exists()
+        or source.lower().endswith(LOCAL_SUFFIXES + (".json",))
+        or source.startswith(("/", "./", "../"))
+    )
 
 
 _SURROGATES = re.compile(r"[\ud800-\udfff]")
@@ -138,9 +198,13 @@ def read_jsonl(path: Path) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise PipelineError(f"{path}: line {number} is not valid JSON ({error.msg}); each line must be one JSON object.") from None
+                raise PipelineError(
+                    f"{path}: line {number} is not valid JSON ({error.msg}); each line must be one JSON object."
+                ) from None
             if not isinstance(row, dict):
-                raise PipelineError(f"{path}: line {number} is a JSON {type(row).__name__}, not an object with named columns.")
+                raise PipelineError(
+                    f"{path}: line {number} is a JSON {type(row).__name__}, not an object with named columns."
+                )
             rows.append({key: replace_surrogates(value) for key, value in row.items()})
     return rows
 
@@ -179,7 +243,9 @@ def column_texts(values, column: str, where: str) -> list[str]:
         if value is None or (isinstance(value, float) and value != value):
             continue
         if not isinstance(value, str):
-            raise PipelineError(f"{where}: column {column!r} must hold text, found a {type(value).__name__} ({value!r}).")
+            raise PipelineError(
+                f"{where}: column {column!r} must hold text, found a {type(value).__name__} ({value!r})."
+            )
         texts.append(value)
     return texts
 
@@ -187,11 +253,16 @@ def column_texts(values, column: str, where: str) -> list[str]:
 def load_local_passages(source: str, text_column: str) -> list[str]:
     path = Path(source)
     if not path.is_file():
-        raise PipelineError(f"data.corpus.source: {source} not found (paths are relative to the project root; put corpora in data/raw/).")
+        raise PipelineError(
+            f"data.corpus.source: {source} not found (paths are relative to the project root; put corpora in "
+            "data/raw/)."
+        )
     if path.suffix.lower() == ".txt":
         return read_txt_passages(path)
     if path.suffix.lower() not in LOCAL_SUFFIXES:
-        raise PipelineError(f"data.corpus.source: {source} has unsupported type {path.suffix!r}; use .txt, .jsonl or .parquet.")
+        raise PipelineError(
+            f"data.corpus.source: {source} has unsupported type {path.suffix!r}; use .txt, .jsonl or .parquet."
+        )
     frame = read_table(path)
     if text_column not in frame.columns:
         raise PipelineError(

@@ -76,7 +76,9 @@ EXIT_CODE_MEANINGS = {
 
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 # Writers that wrap the OS error in their own text: safetensors ("I/O error: No space left on device (os error 28)")
-_STORAGE_TEXT = re.compile(r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied|Operation not permitted")
+_STORAGE_TEXT = re.compile(
+    r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied|Operation not permitted"
+)
 
 
 def storage_failure(error: BaseException) -> str | None:

@@ -102,8 +102,16 @@ def sample_and_score(
         else:
             query_responses = torch.cat([queries[rows], out.responses], 1)
             mask = query_responses != sampler.pad_token_id
-            ref_logprobs = response_logprobs(base, query_responses, mask, q_len, sampler.task.temperature, sampler.pad_token_id,
-                                             shared, out.hidden.get(shared))
+            ref_logprobs = response_logprobs(
+                base,
+                query_responses,
+                mask,
+                q_len,
+                sampler.task.temperature,
+                sampler.pad_token_id,
+                shared,
+                out.hidden.get(shared),
+            )
             kls.append(sequence_kl(out.logprobs, ref_logprobs, out.mask))
         responses.append(out.responses)
         truncated.append(trunc)
@@ -129,15 +137,17 @@ def summarize(base: SampleSet, policy: SampleSet) -> dict:
     metrics.update({"proxy/improvement_in_base_std": proxy_gain, "proxy/improvement_stderr_in_base_std": proxy_stderr})
     if base.gold is not None and policy.gold is not None:
         gold_gain, gold_stderr = paired_improvement(policy.gold, base.gold)
-        metrics.update({
-            "gold/base_mean": float(base.gold.mean()),
-            "gold/base_std": float(base.gold.std()),
-            "gold/policy_mean": float(policy.gold.mean()),
-            "gold/improvement_in_base_std": gold_gain,
-            "gold/improvement_stderr_in_base_std": gold_stderr,
-            "gold/queries": int(base.gold.size),
-            "win_rate/gold": win_rate(policy.gold, base.gold),
-        })
+        metrics.update(
+            {
+                "gold/base_mean": float(base.gold.mean()),
+                "gold/base_std": float(base.gold.std()),
+                "gold/policy_mean": float(policy.gold.mean()),
+                "gold/improvement_in_base_std": gold_gain,
+                "gold/improvement_stderr_in_base_std": gold_stderr,
+                "gold/queries": int(base.gold.size),
+                "win_rate/gold": win_rate(policy.gold, base.gold),
+            }
+        )
     return metrics
 
 
@@ -170,7 +180,9 @@ def snapshot_matches(policy_lm: nn.Module, snapshot: str | Path) -> bool:
     from safetensors.torch import load_file
 
     params = dict(policy_lm.named_parameters())
-    return all(torch.equal(params[name.removeprefix("lm.")], tensor) for name, tensor in load_file(str(snapshot)).items())
+    return all(
+        torch.equal(params[name.removeprefix("lm.")], tensor) for name, tensor in load_file(str(snapshot)).items()
+    )
 
 
 def load_snapshot(policy_lm: nn.Module, snapshot: str | Path) -> None:
@@ -205,8 +217,14 @@ def overoptimization_plot(points: list[dict], path: str | Path, shipped_update: 
             ax.annotate(str(p["update"]), (p["sqrt_kl"], y), fontsize=7, textcoords="offset points", xytext=(4, 3))
         shipped = [(x, y) for p, x, y in zip(points, xs, ys) if p["update"] == shipped_update]
         if shipped:
-            ax.plot(*shipped[0], "o", markersize=14, markerfacecolor="none", markeredgecolor="black",
-                    label="shipped policy" if key == "proxy" else None)
+            ax.plot(
+                *shipped[0],
+                "o",
+                markersize=14,
+                markerfacecolor="none",
+                markeredgecolor="black",
+                label="shipped policy" if key == "proxy" else None,
+            )
     ax.axhline(0.0, color="grey", linewidth=0.8)
     ax.set_xlabel("sqrt(KL(policy || base))  [nats^0.5]")
     ax.set_ylabel("improvement over the base  [base std]")

@@ -49,5 +49,7 @@ def get_labeler(name: str) -> Labeler:
     try:
         factory = LABELERS[name]
     except KeyError:
-        raise PipelineError(f"data.preferences.labeler: unknown labeler {name!r}; known: {', '.join(sorted(LABELERS))}.") from None
+        raise PipelineError(
+            f"data.preferences.labeler: unknown labeler {name!r}; known: {', '.join(sorted(LABELERS))}."
+        ) from None
     return factory()

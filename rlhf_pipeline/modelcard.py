@@ -70,10 +70,27 @@ def write_card(
         "git_dirty": git["dirty"],
         **(extra_front_matter or {}),
     }
-    body = [f"# {title}", "", summary.strip(), "", "## Training procedure and hyperparameters", "", "```yaml", yaml.safe_dump(hyperparameters, sort_keys=False).strip(), "```", ""]
+    body = [
+        f"# {title}",
+        "",
+        summary.strip(),
+        "",
+        "## Training procedure and hyperparameters",
+        "",
+        "```yaml",
+        yaml.safe_dump(hyperparameters, sort_keys=False).strip(),
+        "```",
+        "",
+    ]
     body += ["## Evaluation", ""]
     body += [f"- `{k}`: {v:.4f}" if isinstance(v, float) else f"- `{k}`: {v}" for k, v in metrics.items()] or ["(none)"]
-    body += ["", "## Lineage", "", f"- git commit: `{git['commit']}`" + (" (working tree dirty)" if git["dirty"] else ""), f"- device: {device}"]
+    body += [
+        "",
+        "## Lineage",
+        "",
+        f"- git commit: `{git['commit']}`" + (" (working tree dirty)" if git["dirty"] else ""),
+        f"- device: {device}",
+    ]
     body += [f"- input `{p}`: sha256 `{h}`" for p, h in inputs_hashes.items()]
     body += ["", "Full chain: `rlhf lineage " + str(directory) + "`."]
     write_model_card(directory, front, "\n".join(body))

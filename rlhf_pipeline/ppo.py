@@ -78,8 +78,16 @@ class PolicyWithValue(nn.Module):
     def shared(self) -> bool:
         return self.value_backbone is None
 
-    def forward(self, query_responses: Tensor, mask: Tensor, query_length: int, temperature: float, pad_token_id: int,
-                freeze_layers: int = 0, trunk: Tensor | None = None):
+    def forward(
+        self,
+        query_responses: Tensor,
+        mask: Tensor,
+        query_length: int,
+        temperature: float,
+        pad_token_id: int,
+        freeze_layers: int = 0,
+        trunk: Tensor | None = None,
+    ):
         """(logprobs, entropy, values) of the response tokens: each (B, R)."""
         hidden = hidden_from(self.lm, query_responses, mask, freeze_layers, trunk)[:, query_length - 1 : -1]
         logits = never_pad(self.lm.get_output_embeddings()(hidden).float(), pad_token_id) / temperature
@@ -148,8 +156,13 @@ def rng_state() -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": {"version": version, "mt": list(mt), "gauss": gauss},
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -160,7 +173,9 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     py, npy = state["python"], state["numpy"]
     random.setstate((py["version"], tuple(py["mt"]), py["gauss"]))
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
+    np.random.set_state(
+        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -188,8 +203,11 @@ class Checkpointer:
         if problem is None:
             return True
         if problem:
-            print(f"train_policy: warning: the checkpoint in {self.state_dir} is unusable ({problem}); "
-                  "starting again from update 0.", file=sys.stderr)
+            print(
+                f"train_policy: warning: the checkpoint in {self.state_dir} is unusable ({problem}); "
+                "starting again from update 0.",
+                file=sys.stderr,
+            )
         if self.directory.exists():
             shutil.rmtree(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -219,7 +237,9 @@ class Checkpointer:
         weights = trainable_state(model)
         bad = F.non_finite_tensors(weights)
         if bad:  # never replace a good checkpoint with a broken one
-            raise NonFiniteError(f"The weights after update {update} are not finite ({', '.join(bad[:3])}...). {self.last_good()}")
+            raise NonFiniteError(
+                f"The weights after update {update} are not finite ({', '.join(bad[:3])}...). {self.last_good()}"
+            )
         with atomic_file(self.snapshots / f"update_{update:05d}.safetensors", "wb") as handle:
             handle.write(save_safetensors({k: v for k, v in weights.items() if k.startswith("lm.")}))
         with atomic_dir(self.state_dir) as tmp:
@@ -228,22 +248,29 @@ class Checkpointer:
                 torch.save({"optimizer": optimizer.state_dict(), "kl": kl_ctl.state_dict(), "rng": rng_state()}, handle)
             (tmp / "history.json").write_text(json.dumps(stats_history))
             checksums = {name: sha256_file(tmp / name) for name in self.STATE_FILES}
-            (tmp / "meta.json").write_text(json.dumps({"fingerprint": self.fingerprint, "update": update, "sha256": checksums}))
+            (tmp / "meta.json").write_text(
+                json.dumps({"fingerprint": self.fingerprint, "update": update, "sha256": checksums})
+            )
 
     def last_good(self) -> str:
         """What the user still has after a failure, said as it is."""
         meta = self.state_dir / "meta.json"
         if meta.is_file():
             update = json.loads(meta.read_text()).get("update")
-            return (f"Nothing was written; the last good checkpoint (update {update}, {self.state_dir}) is kept, "
-                    "and `dvc repro` resumes from it once the cause is fixed.")
+            return (
+                f"Nothing was written; the last good checkpoint (update {update}, {self.state_dir}) is kept, "
+                "and `dvc repro` resumes from it once the cause is fixed."
+            )
         return "Nothing was written, and no checkpoint exists yet: the next run starts from update 0."
 
     def load(self, model: nn.Module, optimizer, kl_ctl) -> tuple[int, list[dict]]:
         weights = load_file(str(self.state_dir / "trainable.safetensors"))
         missing = set(trainable_state(model)) - set(weights)
         if missing:
-            raise PipelineError(f"Checkpoint {self.state_dir} lacks weights {sorted(missing)[:3]}...; delete {self.directory} to start over.")
+            raise PipelineError(
+                f"Checkpoint {self.state_dir} lacks weights {sorted(missing)[:3]}...; delete {self.directory} to "
+                "start over."
+            )
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, tensor in weights.items():
@@ -288,7 +315,10 @@ class PPOTrainer:
         # ppo.score_source 'gold': the labeler's score, (gold - mean) / std, replaces the reward model's
         self.gold_standardization = gold_standardization
         if cfg.score_source == "gold" and (gold_labeler is None or gold_standardization is None):
-            raise PipelineError("ppo.score_source 'gold' needs the simulated labeler (data.preferences.source: simulated) and its base-sample statistics.")
+            raise PipelineError(
+                "ppo.score_source 'gold' needs the simulated labeler (data.preferences.source: simulated) and its "
+                "base-sample statistics."
+            )
         self.autocast = autocast
         self.pad_id = tokenizer.pad_token_id
         # Data parallel (torchrun / `accelerate launch`): each rank rolls out batch_size/world
@@ -296,10 +326,16 @@ class PPOTrainer:
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world_size > 1 else 0
         if cfg.batch_size % self.world_size or (cfg.batch_size // self.world_size) % cfg.nminibatches:
-            raise PipelineError(f"ppo.batch_size ({cfg.batch_size}) must split evenly over {self.world_size} processes and then into ppo.nminibatches ({cfg.nminibatches}).")
+            raise PipelineError(
+                f"ppo.batch_size ({cfg.batch_size}) must split evenly over {self.world_size} processes and then "
+                f"into ppo.nminibatches ({cfg.nminibatches})."
+            )
         self.local_batch = cfg.batch_size // self.world_size
         if (self.local_batch // cfg.nminibatches) % cfg.microbatch_size:
-            raise PipelineError(f"ppo.microbatch_size ({cfg.microbatch_size}) must divide the per-process minibatch ({self.local_batch // cfg.nminibatches}).")
+            raise PipelineError(
+                f"ppo.microbatch_size ({cfg.microbatch_size}) must divide the per-process minibatch "
+                f"({self.local_batch // cfg.nminibatches})."
+            )
         self.sampler = TaskSampler.from_tokenizer(task, tokenizer)
         self.query_length = queries.shape[1]
         self.num_updates = cfg.total_episodes // cfg.batch_size
@@ -314,9 +350,20 @@ class PPOTrainer:
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.train_module = DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
-        self.optimizer = adam((p for p in policy.parameters() if p.requires_grad), lr=cfg.lr, eps=cfg.adam_eps, tensorflow=cfg.tensorflow_adam)
-        self.kl_ctl = (F.AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon) if cfg.kl.adaptive else F.FixedKLController(cfg.kl.init_coef))
+            self.train_module = DistributedDataParallel(
+                policy, device_ids=[device.index] if device.type == "cuda" else None
+            )
+        self.optimizer = adam(
+            (p for p in policy.parameters() if p.requires_grad),
+            lr=cfg.lr,
+            eps=cfg.adam_eps,
+            tensorflow=cfg.tensorflow_adam,
+        )
+        self.kl_ctl = (
+            F.AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon)
+            if cfg.kl.adaptive
+            else F.FixedKLController(cfg.kl.init_coef)
+        )
         self.history: list[dict] = []
         self.start_update = 0
 
@@ -353,7 +400,10 @@ class PPOTrainer:
             # `freeze` (the policy's frozen lower blocks are the reference's), so neither the
             # reference forward nor any PPO epoch runs those blocks again
             sampled, truncated, valid = self.sampler.sample(
-                self.policy.lm, queries, generator, value_head=self.policy.value_head if self.policy.shared else None,
+                self.policy.lm,
+                queries,
+                generator,
+                value_head=self.policy.value_head if self.policy.shared else None,
                 capture_layers=(self.freeze,) if self.use_trunk else (),
             )
         responses = sampled.responses
@@ -365,8 +415,16 @@ class PPOTrainer:
         self._offload(self.ref_model, True)
         with self._ctx():
             trunk = sampled.hidden[self.freeze] if self.use_trunk else None
-            ref_logprobs = response_logprobs(self.ref_model, query_responses, attn, self.query_length, self.task.temperature, self.pad_id,
-                                             self.freeze if self.use_trunk else 0, trunk)
+            ref_logprobs = response_logprobs(
+                self.ref_model,
+                query_responses,
+                attn,
+                self.query_length,
+                self.task.temperature,
+                self.pad_id,
+                self.freeze if self.use_trunk else 0,
+                trunk,
+            )
         self._offload(self.ref_model, False)
         values = sampled.values
         if not self.policy.shared:
@@ -375,7 +433,10 @@ class PPOTrainer:
         t2 = time.perf_counter()
         gold = None
         if self.gold_labeler is not None:
-            gold = torch.tensor(self.gold_labeler.score(self.tokenizer.batch_decode(truncated, skip_special_tokens=True)), dtype=torch.float32)
+            gold = torch.tensor(
+                self.gold_labeler.score(self.tokenizer.batch_decode(truncated, skip_special_tokens=True)),
+                dtype=torch.float32,
+            )
         if self.cfg.score_source == "gold":
             mean, std = self.gold_standardization
             raw_scores = ((gold - mean) / std).to(self.device)
@@ -389,13 +450,17 @@ class PPOTrainer:
         stats = {"time/generation": t1 - t0, "time/reference": t2 - t1, "time/scoring": t3 - t2}
         if gold is not None:
             stats["objective/gold"] = gold.mean().item()
-        return Rollout(queries, responses, truncated, valid, sampled.logprobs, ref_logprobs, values, scores, mask, trunk, stats)
+        return Rollout(
+            queries, responses, truncated, valid, sampled.logprobs, ref_logprobs, values, scores, mask, trunk, stats
+        )
 
     # ---- 4: rewards and advantages ----------------------------------------------------------
     @torch.no_grad()
     def advantages(self, ro: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         mask = ro.mask
-        rewards, non_score = F.compute_rewards(ro.scores, ro.logprobs, ro.ref_logprobs, self.kl_ctl.value, mask, self.cfg.kl.estimator)
+        rewards, non_score = F.compute_rewards(
+            ro.scores, ro.logprobs, ro.ref_logprobs, self.kl_ctl.value, mask, self.cfg.kl.estimator
+        )
         if self.cfg.whiten_rewards:
             rewards = F.whiten(rewards, mask, shift_mean=False)
         advantages, returns = F.gae(rewards, ro.values, self.cfg.gamma, self.cfg.lam, mask)
@@ -423,25 +488,40 @@ class PPOTrainer:
                     micro = micro.to(self.device)
                     with self._ctx():
                         logprobs, entropy, vpred = self.train_module(
-                            query_responses[micro], attn[micro], self.query_length, self.task.temperature, self.pad_id,
-                            self.freeze if self.use_trunk else 0, ro.trunk[micro] if self.use_trunk else None,
+                            query_responses[micro],
+                            attn[micro],
+                            self.query_length,
+                            self.task.temperature,
+                            self.pad_id,
+                            self.freeze if self.use_trunk else 0,
+                            ro.trunk[micro] if self.use_trunk else None,
                         )
                     mask = ro.mask[micro]
-                    pg_loss, pg_stats = F.policy_loss(logprobs.float(), ro.logprobs[micro], advantages[micro], cfg.cliprange, mask)
-                    vf_loss, vf_stats = F.value_loss(vpred.float(), ro.values[micro], returns[micro], cfg.cliprange_value, mask)
+                    pg_loss, pg_stats = F.policy_loss(
+                        logprobs.float(), ro.logprobs[micro], advantages[micro], cfg.cliprange, mask
+                    )
+                    vf_loss, vf_stats = F.value_loss(
+                        vpred.float(), ro.values[micro], returns[micro], cfg.cliprange_value, mask
+                    )
                     entropy_mean = F.masked_mean(entropy, mask)
                     loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy_mean
                     if not torch.isfinite(loss):
                         raise NonFiniteError(
-                            f"PPO loss became non-finite at update {update} (policy {pg_loss.item()}, value {vf_loss.item()}). "
-                            f"{self.last_good()} Likely causes: a learning rate too high for this model (ppo.lr), fp16/bf16 "
+                            f"PPO loss became non-finite at update {update} (policy {pg_loss.item()}, value "
+                            f"{vf_loss.item()}). "
+                            f"{self.last_good()} Likely causes: a learning rate too high for this model (ppo.lr), "
+                            "fp16/bf16 "
                             "overflow (run in fp32), or non-finite rewards; ppo.max_grad_norm bounds the step."
                         )
                     (loss * len(micro) / minibatch_size).backward()
                     record = {
-                        "loss/policy": pg_loss.item(), "loss/value": vf_loss.item(), "loss/total": loss.item(),
-                        "policy/entropy": entropy_mean.item(), "policy/approxkl": pg_stats["approxkl"].item(),
-                        "policy/clipfrac": pg_stats["clipfrac"].item(), "policy/ratio_mean": pg_stats["ratio_mean"].item(),
+                        "loss/policy": pg_loss.item(),
+                        "loss/value": vf_loss.item(),
+                        "loss/total": loss.item(),
+                        "policy/entropy": entropy_mean.item(),
+                        "policy/approxkl": pg_stats["approxkl"].item(),
+                        "policy/clipfrac": pg_stats["clipfrac"].item(),
+                        "policy/ratio_mean": pg_stats["ratio_mean"].item(),
                         "val/clipfrac": vf_stats["clipfrac"].item(),
                     }
                     for key, value in record.items():
@@ -450,10 +530,14 @@ class PPOTrainer:
                     count += 1
                 # a finite loss can still give a non-finite gradient (an fp16/bf16 overflow in the
                 # backward pass); one step with it would put NaN into every trainable weight
-                bad = F.non_finite_tensors({name: p.grad for name, p in self.policy.named_parameters() if p.requires_grad})
+                bad = F.non_finite_tensors(
+                    {name: p.grad for name, p in self.policy.named_parameters() if p.requires_grad}
+                )
                 if bad:
-                    raise NonFiniteError(f"Non-finite gradient at update {update} ({', '.join(bad[:3])}...). {self.last_good()} "
-                                         "Likely causes: fp16/bf16 overflow (run in fp32) or a learning rate too high (ppo.lr).")
+                    raise NonFiniteError(
+                        f"Non-finite gradient at update {update} ({', '.join(bad[:3])}...). {self.last_good()} "
+                        "Likely causes: fp16/bf16 overflow (run in fp32) or a learning rate too high (ppo.lr)."
+                    )
                 if cfg.max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
                 self.optimizer.step()
@@ -470,7 +554,11 @@ class PPOTrainer:
         return value.item()
 
     def last_good(self) -> str:
-        return self.checkpointer.last_good() if self.checkpointer is not None else "Nothing was written (no checkpointing)."
+        return (
+            self.checkpointer.last_good()
+            if self.checkpointer is not None
+            else "Nothing was written (no checkpointing)."
+        )
 
     # ---- the loop ---------------------------------------------------------------------------
     def resume_if_possible(self) -> None:
@@ -493,7 +581,9 @@ class PPOTrainer:
             # series as an uninterrupted run (a resumed DVCLive log would repeat or lose steps)
             for record in self.history:
                 self.log(record)
-        bar = tqdm(total=self.num_updates, initial=self.start_update, desc="train_policy", unit="update", disable=not progress)
+        bar = tqdm(
+            total=self.num_updates, initial=self.start_update, desc="train_policy", unit="update", disable=not progress
+        )
         for update in range(self.start_update, self.num_updates):
             started = time.perf_counter()
             ro = self.rollout(update)
@@ -550,7 +640,12 @@ def save_policy(policy: PolicyWithValue, tokenizer, directory: str | Path) -> No
     directory = Path(directory)
     bad = F.non_finite_tensors(trainable_state(policy))
     if bad:
-        raise NonFiniteError(f"The trained policy's weights are not finite ({', '.join(bad[:3])}...); {directory} was not written.")
+        raise NonFiniteError(
+            f"The trained policy's weights are not finite ({', '.join(bad[:3])}...); {directory} was not written."
+        )
     policy.lm.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    save_file({k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()}, str(directory / VALUE_HEAD_FILE))
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()},
+        str(directory / VALUE_HEAD_FILE),
+    )

@@ -6,7 +6,7 @@ One row per query, in both splits:
 column         type                  meaning
 =============  ====================  ===========================================================
 query          str                   the prompt text
-query_ids      list[int]             query_length ids, left-padded (as data/queries)    
+query_ids      list[int]             query_length ids, left-padded (as data/queries)
 samples        list[str]             the N candidate responses
 sample_ids     list[list[int]]       N x response_length ids, right-padded with the pad id
 best           int                   index of the preferred sample
@@ -129,7 +129,9 @@ class SimulatedSplit:
     responses: int = 0
 
 
-def sample_candidates(model, tokenizer, sampler, query_ids: list[list[int]], num_samples: int, generator: torch.Generator):
+def sample_candidates(
+    model, tokenizer, sampler, query_ids: list[list[int]], num_samples: int, generator: torch.Generator
+):
     """``num_samples`` truncated responses per query: (texts per query, ids per query, valid (B*N,))."""
     batch = torch.tensor(query_ids, dtype=torch.long)  # left-padded, as data/queries stores them
     _, truncated, valid = sampler.sample(model, batch, generator, num_samples=num_samples)
@@ -171,8 +173,10 @@ def simulate_preferences(
         if start >= len(query_ids) * (1 + num_rows // max(len(query_ids), 1)) + len(query_ids):
             raise PipelineError(
                 f"data.preferences: {split_name} cannot label {num_rows} rows (data.preferences."
-                f"{'num_labels' if split_name == 'train' else 'num_test_labels'}): the candidates of {sum(result.skipped.values())} "
-                f"of the {start} queries sampled from data/queries/{split_name} ({len(query_ids)} queries) break the data contract "
+                f"{'num_labels' if split_name == 'train' else 'num_test_labels'}): the candidates of "
+                f"{sum(result.skipped.values())} "
+                f"of the {start} queries sampled from data/queries/{split_name} ({len(query_ids)} queries) break "
+                "the data contract "
                 f"({result.skipped}). Lower the count, or use a model that writes distinct, clean responses."
             )
         stop = start + min(batch_size, num_rows - len(cols["best"]))
@@ -183,11 +187,15 @@ def simulate_preferences(
             if not redo:
                 break
             result.resampled += len(redo)
-            new_texts, new_ids, new_valid = sample_candidates(model, tokenizer, sampler, [batch_ids[i] for i in redo], num_samples, generator)
+            new_texts, new_ids, new_valid = sample_candidates(
+                model, tokenizer, sampler, [batch_ids[i] for i in redo], num_samples, generator
+            )
             valid = valid.view(-1, num_samples).clone()
             for j, i in enumerate(redo):
                 texts[i], ids[i], valid[i] = new_texts[j], new_ids[j], new_valid.view(-1, num_samples)[j]
-        scores = np.asarray(labeler.score([t for samples in texts for t in samples]), dtype=np.float64).reshape(len(texts), num_samples)
+        scores = np.asarray(labeler.score([t for samples in texts for t in samples]), dtype=np.float64).reshape(
+            len(texts), num_samples
+        )
         result.responses += valid.numel()
         result.valid_responses += int(valid.sum())
         for row, samples in enumerate(texts):
@@ -268,11 +276,16 @@ def tokenize_response(tokenizer, text: str, response_length: int) -> list[int]:
 def _require_text(frame, columns: list[str], where: str) -> None:
     missing = [c for c in columns if c not in frame.columns]
     if missing:
-        raise PipelineError(f"{where}: missing column(s) {missing}; its columns are {list(map(str, frame.columns))}. {VALIDATE_HINT}")
+        raise PipelineError(
+            f"{where}: missing column(s) {missing}; its columns are {list(map(str, frame.columns))}. {VALIDATE_HINT}"
+        )
     for column in columns:
         bad = [i for i, v in enumerate(frame[column].tolist()) if not isinstance(v, str)]
         if bad:
-            raise PipelineError(f"{where}: column {column!r} has {len(bad)} null or non-text value(s) (first at row {bad[0]}). {VALIDATE_HINT}")
+            raise PipelineError(
+                f"{where}: column {column!r} has {len(bad)} null or non-text value(s) (first at row {bad[0]}). "
+                f"{VALIDATE_HINT}"
+            )
 
 
 def _margins(frame) -> list[float]:
@@ -293,21 +306,30 @@ def _internal(tokenizer, queries, samples, best, margins, query_length, response
     }
 
 
-def pairwise_to_internal(frame, tokenizer, query_length: int, response_length: int, where: str = "preferences") -> dict[str, list]:
+def pairwise_to_internal(
+    frame, tokenizer, query_length: int, response_length: int, where: str = "preferences"
+) -> dict[str, list]:
     """Pairwise rows (``prompt``, ``chosen``, ``rejected``, optional ``margin``) -> internal
     columns with N=2, ``samples=[chosen, rejected]`` and ``best=0``."""
     _require_text(frame, list(PAIRWISE_COLUMNS), where)
     samples = list(zip(frame["chosen"].tolist(), frame["rejected"].tolist()))
-    return _internal(tokenizer, frame["prompt"].tolist(), samples, [0] * len(frame), _margins(frame), query_length, response_length)
+    return _internal(
+        tokenizer, frame["prompt"].tolist(), samples, [0] * len(frame), _margins(frame), query_length, response_length
+    )
 
 
-def best_of_n_to_internal(frame, tokenizer, query_length: int, response_length: int, where: str = "preferences") -> dict[str, list]:
+def best_of_n_to_internal(
+    frame, tokenizer, query_length: int, response_length: int, where: str = "preferences"
+) -> dict[str, list]:
     """Best-of-N rows (``query``, ``sample0`` .. ``sampleK``, ``best``) -> internal columns."""
     names = sample_columns(frame.columns)
     expected = [f"sample{i}" for i in range(max(len(names), 2))]
     _require_text(frame, ["query", *expected], where)
     if "best" not in frame.columns:
-        raise PipelineError(f"{where}: missing column 'best' (index of the preferred sample); its columns are {list(map(str, frame.columns))}. {VALIDATE_HINT}")
+        raise PipelineError(
+            f"{where}: missing column 'best' (index of the preferred sample); its columns are "
+            f"{list(map(str, frame.columns))}. {VALIDATE_HINT}"
+        )
     best = frame["best"].tolist()
     if any(not isinstance(b, (int, np.integer)) or not 0 <= b < len(expected) for b in best):
         raise PipelineError(f"{where}: column 'best' must hold integers in [0, {len(expected)}). {VALIDATE_HINT}")
@@ -326,17 +348,20 @@ def refuse_overlong_texts(frame, max_chars: int, where: str) -> None:
         if over:
             raise DataContractError(
                 f"{where}: column {column!r}, row {over[0]}: a text of {lengths[over[0]]} characters, over "
-                f"data.validation.max_text_chars ({max_chars}); {len(over)} such row(s) in this column. Shorten or drop them "
+                f"data.validation.max_text_chars ({max_chars}); {len(over)} such row(s) in this column. Shorten or "
+                "drop them "
                 "(nothing was tokenized or written)."
             )
 
 
-def user_to_internal(frame, fmt: str, tokenizer, query_length: int, response_length: int, where: str) -> dict[str, list]:
+def user_to_internal(
+    frame, fmt: str, tokenizer, query_length: int, response_length: int, where: str
+) -> dict[str, list]:
     convert = pairwise_to_internal if fmt == PAIRWISE else best_of_n_to_internal
     return convert(frame, tokenizer, query_length, response_length, where)
 
 
-def internal_to_flat(columns) -> "pd.DataFrame":  # noqa: F821
+def internal_to_flat(columns) -> pd.DataFrame:  # noqa: F821
     """Internal rows (a datasets split or a dict of columns) -> the contract's flat frame."""
     import pandas as pd
 
@@ -351,18 +376,23 @@ def internal_to_flat(columns) -> "pd.DataFrame":  # noqa: F821
     return pd.DataFrame(data)
 
 
-def split_by_column(frame, source: str) -> dict[str, "pd.DataFrame"]:  # noqa: F821
+def split_by_column(frame, source: str) -> dict[str, pd.DataFrame]:  # noqa: F821
     """The train and test rows of a file with a ``split`` column, which must hold both and nothing else."""
     from rlhf_pipeline.errors import DataContractError
 
     values = set(map(str, frame["split"].unique()))
     if not values <= {"train", "test"} or "train" not in values or "test" not in values:
-        raise DataContractError(f"{source}: column 'split' must hold both 'train' and 'test' (and nothing else); found {sorted(values)}. "
-                                "Rename other values (e.g. 'validation') or drop the column to hold out data.queries.test_fraction at random.")
-    return {name: frame[frame["split"] == name].drop(columns="split").reset_index(drop=True) for name in ("train", "test")}
+        raise DataContractError(
+            f"{source}: column 'split' must hold both 'train' and 'test' (and nothing else); found {sorted(values)}. "
+            "Rename other values (e.g. 'validation') or drop the column to hold out data.queries.test_fraction at "
+            "random."
+        )
+    return {
+        name: frame[frame["split"] == name].drop(columns="split").reset_index(drop=True) for name in ("train", "test")
+    }
 
 
-def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -> tuple[dict[str, "pd.DataFrame"], str]:  # noqa: F821
+def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -> tuple[dict[str, pd.DataFrame], str]:  # noqa: F821
     """Raw train/test frames of a user preference source and its format.
 
     A ``split`` column (train/test) or the hub dataset's ``test`` split is used when present;
@@ -377,7 +407,9 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
     else:
         dataset = load_hub_dataset(source, None, "data.preferences.source")
         if split not in dataset:
-            raise PipelineError(f"data.preferences.split: hub dataset {source!r} has no split {split!r}; it has {list(dataset)}.")
+            raise PipelineError(
+                f"data.preferences.split: hub dataset {source!r} has no split {split!r}; it has {list(dataset)}."
+            )
         frames = {"train": dataset[split].to_pandas()}
         if "test" in dataset and split != "test":
             frames["test"] = dataset["test"].to_pandas()
@@ -395,4 +427,7 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
     if len(frame) < 2:
         raise PipelineError(f"{source}: at least 2 rows are needed to hold out a test split.")
     train_idx, test_idx = split_indices(len(frame), test_fraction, seed)
-    return {"train": frame.iloc[train_idx].reset_index(drop=True), "test": frame.iloc[test_idx].reset_index(drop=True)}, fmt
+    return {
+        "train": frame.iloc[train_idx].reset_index(drop=True),
+        "test": frame.iloc[test_idx].reset_index(drop=True),
+    }, fmt

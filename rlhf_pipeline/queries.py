@@ -53,7 +53,9 @@ def rfind_subsequence(tokens: list[int], pattern: list[int]) -> int:
     return -1
 
 
-def preprocess_query(tokens: list[int], start_tokens: list[int] | None, end_tokens: list[int] | None, query_length: int) -> QueryResult:
+def preprocess_query(
+    tokens: list[int], start_tokens: list[int] | None, end_tokens: list[int] | None, query_length: int
+) -> QueryResult:
     """Apply the OAI query rules to one passage's token ids (see the module docstring).
 
     Difference from OAI, on purpose: when the start text's first occurrence is the last token,
@@ -94,7 +96,9 @@ def text_tokens(tokenizer, text: str | None, key: str) -> list[int] | None:
         return None
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
-        raise PipelineError(f"{key} {text!r} encodes to no token at all; use a visible text such as '.' or null to disable the rule.")
+        raise PipelineError(
+            f"{key} {text!r} encodes to no token at all; use a visible text such as '.' or null to disable the rule."
+        )
     return ids
 
 
@@ -137,8 +141,10 @@ def build_queries(
     if len(kept) < 2:
         raise PipelineError(
             f"Only {len(kept)} of {len(encoded)} corpus passages survive the query rules (data.queries.start_text="
-            f"{start_text!r}, end_text={end_text!r}, query_length={query_length}; drops: {dict(drops)}); at least 2 are "
-            f"needed for a train/test split. Use a bigger corpus (data.corpus.num_passages / passage_tokens) or relax the rules."
+            f"{start_text!r}, end_text={end_text!r}, query_length={query_length}; drops: {dict(drops)}); at least 2 "
+            "are "
+            "needed for a train/test split. Use a bigger corpus (data.corpus.num_passages / passage_tokens) or "
+            "relax the rules."
         )
     train_idx, test_idx = split_indices(len(kept), test_fraction, seed)
     splits = {}

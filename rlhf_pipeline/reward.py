@@ -107,7 +107,9 @@ class RewardModel(nn.Module):
         if self.backbone.config._attn_implementation != "sdpa":
             # eager attention adds the mask to the scores: it needs 0 / -inf, not booleans.
             dtype = next(self.backbone.parameters()).dtype
-            allowed = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+            allowed = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min
+            )
         hidden = self.backbone(
             input_ids=torch.cat([queries, samples.reshape(batch, n * resp_len)], dim=1),
             attention_mask=allowed,
@@ -139,13 +141,29 @@ class RewardModel(nn.Module):
         }
         save_file(tensors, str(directory / HEAD_FILE))
         (directory / CONFIG_FILE).write_text(
-            json.dumps({"pad_token_id": self.pad_token_id, "gain": self.gain.item(), "bias": self.bias.item(), "pooling": self.pooling,
-                        "head": POOLING_DESCRIPTIONS[self.pooling]}, indent=2) + "\n"
+            json.dumps(
+                {
+                    "pad_token_id": self.pad_token_id,
+                    "gain": self.gain.item(),
+                    "bias": self.bias.item(),
+                    "pooling": self.pooling,
+                    "head": POOLING_DESCRIPTIONS[self.pooling],
+                },
+                indent=2,
+            )
+            + "\n"
         )
 
     @classmethod
-    def from_base(cls, base_dir: str | Path, pad_token_id: int, dropout: float = 0.0, generator: torch.Generator | None = None,
-                  pooling: str = "last", num_layers: int | None = None) -> RewardModel:
+    def from_base(
+        cls,
+        base_dir: str | Path,
+        pad_token_id: int,
+        dropout: float = 0.0,
+        generator: torch.Generator | None = None,
+        pooling: str = "last",
+        num_layers: int | None = None,
+    ) -> RewardModel:
         """A reward model on the base model's backbone, or (``num_layers``) on its lowest blocks only:
         the head then reads the final norm of the state after block ``num_layers``."""
         from transformers import AutoModel
@@ -156,7 +174,9 @@ class RewardModel(nn.Module):
         if num_layers is not None:
             layers = transformer_layers(backbone)
             if not 0 <= num_layers <= len(layers):
-                raise PipelineError(f"reward.train.num_layers is {num_layers} but the base model has {len(layers)} blocks.")
+                raise PipelineError(
+                    f"reward.train.num_layers is {num_layers} but the base model has {len(layers)} blocks."
+                )
             del layers[num_layers:]
             backbone.config.num_hidden_layers = num_layers
             if isinstance(getattr(backbone.config, "layer_types", None), list):
@@ -172,7 +192,9 @@ class RewardModel(nn.Module):
 
         directory = Path(directory)
         if not (directory / HEAD_FILE).is_file():
-            raise PipelineError(f"'{directory}' is not a reward model directory (no {HEAD_FILE}); run `dvc repro train_reward` first.")
+            raise PipelineError(
+                f"'{directory}' is not a reward model directory (no {HEAD_FILE}); run `dvc repro train_reward` first."
+            )
         config = json.loads((directory / CONFIG_FILE).read_text())
         backbone = AutoModel.from_pretrained(str(directory), dtype=torch.float32)
         model = cls(backbone, config["pad_token_id"], config.get("pooling", "last"))
@@ -211,8 +233,12 @@ def packed_best_of_n_mask(query_mask: Tensor, response_mask: Tensor) -> Tensor:
     query_len = query_mask.shape[1]
     device = query_mask.device
     # segment 0 = query, k = response k (1-based)
-    segment = torch.cat([torch.zeros(query_len, dtype=torch.long, device=device),
-                         torch.arange(1, n + 1, device=device).repeat_interleave(resp_len)])
+    segment = torch.cat(
+        [
+            torch.zeros(query_len, dtype=torch.long, device=device),
+            torch.arange(1, n + 1, device=device).repeat_interleave(resp_len),
+        ]
+    )
     length = segment.numel()
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     visible = (segment[None, :] == 0) | (segment[None, :] == segment[:, None])
@@ -232,21 +258,30 @@ def set_gain_bias(model: RewardModel, gain: float, bias: float) -> None:
 # scoring, normalisation and training
 # --------------------------------------------------------------------------------------------
 @torch.no_grad()
-def score_query_responses(model: RewardModel, queries: Tensor, responses: Tensor, batch_size: int, normalized: bool = True) -> Tensor:
+def score_query_responses(
+    model: RewardModel, queries: Tensor, responses: Tensor, batch_size: int, normalized: bool = True
+) -> Tensor:
     """Rewards of single responses (B, R) to queries (B, Q), batched: (B,)."""
     from rlhf_pipeline.sampling import iterate_batches
 
-    scores = [model.score_best_of_n(queries[rows], responses[rows, None, :], normalized)[:, 0] for rows in iterate_batches(len(queries), batch_size)]
+    scores = [
+        model.score_best_of_n(queries[rows], responses[rows, None, :], normalized)[:, 0]
+        for rows in iterate_batches(len(queries), batch_size)
+    ]
     return torch.cat(scores)
 
 
-def fit_normalization(model: RewardModel, raw_scores: Tensor, target_mean: float, target_std: float) -> tuple[float, float]:
+def fit_normalization(
+    model: RewardModel, raw_scores: Tensor, target_mean: float, target_std: float
+) -> tuple[float, float]:
     """Set gain/bias so that ``gain * raw + bias`` has the target mean and std on ``raw_scores``."""
     from rlhf_pipeline.functional import normalization_gain_bias
 
     mean, std = raw_scores.mean().item(), raw_scores.std(unbiased=False).item()
     if not math.isfinite(std) or std == 0.0:
-        raise PipelineError("Reward normalisation failed: the reward model gives the same score to every sample (std 0).")
+        raise PipelineError(
+            "Reward normalisation failed: the reward model gives the same score to every sample (std 0)."
+        )
     gain, bias = normalization_gain_bias(mean, std, target_mean, target_std)
     set_gain_bias(model, gain, bias)
     return gain, bias
@@ -257,7 +292,11 @@ def preference_tensors(split, device: torch.device | str = "cpu") -> tuple[Tenso
     queries = torch.tensor(split["query_ids"], dtype=torch.long, device=device)
     samples = torch.tensor(split["sample_ids"], dtype=torch.long, device=device)
     best = torch.tensor(split["best"], dtype=torch.long, device=device)
-    margin = torch.tensor(split["margin"], dtype=torch.float32, device=device) if "margin" in split.column_names else torch.zeros(len(best), device=device)
+    margin = (
+        torch.tensor(split["margin"], dtype=torch.float32, device=device)
+        if "margin" in split.column_names
+        else torch.zeros(len(best), device=device)
+    )
     return queries, samples, best, margin
 
 
@@ -330,16 +369,25 @@ def train_reward_model(
                 loss_sum += loss.item() * len(micro)
                 correct += accuracy.item() * len(micro)
             if not math.isfinite(loss_sum):
-                raise NonFiniteError(f"Reward-model loss became non-finite at step {len(history)}; nothing was written. Likely causes: "
-                                     "reward.train.lr too high, or extreme values in the preference data's margin column.")
+                raise NonFiniteError(
+                    f"Reward-model loss became non-finite at step {len(history)}; nothing was written. Likely causes: "
+                    "reward.train.lr too high, or extreme values in the preference data's margin column."
+                )
             bad = non_finite_tensors({name: p.grad for name, p in model.named_parameters()})
             if bad:  # a finite loss with a non-finite gradient (fp16/bf16 overflow) would poison every weight
-                raise NonFiniteError(f"Reward-model gradient became non-finite at step {len(history)} ({', '.join(bad[:3])}...); "
-                                     "nothing was written. Likely causes: fp16/bf16 overflow (run in fp32) or reward.train.lr too high.")
+                raise NonFiniteError(
+                    f"Reward-model gradient became non-finite at step {len(history)} ({', '.join(bad[:3])}...); "
+                    "nothing was written. Likely causes: fp16/bf16 overflow (run in fp32) or reward.train.lr too high."
+                )
             if max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()
-            record = {"step": len(history), "loss": loss_sum / len(batch), "accuracy": correct / len(batch), "lr": step_lr}
+            record = {
+                "step": len(history),
+                "loss": loss_sum / len(batch),
+                "accuracy": correct / len(batch),
+                "lr": step_lr,
+            }
             history.append(record)
             if log is not None:
                 log(record)

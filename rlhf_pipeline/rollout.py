@@ -23,7 +23,9 @@ def single_token_id(tokenizer, text: str | None, key: str) -> int | None:
         return None
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) != 1:
-        raise PipelineError(f"{key} {text!r} encodes to {len(ids)} tokens {ids} with this tokenizer; it must be a single token.")
+        raise PipelineError(
+            f"{key} {text!r} encodes to {len(ids)} tokens {ids} with this tokenizer; it must be a single token."
+        )
     return ids[0]
 
 
@@ -38,10 +40,22 @@ class TaskSampler:
 
     @classmethod
     def from_tokenizer(cls, task: TaskParams, tokenizer) -> TaskSampler:
-        return cls(task, tokenizer.pad_token_id, tokenizer.eos_token_id, single_token_id(tokenizer, task.truncate_token, "task.truncate_token"))
+        return cls(
+            task,
+            tokenizer.pad_token_id,
+            tokenizer.eos_token_id,
+            single_token_id(tokenizer, task.truncate_token, "task.truncate_token"),
+        )
 
-    def sample(self, model: nn.Module, queries: Tensor, generator: torch.Generator, value_head: nn.Module | None = None, num_samples: int = 1,
-               capture_layers: tuple[int, ...] = ()):
+    def sample(
+        self,
+        model: nn.Module,
+        queries: Tensor,
+        generator: torch.Generator,
+        value_head: nn.Module | None = None,
+        num_samples: int = 1,
+        capture_layers: tuple[int, ...] = (),
+    ):
         out = sample_responses(
             model,
             queries,
@@ -63,7 +77,9 @@ class TaskSampler:
         return truncate_response(responses, self.truncate_token_id, self.task.truncate_after, self.pad_token_id)
 
     @torch.no_grad()
-    def sample_batched(self, model: nn.Module, queries: Tensor, generator: torch.Generator, batch_size: int, truncate: bool = True) -> tuple[Tensor, Tensor]:
+    def sample_batched(
+        self, model: nn.Module, queries: Tensor, generator: torch.Generator, batch_size: int, truncate: bool = True
+    ) -> tuple[Tensor, Tensor]:
         """Responses (truncated unless ``truncate`` is false: the raw fixed-length samples) and
         their validity for many queries, in batches: ((B, R), (B,))."""
         responses, valids = [], []
@@ -81,7 +97,10 @@ def load_queries(path: str, split: str, pad_token_id: int, limit: int | None = N
     rows = load_from_disk(path)[split]["query_ids"]
     queries = torch.tensor(rows[:limit] if limit is not None else rows, dtype=torch.long)
     if not is_left_padded(queries, pad_token_id):
-        raise PipelineError(f"{path} ({split}) holds queries that are not left-padded (written by an older version?); rerun `dvc repro queries`.")
+        raise PipelineError(
+            f"{path} ({split}) holds queries that are not left-padded (written by an older version?); rerun `dvc "
+            "repro queries`."
+        )
     return queries
 
 

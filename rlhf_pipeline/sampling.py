@@ -45,7 +45,9 @@ def never_pad(logits: Tensor, pad_token_id: int, inplace: bool = False) -> Tenso
     return logits
 
 
-def sample_from_logits(logits: Tensor, generator: torch.Generator | None = None, block_size: int = 256) -> tuple[Tensor, Tensor]:
+def sample_from_logits(
+    logits: Tensor, generator: torch.Generator | None = None, block_size: int = 256
+) -> tuple[Tensor, Tensor]:
     """One token per row of ``logits`` (B, V) drawn from softmax(logits), and its log-probability.
 
     Inverse-CDF sampling: with w_i = exp(l_i - max l), C_i = sum_{j<=i} w_j and u ~ U[0, 1), the
@@ -74,7 +76,9 @@ def sample_from_logits(logits: Tensor, generator: torch.Generator | None = None,
     inner_cdf = blocks[torch.arange(batch, device=logits.device), block.squeeze(-1)].cumsum(-1, dtype=torch.float64)
     rest = torch.minimum(rest.clamp(min=0.0), _just_below(inner_cdf[:, -1:]))
     token = (block * block_size + torch.searchsorted(inner_cdf, rest, right=True)).squeeze(-1)
-    logprob = logits.gather(-1, token[:, None]).squeeze(-1) - peak.squeeze(-1) - total.squeeze(-1).log().to(logits.dtype)
+    logprob = (
+        logits.gather(-1, token[:, None]).squeeze(-1) - peak.squeeze(-1) - total.squeeze(-1).log().to(logits.dtype)
+    )
     return token, logprob
 
 
@@ -131,7 +135,14 @@ def sample_responses(
     layers = sorted(set(capture_layers))
     capture = {"output_hidden_states": layers} if layers else {}
     cache = DynamicCache(config=model.config)
-    out = backbone(input_ids=queries, attention_mask=mask, position_ids=position_ids_from_mask(mask), past_key_values=cache, use_cache=True, **capture)
+    out = backbone(
+        input_ids=queries,
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        past_key_values=cache,
+        use_cache=True,
+        **capture,
+    )
     # output_hidden_states=[...] keeps the full-length tuple, with None where a layer is not asked for
     captured = [[out.hidden_states[layer]] for layer in layers]
     hidden = out.last_hidden_state[:, -1]
@@ -161,7 +172,14 @@ def sample_responses(
         if t == response_length - 1 and not layers:
             break
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
-        out = backbone(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos[:, None], past_key_values=cache, use_cache=True, **capture)
+        out = backbone(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=next_pos[:, None],
+            past_key_values=cache,
+            use_cache=True,
+            **capture,
+        )
         for parts, layer in zip(captured, layers):
             parts.append(out.hidden_states[layer])
         if t == response_length - 1:
@@ -197,7 +215,14 @@ def supports_trunk_split(model: nn.Module) -> bool:
     return getattr(model.config, "model_type", "") in TRUNK_SPLIT_MODEL_TYPES and hasattr(backbone_of(model), "layers")
 
 
-def hidden_from(model: nn.Module, query_responses: Tensor, mask: Tensor, start_layer: int = 0, trunk: Tensor | None = None, return_trunk_at: int = 0):
+def hidden_from(
+    model: nn.Module,
+    query_responses: Tensor,
+    mask: Tensor,
+    start_layer: int = 0,
+    trunk: Tensor | None = None,
+    return_trunk_at: int = 0,
+):
     """Final hidden states of ``model`` on ``query_responses``.
 
     ``trunk`` (the activation entering block ``start_layer``) skips the blocks below it.

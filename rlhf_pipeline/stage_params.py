@@ -124,8 +124,11 @@ def missing_key_problems(raw: Any, declared: dict[str, frozenset[str] | None]) -
     for who, keys in declared.items():
         for key in missing_declared_keys(raw, keys or ()):
             declarers.setdefault(key, []).append(who)
-    return [f"{key}: missing; dvc.yaml tracks it for {', '.join(names)} (DVC reads it from this file, not from the schema's default)"
-            for key, names in sorted(declarers.items())]
+    return [
+        f"{key}: missing; dvc.yaml tracks it for {', '.join(names)} (DVC reads it from this file, not from the "
+        "schema's default)"
+        for key, names in sorted(declarers.items())
+    ]
 
 
 def _covers(declared: Iterable[str], path: str) -> bool:
@@ -146,7 +149,9 @@ class DeclaredParams:
 
     __slots__ = ("_model", "_prefix", "_declared", "_stage", "_reads")
 
-    def __init__(self, model: BaseModel, declared: Iterable[str], stage: str, prefix: str = "", reads: set[str] | None = None):
+    def __init__(
+        self, model: BaseModel, declared: Iterable[str], stage: str, prefix: str = "", reads: set[str] | None = None
+    ):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_prefix", prefix)
         object.__setattr__(self, "_declared", frozenset(declared))
@@ -191,4 +196,7 @@ class DeclaredParams:
         raise AttributeError("stage params are read-only")
 
     def __repr__(self) -> str:
-        return f"DeclaredParams(stage={self._stage!r}, section={self._prefix or '<root>'!r}, declared={sorted(self._declared)})"
+        return (
+            f"DeclaredParams(stage={self._stage!r}, section={self._prefix or '<root>'!r}, "
+            f"declared={sorted(self._declared)})"
+        )

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from rlhf_pipeline.io import atomic_dir
-from rlhf_pipeline.models import add_dedicated_pad_token, count_parameters, load_source_model, set_dropout, write_model_card
+from rlhf_pipeline.models import (
+    add_dedicated_pad_token,
+    count_parameters,
+    load_source_model,
+    set_dropout,
+    write_model_card,
+)
 from rlhf_pipeline.params import Params
 from rlhf_pipeline.runner import run_stage
 
@@ -41,7 +47,7 @@ Materialised by the `base_model` stage from `{cfg.source}` as fp32 safetensors.
 - Dedicated pad token `{cfg.pad_token}` (id {pad_id}), distinct from eos (id {tokenizer.eos_token_id}),
   as lm-human-preferences requires.
 - Dropout: {cfg.dropout} (the reference trains with dropout off).
-- Source file sha256: `{provenance.get('source_sha256')}`
+- Source file sha256: `{provenance.get("source_sha256")}`
 
 This is the frozen reference policy for PPO and the initialisation of the reward model and policy.
 """

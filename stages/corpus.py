@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from datasets import Dataset
 
-from rlhf_pipeline.corpus import GENERATED, clean_passages, generate_passages, is_local_source, load_hub_passages, load_local_passages
+from rlhf_pipeline.corpus import (
+    GENERATED,
+    clean_passages,
+    generate_passages,
+    is_local_source,
+    load_hub_passages,
+    load_local_passages,
+)
 from rlhf_pipeline.io import atomic_dir
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import Params
@@ -23,8 +30,16 @@ def main(params: Params) -> None:
         require_dir(BASE, "base_model")
         tokenizer = load_tokenizer(BASE)
         model = load_causal_lm(BASE).eval()
-        texts = generate_passages(model, tokenizer, cfg.num_passages, cfg.passage_tokens, cfg.temperature, cfg.batch_size, params.seed,
-                                  cfg.samples_per_prompt)
+        texts = generate_passages(
+            model,
+            tokenizer,
+            cfg.num_passages,
+            cfg.passage_tokens,
+            cfg.temperature,
+            cfg.batch_size,
+            params.seed,
+            cfg.samples_per_prompt,
+        )
     elif is_local_source(cfg.source):
         texts = load_local_passages(cfg.source, cfg.text_column)
     else:

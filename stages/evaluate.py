@@ -6,7 +6,15 @@ import csv
 import json
 from pathlib import Path
 
-from rlhf_pipeline.evaluation import curve_point, length_stats, load_snapshot, overoptimization_plot, sample_and_score, snapshot_matches, summarize
+from rlhf_pipeline.evaluation import (
+    curve_point,
+    length_stats,
+    load_snapshot,
+    overoptimization_plot,
+    sample_and_score,
+    snapshot_matches,
+    summarize,
+)
 from rlhf_pipeline.io import atomic_file, write_json
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
@@ -15,7 +23,13 @@ from rlhf_pipeline.reward import RewardModel
 from rlhf_pipeline.rollout import TaskSampler, load_queries
 from rlhf_pipeline.runner import run_stage
 
-BASE, REWARD, POLICY, QUERIES, SNAPSHOTS = "models/base", "models/reward", "models/policy", "data/queries", "checkpoints/policy/snapshots"
+BASE, REWARD, POLICY, QUERIES, SNAPSHOTS = (
+    "models/base",
+    "models/reward",
+    "models/policy",
+    "data/queries",
+    "checkpoints/policy/snapshots",
+)
 OUT = Path("evaluation")
 METRICS = "metrics/evaluate.json"
 
@@ -45,7 +59,9 @@ def main(params: Params) -> None:
     # Over-optimisation curve: the base model at KL 0, every PPO snapshot; the last snapshot holds
     # the shipped policy's weights, so its sample set is the policy's.
     snapshots = sorted(Path(SNAPSHOTS).glob("update_*.safetensors"))
-    shipped_update = int(snapshots[-1].stem.split("_")[1]) if snapshots and snapshot_matches(policy, snapshots[-1]) else None
+    shipped_update = (
+        int(snapshots[-1].stem.split("_")[1]) if snapshots and snapshot_matches(policy, snapshots[-1]) else None
+    )
     points = [curve_point(0, base_set, base_set)]
     for snapshot in snapshots:
         update = int(snapshot.stem.split("_")[1])
@@ -61,15 +77,17 @@ def main(params: Params) -> None:
     rows = []
     decode = lambda ids: tokenizer.decode([i for i in ids if i != tokenizer.pad_token_id], skip_special_tokens=True)  # noqa: E731
     for i in range(min(cfg.num_table_rows, len(queries))):
-        rows.append({
-            "query": decode(queries[i].tolist()),
-            "base_response": base_set.texts[i],
-            "policy_response": policy_set.texts[i],
-            "base_proxy": round(base_set.proxy[i].item(), 4),
-            "policy_proxy": round(policy_set.proxy[i].item(), 4),
-            "base_gold": None if base_set.gold is None else round(float(base_set.gold[i]), 4),
-            "policy_gold": None if policy_set.gold is None else round(float(policy_set.gold[i]), 4),
-        })
+        rows.append(
+            {
+                "query": decode(queries[i].tolist()),
+                "base_response": base_set.texts[i],
+                "policy_response": policy_set.texts[i],
+                "base_proxy": round(base_set.proxy[i].item(), 4),
+                "policy_proxy": round(policy_set.proxy[i].item(), 4),
+                "base_gold": None if base_set.gold is None else round(float(base_set.gold[i]), 4),
+                "policy_gold": None if policy_set.gold is None else round(float(policy_set.gold[i]), 4),
+            }
+        )
     with atomic_file(OUT / "samples.csv", "w") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -97,25 +115,52 @@ def _with_error(point: dict, key: str) -> str:
 
 
 def render_report(metrics: dict, points: list[dict], best: dict, rows: list[dict]) -> str:
-    lines = ["# Evaluation report", "", f"Held-out test queries: {metrics['queries']}. Base and policy sampled with the same seed.", "", "| metric | value |", "|---|---|"]
+    lines = [
+        "# Evaluation report",
+        "",
+        f"Held-out test queries: {metrics['queries']}. Base and policy sampled with the same seed.",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ]
     for key, value in metrics.items():
         if not isinstance(value, dict) and key != "queries":
             lines.append(f"| `{key}` | {_fmt(value)} |")
-    lines += ["", "## Reward over-optimisation", "", "![over-optimisation curve](overoptimization.png)", "",
-              "Improvements are over the base model on the same queries, in base-std units, +- one paired standard error.", "",
-              "| update | KL | proxy | gold | proxy improvement | gold improvement |", "|---|---|---|---|---|---|"]
-    lines += [f"| {p['update']} | {p['kl']:.3f} | {p['proxy']:.3f} | {_fmt(p['gold'])} | {_with_error(p, 'proxy')} | {_with_error(p, 'gold')} |"
-              for p in points]
+    lines += [
+        "",
+        "## Reward over-optimisation",
+        "",
+        "![over-optimisation curve](overoptimization.png)",
+        "",
+        "Improvements are over the base model on the same queries, in base-std units, +- one paired standard error.",
+        "",
+        "| update | KL | proxy | gold | proxy improvement | gold improvement |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {p['update']} | {p['kl']:.3f} | {p['proxy']:.3f} | {_fmt(p['gold'])} | {_with_error(p, 'proxy')} | "
+        f"{_with_error(p, 'gold')} |"
+        for p in points
+    ]
     criterion = "gold" if best["gold"] is not None else "proxy"
     scores = f"(proxy {best['proxy']:.3f}, gold {_fmt(best['gold'])}, KL {best['kl']:.3f})"
     if best["update"]:
-        verdict = (f"Best checkpoint by {criterion} score: **update {best['update']}** {scores}; "
-                   f"its weights are `checkpoints/policy/snapshots/update_{best['update']:05d}.safetensors`.")
+        verdict = (
+            f"Best checkpoint by {criterion} score: **update {best['update']}** {scores}; "
+            f"its weights are `checkpoints/policy/snapshots/update_{best['update']:05d}.safetensors`."
+        )
     else:
-        verdict = f"Best checkpoint by {criterion} score: **the base model (update 0)** {scores}: no PPO checkpoint improved on it."
+        verdict = (
+            f"Best checkpoint by {criterion} score: **the base model (update 0)** {scores}: no PPO checkpoint "
+            "improved on it."
+        )
     lines += ["", verdict, "", "## Samples", "", "Full table: [samples.csv](samples.csv). First rows:", ""]
     for row in rows[:5]:
-        lines += [f"- **query**: {row['query']!r}", f"  - base ({_fmt(row['base_gold'])} gold): {row['base_response']!r}", f"  - policy ({_fmt(row['policy_gold'])} gold): {row['policy_response']!r}"]
+        lines += [
+            f"- **query**: {row['query']!r}",
+            f"  - base ({_fmt(row['base_gold'])} gold): {row['base_response']!r}",
+            f"  - policy ({_fmt(row['policy_gold'])} gold): {row['policy_response']!r}",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -75,12 +75,19 @@ def main(params: Params) -> None:
             base_model=BASE,
             datasets=["data/preferences", QUERIES],
             tags=["reward-model", "normalized"],
-            hyperparameters={"reward.normalize": cfg.model_dump(), "task": params.task.model_dump(), "seed": params.seed},
+            hyperparameters={
+                "reward.normalize": cfg.model_dump(),
+                "task": params.task.model_dump(),
+                "seed": params.seed,
+            },
             metrics=metrics,
             inputs=[TRAINED, BASE, QUERIES],
         )
     write_json(METRICS, metrics)
-    print(f"normalize_reward: gain {gain:.4f} bias {bias:.4f}; fresh sample mean {metrics['normalized/mean']:.3f} std {metrics['normalized/std']:.3f}")
+    print(
+        f"normalize_reward: gain {gain:.4f} bias {bias:.4f}; fresh sample mean {metrics['normalized/mean']:.3f} std "
+        f"{metrics['normalized/std']:.3f}"
+    )
 
 
 if __name__ == "__main__":

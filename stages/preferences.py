@@ -39,7 +39,10 @@ def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
         raise PipelineError(f"{QUERIES} is missing; run `dvc repro queries` first.") from None
     width = len(queries["train"][0]["query_ids"])
     if width != params.data.queries.query_length:
-        raise PipelineError(f"{QUERIES} holds queries of {width} tokens but data.queries.query_length is {params.data.queries.query_length}; rerun `dvc repro queries`.")
+        raise PipelineError(
+            f"{QUERIES} holds queries of {width} tokens but data.queries.query_length is "
+            f"{params.data.queries.query_length}; rerun `dvc repro queries`."
+        )
     model = load_causal_lm(BASE).eval()
     sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
     labeler = get_labeler(cfg.labeler)
@@ -50,21 +53,36 @@ def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
     for name, count in (("train", cfg.num_labels), ("test", cfg.num_test_labels)):
         part = queries[name]
         result = simulate_preferences(
-            model, tokenizer, sampler, list(part["query_ids"]), list(part["query"]), count, cfg.num_samples, labeler,
-            cfg.label_temperature, cfg.batch_size, generator, rng, split_name=name,
+            model,
+            tokenizer,
+            sampler,
+            list(part["query_ids"]),
+            list(part["query"]),
+            count,
+            cfg.num_samples,
+            labeler,
+            cfg.label_temperature,
+            cfg.batch_size,
+            generator,
+            rng,
+            split_name=name,
         )
         splits[name] = result.columns
         gold.extend(result.columns["gold"])
         best.extend(result.columns["best"])
         valid, total = valid + result.valid_responses, total + result.responses
         metrics[f"{name}/queries_used"] = result.queries_used
-        metrics[f"{name}/ceiling_accuracy"] = ceiling_accuracy(np.array(result.columns["gold"]), np.array(result.columns["best"]))
+        metrics[f"{name}/ceiling_accuracy"] = ceiling_accuracy(
+            np.array(result.columns["gold"]), np.array(result.columns["best"])
+        )
         metrics[f"{name}/resampled"] = result.resampled
         for reason, n in sorted(result.skipped.items()):
             metrics[f"{name}/skipped/{reason}"] = n
     metrics["labels/ceiling_accuracy"] = ceiling_accuracy(np.array(gold), np.array(best))
     metrics["labels/mean_gold"] = float(np.mean(gold))
-    metrics["labels/tied_fraction"] = float(np.mean([g.count(max(g)) > 1 for g in gold]))  # rows whose best is a coin flip
+    metrics["labels/tied_fraction"] = float(
+        np.mean([g.count(max(g)) > 1 for g in gold])
+    )  # rows whose best is a coin flip
     metrics["labels/truncation_valid_fraction"] = valid / total
     return splits, metrics
 
@@ -75,7 +93,9 @@ def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
     for name, frame in frames.items():
         refuse_overlong_texts(frame, params.data.validation.max_text_chars, f"{cfg.source} ({name} split)")
     splits = {
-        name: user_to_internal(frame, fmt, tokenizer, q.query_length, params.task.response_length, f"{cfg.source} ({name} split)")
+        name: user_to_internal(
+            frame, fmt, tokenizer, q.query_length, params.task.response_length, f"{cfg.source} ({name} split)"
+        )
         for name, frame in frames.items()
     }
     return splits, {"format": fmt, "labels/ceiling_accuracy": None}
@@ -92,11 +112,16 @@ def main(params: Params) -> None:
         for index, n in enumerate(counts):
             metrics[f"labels/best_share/{name}/{index}"] = float(n / max(1, len(columns["best"])))
     with atomic_dir(OUT) as tmp:
-        DatasetDict({name: Dataset.from_dict(columns, features=features()) for name, columns in splits.items()}).save_to_disk(str(tmp))
+        DatasetDict(
+            {name: Dataset.from_dict(columns, features=features()) for name, columns in splits.items()}
+        ).save_to_disk(str(tmp))
         write_json(tmp / "format.json", {"format": metrics["format"], "source": cfg.source})
     write_json(METRICS, metrics)
-    print(f"preferences: {metrics['rows/train']} train + {metrics['rows/test']} test rows ({metrics['format']}) -> {OUT}; "
-          f"ceiling accuracy {metrics['labels/ceiling_accuracy']}")
+    print(
+        f"preferences: {metrics['rows/train']} train + {metrics['rows/test']} test rows ({metrics['format']}) -> "
+        f"{OUT}; "
+        f"ceiling accuracy {metrics['labels/ceiling_accuracy']}"
+    )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,14 @@ def main(params: Params) -> None:
         corpus["text"], tokenizer, cfg.query_length, cfg.start_text, cfg.end_text, cfg.test_fraction, params.seed
     )
     with atomic_dir(OUT) as tmp:
-        DatasetDict({name: Dataset.from_dict(columns, features=FEATURES) for name, columns in splits.items()}).save_to_disk(str(tmp))
+        DatasetDict(
+            {name: Dataset.from_dict(columns, features=FEATURES) for name, columns in splits.items()}
+        ).save_to_disk(str(tmp))
     write_json(METRICS, counts)
-    print(f"queries: {counts['kept']} of {counts['passages']} passages kept -> {OUT} (train {counts['train']}, test {counts['test']}); {counts}")
+    print(
+        f"queries: {counts['kept']} of {counts['passages']} passages kept -> {OUT} (train {counts['train']}, test "
+        f"{counts['test']}); {counts}"
+    )
 
 
 if __name__ == "__main__":

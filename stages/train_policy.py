@@ -67,12 +67,19 @@ def main(params: Params) -> None:
     gold_standardization = gold_statistics(PREFS) if cfg.score_source == "gold" and gold is not None else None
     reward_hash = content_hash(f"{REWARD}/reward_head.safetensors") if uses_reward_model else None
     # params, inputs and code: a checkpoint of another version of any of them is not resumed
-    fingerprint = fingerprint_of(params.seed, cfg.model_dump(), params.task.model_dump(), reward_hash, content_hash(f"{QUERIES}"),
-                                 declared_code_hash("train_policy", project_root()))
+    fingerprint = fingerprint_of(
+        params.seed,
+        cfg.model_dump(),
+        params.task.model_dump(),
+        reward_hash,
+        content_hash(f"{QUERIES}"),
+        declared_code_hash("train_policy", project_root()),
+    )
     checkpointer = Checkpointer(CHECKPOINTS, fingerprint)
     # DVCLive starts afresh every time: on a resume the trainer replays the checkpoint's history
     # into it first, so the series match an uninterrupted run's step for step
     with open_live(LIVE) if is_main else nullcontext() as live:
+
         def log(record: dict) -> None:
             if live is None:
                 return
@@ -82,15 +89,26 @@ def main(params: Params) -> None:
             live.next_step()
 
         trainer = PPOTrainer(
-            policy, ref_model, reward_model, queries, params.task, cfg, tokenizer, params.seed, plan.device,
-            checkpointer=checkpointer, gold_labeler=gold, log=log, autocast=plan.autocast if plan.autocast_dtype else None,
+            policy,
+            ref_model,
+            reward_model,
+            queries,
+            params.task,
+            cfg,
+            tokenizer,
+            params.seed,
+            plan.device,
+            checkpointer=checkpointer,
+            gold_labeler=gold,
+            log=log,
+            autocast=plan.autocast if plan.autocast_dtype else None,
             gold_standardization=gold_standardization,
         )
         history = trainer.train(progress=is_main)
     if not is_main:
         return
 
-    last = history[-max(1, len(history) // 4):]
+    last = history[-max(1, len(history) // 4) :]
     first = history[: max(1, len(history) // 4)]
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     metrics = {
@@ -123,7 +141,10 @@ def main(params: Params) -> None:
             extra_front_matter={"device": plan.describe()},
         )
     write_json(METRICS, metrics)
-    print(f"train_policy: {metrics['episodes']} episodes, score {metrics['score/first_quarter']:.3f} -> {metrics['score/last_quarter']:.3f}, KL {metrics['kl/last_quarter']:.2f}")
+    print(
+        f"train_policy: {metrics['episodes']} episodes, score {metrics['score/first_quarter']:.3f} -> "
+        f"{metrics['score/last_quarter']:.3f}, KL {metrics['kl/last_quarter']:.2f}"
+    )
 
 
 if __name__ == "__main__":

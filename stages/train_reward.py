@@ -11,7 +11,14 @@ from rlhf_pipeline.logging import open_live
 from rlhf_pipeline.modelcard import write_card
 from rlhf_pipeline.models import freeze_lower_layers, load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import Params
-from rlhf_pipeline.reward import RewardModel, best_of_n_accuracy, fit_normalization, preference_tensors, score_query_responses, train_reward_model
+from rlhf_pipeline.reward import (
+    RewardModel,
+    best_of_n_accuracy,
+    fit_normalization,
+    preference_tensors,
+    score_query_responses,
+    train_reward_model,
+)
 from rlhf_pipeline.rollout import TaskSampler, load_queries
 from rlhf_pipeline.runner import run_stage
 
@@ -23,7 +30,9 @@ def main(params: Params) -> None:
     cfg = params.reward.train
     require_dir(BASE, "base_model")
     if not read_json(VALIDATION).get("success"):
-        raise PipelineError(f"{VALIDATION} says the preference data failed its contract; fix the data and rerun `dvc repro`.")
+        raise PipelineError(
+            f"{VALIDATION} says the preference data failed its contract; fix the data and rerun `dvc repro`."
+        )
     tokenizer = load_tokenizer(BASE)
     prefs = load_from_disk(PREFS)
     generator = torch.Generator().manual_seed(params.seed)
@@ -36,27 +45,43 @@ def main(params: Params) -> None:
         base = load_causal_lm(BASE).eval()
         queries = load_queries(QUERIES, "train", tokenizer.pad_token_id, cfg.normalize_before_samples)
         sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
-        responses, _ = sampler.sample_batched(base, queries, generator, params.reward.normalize.batch_size, params.reward.normalize.truncate)
+        responses, _ = sampler.sample_batched(
+            base, queries, generator, params.reward.normalize.batch_size, params.reward.normalize.truncate
+        )
         del base
-        raw = score_query_responses(model.eval(), queries, responses, params.reward.normalize.batch_size, normalized=False)
-        gain, bias = fit_normalization(model, raw, params.reward.normalize.target_mean, params.reward.normalize.target_std)
+        raw = score_query_responses(
+            model.eval(), queries, responses, params.reward.normalize.batch_size, normalized=False
+        )
+        gain, bias = fit_normalization(
+            model, raw, params.reward.normalize.target_mean, params.reward.normalize.target_std
+        )
         normalize_before = {"gain": gain, "bias": bias, "samples": len(queries)}
 
     train = preference_tensors(prefs["train"])
     test = preference_tensors(prefs["test"])
     with open_live("dvclive/train_reward") as live:
+
         def log(record: dict) -> None:
             for key in ("loss", "accuracy", "lr"):
                 live.log_metric(f"train/{key}", record[key])
             live.next_step()
 
         history = train_reward_model(
-            model, *train, lr=cfg.lr, epochs=cfg.epochs, batch_size=cfg.batch_size, microbatch_size=cfg.microbatch_size,
-            adam_eps=cfg.adam_eps, generator=generator, max_grad_norm=cfg.max_grad_norm, log=log,
-            tensorflow_adam=cfg.tensorflow_adam, train_gain_bias=cfg.train_gain_bias,
+            model,
+            *train,
+            lr=cfg.lr,
+            epochs=cfg.epochs,
+            batch_size=cfg.batch_size,
+            microbatch_size=cfg.microbatch_size,
+            adam_eps=cfg.adam_eps,
+            generator=generator,
+            max_grad_norm=cfg.max_grad_norm,
+            log=log,
+            tensorflow_adam=cfg.tensorflow_adam,
+            train_gain_bias=cfg.train_gain_bias,
         )
     test_accuracy = best_of_n_accuracy(model, test[0], test[1], test[2], params.reward.normalize.batch_size)
-    tail = history[-max(1, len(history) // 4):]
+    tail = history[-max(1, len(history) // 4) :]
     metrics = {
         "test/accuracy": test_accuracy,
         "test/rows": len(test[2]),
@@ -73,11 +98,17 @@ def main(params: Params) -> None:
             title="Reward model (before normalisation)",
             summary=f"Scalar reward head on `{BASE}`, trained one pass over {len(train[2])} best-of-"
             f"{train[1].shape[1]} labels with softmax cross-entropy (lm-human-preferences). "
-            f"Gain/bias here are from `normalize_before`; the `normalize_reward` stage refits them into `models/reward`.",
+            "Gain/bias here are from `normalize_before`; the `normalize_reward` stage refits them into "
+            "`models/reward`.",
             base_model=BASE,
             datasets=[PREFS],
             tags=["reward-model"],
-            hyperparameters={"reward.train": cfg.model_dump(), "task": params.task.model_dump(), "seed": params.seed, "normalize_before": normalize_before},
+            hyperparameters={
+                "reward.train": cfg.model_dump(),
+                "task": params.task.model_dump(),
+                "seed": params.seed,
+                "normalize_before": normalize_before,
+            },
             metrics=metrics,
             inputs=[BASE, PREFS],
         )

@@ -35,8 +35,12 @@ def main(params: Params) -> None:
         if name not in prefs:
             raise PipelineError(f"{PREFS} has no {name!r} split (it has {list(prefs)}); rerun `dvc repro preferences`.")
         results[name] = validate_dataframe(
-            internal_to_flat(prefs[name]), cfg, tokenizer, label_check=fmt != PAIRWISE,
-            min_rows=cfg.min_rows if name == "train" else 1, names=display_names(fmt),
+            internal_to_flat(prefs[name]),
+            cfg,
+            tokenizer,
+            label_check=fmt != PAIRWISE,
+            min_rows=cfg.min_rows if name == "train" else 1,
+            names=display_names(fmt),
         )
     summary = summary_payload(results)
     with atomic_dir(OUT) as tmp:

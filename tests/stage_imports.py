@@ -34,14 +34,18 @@ def _package_of(path: Path, root: Path) -> str:
 
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imported_modules(path: Path, root: Path = REPO) -> set[str]:
     """Dotted names of the modules ``path`` imports (``from pkg import mod`` gives ``pkg.mod``
     when ``mod`` is a module, else ``pkg``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node) for n in ast.walk(node)}
+    skipped = {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node) for n in ast.walk(node)
+    }
     names: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -55,7 +59,9 @@ def imported_modules(path: Path, root: Path = REPO) -> set[str]:
                 package = package[: len(package) - node.level + 1]
                 module = ".".join([*package, module] if module else package)
             names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names if module_path(f"{module}.{alias.name}", root))
+            names.update(
+                f"{module}.{alias.name}" for alias in node.names if module_path(f"{module}.{alias.name}", root)
+            )
     return names
 
 

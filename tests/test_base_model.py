@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import add_pipeline_definition, full_params
 
 from rlhf_pipeline.models import load_tokenizer, read_model_card
@@ -22,9 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 def stage_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("base_stage")
     build_tiny_model(root / "tiny_src")
-    (root / "params.yaml").write_text(yaml.safe_dump(full_params({"base_model": {"source": str(root / "tiny_src"), "dropout": 0.0}})))
+    (root / "params.yaml").write_text(
+        yaml.safe_dump(full_params({"base_model": {"source": str(root / "tiny_src"), "dropout": 0.0}}))
+    )
     add_pipeline_definition(root)
-    result = subprocess.run([sys.executable, str(REPO / "stages/base_model.py")], cwd=root, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "stages/base_model.py")], cwd=root, capture_output=True, text=True, timeout=300
+    )
     return root, result
 
 
@@ -53,9 +56,13 @@ def test_model_card_front_matter(stage_run):
 
 
 def test_missing_local_source_fails_fast_with_a_clear_message(tmp_path):
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(full_params({"base_model": {"source": "no-such-org/no-such-model"}})))
+    (tmp_path / "params.yaml").write_text(
+        yaml.safe_dump(full_params({"base_model": {"source": "no-such-org/no-such-model"}}))
+    )
     add_pipeline_definition(tmp_path)
-    result = subprocess.run([sys.executable, str(REPO / "stages/base_model.py")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "stages/base_model.py")], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 1
     assert "no-such-org/no-such-model" in result.stderr and "HF_HUB_OFFLINE" in result.stderr
     assert "Traceback" not in result.stderr
@@ -64,8 +71,12 @@ def test_missing_local_source_fails_fast_with_a_clear_message(tmp_path):
 
 def test_dropout_param_is_applied(tmp_path):
     build_tiny_model(tmp_path / "src")
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(full_params({"base_model": {"source": str(tmp_path / "src"), "dropout": 0.25}})))
+    (tmp_path / "params.yaml").write_text(
+        yaml.safe_dump(full_params({"base_model": {"source": str(tmp_path / "src"), "dropout": 0.25}}))
+    )
     add_pipeline_definition(tmp_path)
-    result = subprocess.run([sys.executable, str(REPO / "stages/base_model.py")], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "stages/base_model.py")], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "models/base/config.json").read_text())["attention_dropout"] == 0.25

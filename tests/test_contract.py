@@ -18,11 +18,21 @@ ROWS = 80
 
 
 def pairwise_rows(n=ROWS):
-    return [{"prompt": f"Prompt number {i}.", "chosen": f"A kind and helpful answer {i}.", "rejected": f"A rude answer {i}."} for i in range(n)]
+    return [
+        {
+            "prompt": f"Prompt number {i}.",
+            "chosen": f"A kind and helpful answer {i}.",
+            "rejected": f"A rude answer {i}.",
+        }
+        for i in range(n)
+    ]
 
 
 def best_of_n_rows(n=ROWS):
-    return [{"query": f"Query {i}:", **{f"sample{k}": f"Sample {k} for query {i}." for k in range(4)}, "best": i % 4} for i in range(n)]
+    return [
+        {"query": f"Query {i}:", **{f"sample{k}": f"Sample {k} for query {i}." for k in range(4)}, "best": i % 4}
+        for i in range(n)
+    ]
 
 
 def write_jsonl(path, rows):
@@ -67,21 +77,57 @@ def with_row(rows, index, **changes):
 
 DEFECTS = {
     "null": (with_row(pairwise_rows(), 3, chosen=None), "no nulls [column chosen]: 1 row(s)"),
-    "empty": (with_row(pairwise_rows(), 4, rejected="  \n "), "no empty, whitespace-only or invisible-only text [column rejected]: 1 row(s)"),
-    "zero-width only": (with_row(pairwise_rows(), 4, chosen="\u200b\u2060\ufeff"), "no empty, whitespace-only or invisible-only text [column chosen]: 1 row(s)"),
-    "huge margin": (with_row(with_margin(best_of_n_rows()), 5, margin=1e300), "|margin| <= max_abs_margin (100), finite [column margin]: 1 row(s)"),
-    "control character": (with_row(pairwise_rows(), 5, chosen="bell \x07 here"), "no invalid UTF-8 or control characters [column chosen]"),
-    "lone surrogate": (with_row(pairwise_rows(), 6, prompt="bad \ud800 escape"), "no invalid UTF-8 or control characters [column prompt]"),
-    "chosen == rejected": (with_row(pairwise_rows(), 7, rejected="A kind and helpful answer 7."), "distinct samples in a row (chosen != rejected) [column chosen, rejected]: 1 row(s)"),
-    "duplicate samples": (with_row(best_of_n_rows(), 8, sample3="Sample 1 for query 8."), "distinct samples in a row (chosen != rejected) [column sample0, sample1, sample2, sample3]"),
+    "empty": (
+        with_row(pairwise_rows(), 4, rejected="  \n "),
+        "no empty, whitespace-only or invisible-only text [column rejected]: 1 row(s)",
+    ),
+    "zero-width only": (
+        with_row(pairwise_rows(), 4, chosen="\u200b\u2060\ufeff"),
+        "no empty, whitespace-only or invisible-only text [column chosen]: 1 row(s)",
+    ),
+    "huge margin": (
+        with_row(with_margin(best_of_n_rows()), 5, margin=1e300),
+        "|margin| <= max_abs_margin (100), finite [column margin]: 1 row(s)",
+    ),
+    "control character": (
+        with_row(pairwise_rows(), 5, chosen="bell \x07 here"),
+        "no invalid UTF-8 or control characters [column chosen]",
+    ),
+    "lone surrogate": (
+        with_row(pairwise_rows(), 6, prompt="bad \ud800 escape"),
+        "no invalid UTF-8 or control characters [column prompt]",
+    ),
+    "chosen == rejected": (
+        with_row(pairwise_rows(), 7, rejected="A kind and helpful answer 7."),
+        "distinct samples in a row (chosen != rejected) [column chosen, rejected]: 1 row(s)",
+    ),
+    "duplicate samples": (
+        with_row(best_of_n_rows(), 8, sample3="Sample 1 for query 8."),
+        "distinct samples in a row (chosen != rejected) [column sample0, sample1, sample2, sample3]",
+    ),
     "best out of range": (with_row(best_of_n_rows(), 9, best=4), "best within [0, 4) [column best]: 1 row(s)"),
     "negative best": (with_row(best_of_n_rows(), 9, best=-1), "best within [0, 4)"),
-    "duplicate rows": (pairwise_rows() + pairwise_rows()[:2], "no duplicate rows [column prompt, chosen, rejected]: 4 row(s)"),
-    "too long": (with_row(pairwise_rows(), 10, chosen="x" * 4001), "text length <= max_text_chars (4000) [column chosen]: 1 row(s)"),
+    "duplicate rows": (
+        pairwise_rows() + pairwise_rows()[:2],
+        "no duplicate rows [column prompt, chosen, rejected]: 4 row(s)",
+    ),
+    "too long": (
+        with_row(pairwise_rows(), 10, chosen="x" * 4001),
+        "text length <= max_text_chars (4000) [column chosen]: 1 row(s)",
+    ),
     "too few rows": (pairwise_rows(10), "row count >= min_rows (64) [column (table)]: observed 10"),
-    "degenerate labels": ([dict(r, best=0 if i else 1) for i, r in enumerate(best_of_n_rows())], "labels not degenerate (most common best share <= max_label_share 0.95)"),
-    "missing column": ([{k: v for k, v in r.items() if k != "rejected"} for r in pairwise_rows()], "missing column [column rejected]: observed not found; the columns are prompt, chosen"),
-    "missing best": ([{k: v for k, v in r.items() if k != "best"} for r in best_of_n_rows()], "missing column [column best]"),
+    "degenerate labels": (
+        [dict(r, best=0 if i else 1) for i, r in enumerate(best_of_n_rows())],
+        "labels not degenerate (most common best share <= max_label_share 0.95)",
+    ),
+    "missing column": (
+        [{k: v for k, v in r.items() if k != "rejected"} for r in pairwise_rows()],
+        "missing column [column rejected]: observed not found; the columns are prompt, chosen",
+    ),
+    "missing best": (
+        [{k: v for k, v in r.items() if k != "best"} for r in best_of_n_rows()],
+        "missing column [column best]",
+    ),
     "wrong type": (with_row(best_of_n_rows(), 2, sample0=17), "text type (string) [column sample0]: 1 row(s)"),
 }
 
@@ -121,7 +167,12 @@ def test_summary_lists_at_most_three_examples():
     assert not result.success and result.rows == ROWS
     [failure] = result.failures
     assert failure["count"] == 5 and len(failure["examples"]) == 3
-    assert failure["examples"][0] == {"row": 0, "prompt": "Prompt number 0.", "chosen": "A rude answer 0.", "rejected": "A rude answer 0."}
+    assert failure["examples"][0] == {
+        "row": 0,
+        "prompt": "Prompt number 0.",
+        "chosen": "A rude answer 0.",
+        "rejected": "A rude answer 0.",
+    }
     text = format_summary(result)
     assert text.count("    row ") == 3 and "5 row(s)" in text
     assert result.gx_json["success"] is False and len(result.gx_json["results"]) == result.expectations
@@ -168,14 +219,18 @@ def test_a_margin_within_the_bound_passes(tmp_path, capsys):
 def test_the_cli_refuses_the_split_columns_the_stage_refuses(tmp_path, capsys, splits):
     rows = [dict(r, split=splits[i % len(splits)]) for i, r in enumerate(pairwise_rows())]
     write_jsonl(tmp_path / "prefs.jsonl", rows)
-    with pytest.raises(DataContractError, match=r"column 'split' must hold both 'train' and 'test' \(and nothing else\); found"):
+    with pytest.raises(
+        DataContractError, match=r"column 'split' must hold both 'train' and 'test' \(and nothing else\); found"
+    ):
         validate_file_cli(str(tmp_path / "prefs.jsonl"), params_path=str(tmp_path / "none.yaml"))
 
 
 def test_a_train_test_split_column_passes_the_cli(tmp_path, capsys):
     rows = [dict(r, split="test" if i % 5 == 0 else "train") for i, r in enumerate(pairwise_rows())]
     write_jsonl(tmp_path / "prefs.jsonl", rows)
-    assert validate_file_cli(str(tmp_path / "prefs.jsonl"), params_path=str(tmp_path / "none.yaml")) == 0, capsys.readouterr().out
+    assert validate_file_cli(str(tmp_path / "prefs.jsonl"), params_path=str(tmp_path / "none.yaml")) == 0, (
+        capsys.readouterr().out
+    )
 
 
 def test_an_overlong_text_is_never_tokenized(tiny_base_dir):
@@ -201,10 +256,15 @@ def test_best_of_1000_costs_the_same_expectations_as_pairwise():
     """The per-text checks run once over all texts, not once per sample column: the suite of a
     best-of-1000 file is as small as a pairwise one's, and a bad text is still named by column."""
     k = 1000
-    rows = [{"query": f"Query {r}.", **{f"sample{i}": f"Sample {i} for query {r}." for i in range(k)}, "best": r % k} for r in range(ROWS)]
+    rows = [
+        {"query": f"Query {r}.", **{f"sample{i}": f"Sample {i} for query {r}." for i in range(k)}, "best": r % k}
+        for r in range(ROWS)
+    ]
     rows[5]["sample700"] = "bell \x07 here"
     result = validate_dataframe(pd.DataFrame(rows), ValidationParams())
-    pairwise = validate_dataframe(to_flat_frame(pd.DataFrame(pairwise_rows()), PAIRWISE), ValidationParams(), label_check=False)
+    pairwise = validate_dataframe(
+        to_flat_frame(pd.DataFrame(pairwise_rows()), PAIRWISE), ValidationParams(), label_check=False
+    )
     assert result.expectations == pairwise.expectations + 1  # + the label-share check pairwise data skips
     [failure] = result.failures
     assert failure["column"] == "sample700" and failure["count"] == 1

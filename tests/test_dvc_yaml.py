@@ -3,8 +3,6 @@ its params (enforced at run time by the stage runner's restricted view)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
 from conftest import run_stage_script
@@ -34,11 +32,13 @@ def test_each_stage_depends_on_exactly_the_project_files_it_runs():
         imported = project_files(REPO / stage_script(stage))
         declared = code_deps(stage)
         folders = {d for d in declared if (REPO / d).is_dir()}
-        covered = lambda file: file in declared or any(file.startswith(f + "/") for f in folders)  # noqa: E731
-        for file in sorted(f for f in imported if not covered(f)):
+        covered = {f for f in imported if f in declared or any(f.startswith(d + "/") for d in folders)}
+        for file in sorted(set(imported) - covered):
             problems.append(f"stage {stage.name}: dvc.yaml does not declare {file} ({import_chain(imported, file)})")
         for file in sorted(declared - folders - set(imported)):
-            problems.append(f"stage {stage.name}: dvc.yaml declares {file}, which the stage never imports (a needless rerun)")
+            problems.append(
+                f"stage {stage.name}: dvc.yaml declares {file}, which the stage never imports (a needless rerun)"
+            )
     assert not problems, "\n".join(problems)
 
 
@@ -48,12 +48,23 @@ def test_the_import_analysis_sees_lazy_and_from_imports(tmp_path):
     (package / "__init__.py").write_text("")
     (package / "a.py").write_text("def f():\n    from rlhf_pipeline import b\n")
     (package / "b.py").write_text("from rlhf_pipeline.c import thing\n")
-    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlhf_pipeline import d\nthing = 1\n")
+    (package / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rlhf_pipeline import d\nthing = 1\n"
+    )
     (package / "d.py").write_text("")
     (tmp_path / "script.py").write_text("import rlhf_pipeline.a\n")
     found = project_files(tmp_path / "script.py", tmp_path)
-    assert set(found) == {"script.py", "rlhf_pipeline/__init__.py", "rlhf_pipeline/a.py", "rlhf_pipeline/b.py", "rlhf_pipeline/c.py"}
-    assert import_chain(found, "rlhf_pipeline/c.py") == "script.py -> rlhf_pipeline/a.py -> rlhf_pipeline/b.py -> rlhf_pipeline/c.py"
+    assert set(found) == {
+        "script.py",
+        "rlhf_pipeline/__init__.py",
+        "rlhf_pipeline/a.py",
+        "rlhf_pipeline/b.py",
+        "rlhf_pipeline/c.py",
+    }
+    assert (
+        import_chain(found, "rlhf_pipeline/c.py")
+        == "script.py -> rlhf_pipeline/a.py -> rlhf_pipeline/b.py -> rlhf_pipeline/c.py"
+    )
 
 
 def test_every_stage_script_is_a_dvc_stage():
@@ -91,15 +102,17 @@ def test_the_view_lets_through_declared_keys_only():
     assert view.task is params.task and view.task.model_dump() == params.task.model_dump()
     assert view.data.queries.query_length == 12
     with pytest.raises(UndeclaredParamError) as info:
-        view.data.queries.test_fraction
+        _ = view.data.queries.test_fraction
     message = str(info.value)
-    assert "stage example" in message and "'data.queries.test_fraction'" in message and "stages.example.params" in message
+    assert (
+        "stage example" in message and "'data.queries.test_fraction'" in message and "stages.example.params" in message
+    )
     with pytest.raises(UndeclaredParamError, match="'ppo.lr'"):
-        view.ppo.lr
+        _ = view.ppo.lr
     with pytest.raises(UndeclaredParamError, match="'data.queries'"):
         view.data.queries.model_dump()  # would read test_fraction etc. too
     with pytest.raises(AttributeError):
-        view.data.no_such_section
+        _ = view.data.no_such_section
     with pytest.raises(AttributeError):
         view.seed = 3
     assert view.reads == {"seed", "task", "data.queries.query_length"}
@@ -107,7 +120,9 @@ def test_the_view_lets_through_declared_keys_only():
 
 
 def test_a_stage_reading_an_undeclared_key_fails_with_exit_2(tmp_path, monkeypatch, capsys):
-    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"probe": {"cmd": "true", "params": ["seed", "ppo.lr"]}}}))
+    (tmp_path / "dvc.yaml").write_text(
+        yaml.safe_dump({"stages": {"probe": {"cmd": "true", "params": ["seed", "ppo.lr"]}}})
+    )
     (tmp_path / "params.yaml").write_text("seed: 5\nppo:\n  lr: 1.0e-5\n")
     monkeypatch.chdir(tmp_path)
     seen = []
@@ -164,7 +179,9 @@ def test_every_output_reaches_a_clone():
         for out in stage.outs:
             if out.use_cache:
                 continue
-            ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", out.def_path], cwd=REPO).returncode == 0
+            ignored = (
+                subprocess.run(["git", "check-ignore", "-q", "--no-index", out.def_path], cwd=REPO).returncode == 0
+            )
             if ignored:
                 stranded.append(f"{stage.addressing}: {out.def_path}")
     assert not stranded, f"outputs with `cache: false` that .gitignore hides from git: {stranded}"
@@ -173,7 +190,9 @@ def test_every_output_reaches_a_clone():
 def test_a_stage_whose_declared_key_is_missing_from_the_file_fails_with_exit_2(tmp_path, monkeypatch, capsys):
     """DVC reads declared params from params.yaml itself; the schema's default would hide the gap
     until `dvc repro` fails after the stage ran."""
-    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"probe": {"cmd": "true", "params": ["seed", "ppo.lr"]}}}))
+    (tmp_path / "dvc.yaml").write_text(
+        yaml.safe_dump({"stages": {"probe": {"cmd": "true", "params": ["seed", "ppo.lr"]}}})
+    )
     (tmp_path / "params.yaml").write_text("seed: 5\n")
     monkeypatch.chdir(tmp_path)
     ran = []
@@ -192,6 +211,8 @@ def test_the_code_hash_follows_the_declared_code(monkeypatch):
     before, base_before = declared_code_hash("train_policy", REPO), declared_code_hash("base_model", REPO)
     assert before == declared_code_hash("train_policy", REPO)
     real = io.sha256_file
-    monkeypatch.setattr(io, "sha256_file", lambda path: "edited" if str(path).endswith("rlhf_pipeline/ppo.py") else real(path))
+    monkeypatch.setattr(
+        io, "sha256_file", lambda path: "edited" if str(path).endswith("rlhf_pipeline/ppo.py") else real(path)
+    )
     assert declared_code_hash("train_policy", REPO) != before
     assert declared_code_hash("base_model", REPO) == base_before  # base_model does not import ppo.py

@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_pipeline.evaluation import SampleSet, curve_point, length_stats, paired_improvement, sequence_kl, summarize, win_rate
+from rlhf_pipeline.evaluation import (
+    SampleSet,
+    curve_point,
+    length_stats,
+    paired_improvement,
+    sequence_kl,
+    summarize,
+    win_rate,
+)
 
 
 def test_sequence_kl_sums_logprob_differences_over_real_tokens():
@@ -42,8 +50,14 @@ def test_paired_improvement_by_hand():
 
 
 def sample_set(proxy, gold, kl, valid, responses):
-    return SampleSet(torch.tensor(responses), torch.tensor(valid), torch.tensor(proxy), None if gold is None else np.array(gold),
-                     torch.tensor(kl), ["x"] * len(proxy))
+    return SampleSet(
+        torch.tensor(responses),
+        torch.tensor(valid),
+        torch.tensor(proxy),
+        None if gold is None else np.array(gold),
+        torch.tensor(kl),
+        ["x"] * len(proxy),
+    )
 
 
 def test_summarize_by_hand():
@@ -97,10 +111,17 @@ def load_evaluate_stage():
     return module
 
 
-@pytest.mark.parametrize("best_update, expected", [
-    (4, "**update 4** (proxy 0.500, gold 0.300, KL 1.000); its weights are `checkpoints/policy/snapshots/update_00004.safetensors`"),
-    (0, "**the base model (update 0)** (proxy -0.500, gold 0.100, KL 0.000): no PPO checkpoint improved on it"),
-])
+@pytest.mark.parametrize(
+    "best_update, expected",
+    [
+        (
+            4,
+            "**update 4** (proxy 0.500, gold 0.300, KL 1.000); its weights are "
+            "`checkpoints/policy/snapshots/update_00004.safetensors`",
+        ),
+        (0, "**the base model (update 0)** (proxy -0.500, gold 0.100, KL 0.000): no PPO checkpoint improved on it"),
+    ],
+)
 def test_report_names_the_best_checkpoint(best_update, expected):
     render_report = load_evaluate_stage().render_report
     points = [{"update": 0, "kl": 0.0, "proxy": -0.5, "gold": 0.1}, {"update": 4, "kl": 1.0, "proxy": 0.5, "gold": 0.3}]

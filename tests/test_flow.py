@@ -17,7 +17,6 @@ from filelock import FileLock  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
-from rlhf_pipeline.errors import EXIT_CODE_MEANINGS, NOT_RETRIED_EXIT_CODES, MissingPackageError, ParamsError  # noqa: E402
 from flows.retrain import (  # noqa: E402
     DEPLOYMENT_NAME,
     CommandResult,
@@ -27,6 +26,7 @@ from flows.retrain import (  # noqa: E402
     stage_exit_code,
     stage_order,
 )
+from rlhf_pipeline.errors import EXIT_CODE_MEANINGS, NOT_RETRIED_EXIT_CODES, MissingPackageError, ParamsError  # noqa: E402
 
 pytestmark = pytest.mark.prefect
 
@@ -135,7 +135,9 @@ def _artifacts(flow_run_id) -> dict[str, object]:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     return {a.key: a for a in found}
 
 
@@ -148,14 +150,19 @@ def test_stage_order_and_exit_code_parsing(project: Path):
     import yaml
 
     spec = yaml.safe_load((project / "dvc.yaml").read_text())
-    (project / "dvc.yaml").write_text(yaml.safe_dump({"stages": dict(reversed(spec["stages"].items()))}, sort_keys=False))
+    (project / "dvc.yaml").write_text(
+        yaml.safe_dump({"stages": dict(reversed(spec["stages"].items()))}, sort_keys=False)
+    )
     assert list(yaml.safe_load((project / "dvc.yaml").read_text())["stages"]) == STAGES[::-1]
     assert stage_order(project) == STAGES
     dvc_error = "boom\nERROR: failed to reproduce 'x': failed to run: python s.py, exited with 3"
     assert stage_exit_code(CommandResult(255, dvc_error)) == 3
     assert stage_exit_code(CommandResult(255, "ERROR: Unable to acquire lock")) == 1
     assert stage_exit_code(CommandResult(0, "")) == 0
-    missing = "Traceback (most recent call last):\nModuleNotFoundError: No module named 'torch'\nERROR: failed to reproduce 'x': exited with 1"
+    missing = (
+        "Traceback (most recent call last):\nModuleNotFoundError: No module named 'torch'\nERROR: failed to "
+        "reproduce 'x': exited with 1"
+    )
     assert stage_exit_code(CommandResult(255, missing)) == MissingPackageError.exit_code
 
 
@@ -168,8 +175,12 @@ def test_transient_failure_is_retried_and_valid_data_ingested(project: Path, tmp
     os.utime(inbox / "old.jsonl", (1_000_000, 1_000_000))
 
     state = retrain(
-        repo=str(project), incoming=str(inbox), validate_command=_validator(tmp_path, 0, "ok"),
-        retries=3, retry_delay_seconds=0.0, return_state=True,  # lineage: the real CLI, failure tolerated
+        repo=str(project),
+        incoming=str(inbox),
+        validate_command=_validator(tmp_path, 0, "ok"),
+        retries=3,
+        retry_delay_seconds=0.0,
+        return_state=True,  # lineage: the real CLI, failure tolerated
     )
 
     assert state.is_completed(), state.message
@@ -197,7 +208,13 @@ def test_invalid_preferences_fail_the_run_before_any_stage(project: Path, tmp_pa
     bad.write_text('{"chosen": "same", "rejected": "same"}\n')
     summary = "Data contract failed for bad.jsonl: 1 row where chosen == rejected"
 
-    state = retrain(repo=str(project), incoming=str(bad), validate_command=_validator(tmp_path, 3, summary), return_state=True, **FAST)
+    state = retrain(
+        repo=str(project),
+        incoming=str(bad),
+        validate_command=_validator(tmp_path, 3, summary),
+        return_state=True,
+        **FAST,
+    )
 
     assert state.is_failed()
     assert "chosen == rejected" in state.message and "nothing was replaced" in state.message
@@ -270,7 +287,9 @@ def test_schedule_is_registered(project: Path):
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name(f"retrain/{DEPLOYMENT_NAME}")
         assert deployment.id == deployment_id
-        assert [(s.schedule.cron, s.schedule.timezone) for s in deployment.schedules] == [("15 4 * * 2", "Europe/Paris")]
+        assert [(s.schedule.cron, s.schedule.timezone) for s in deployment.schedules] == [
+            ("15 4 * * 2", "Europe/Paris")
+        ]
         assert deployment.schedules[0].active
         assert deployment.parameters["repo"] == str(project.resolve())
         assert deployment.global_concurrency_limit is not None and deployment.global_concurrency_limit.limit == 1
@@ -282,7 +301,10 @@ def test_stages_run_with_the_flows_interpreter_without_an_activated_venv(project
 
     spec = yaml.safe_load((project / "dvc.yaml").read_text())
     prepare = spec["stages"]["prepare"]
-    prepare["cmd"] = "python -c 'import sys; open(\"counters-interpreter.txt\", \"w\").write(sys.executable)' && " + prepare["cmd"].replace(PY, "python")
+    prepare["cmd"] = (
+        'python -c \'import sys; open("counters-interpreter.txt", "w").write(sys.executable)\' && '
+        + prepare["cmd"].replace(PY, "python")
+    )
     (project / "dvc.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no venv, no pyenv shims: `python` alone is not found here
     state = retrain(repo=str(project), return_state=True, **FAST)

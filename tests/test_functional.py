@@ -421,7 +421,9 @@ def test_best_of_n_loss_margin():
 def test_pairwise_loss_by_hand():
     close(fn.pairwise_loss(torch.tensor([1.0]), torch.tensor([0.0])), math.log(1 + math.exp(-1.0)))
     close(
-        fn.pairwise_loss(torch.tensor([math.log(3.0), 2.0]), torch.tensor([0.0, 2.0]), torch.tensor([math.log(3.0), 0.0])),
+        fn.pairwise_loss(
+            torch.tensor([math.log(3.0), 2.0]), torch.tensor([0.0, 2.0]), torch.tensor([math.log(3.0), 0.0])
+        ),
         math.log(2.0),
     )
 
@@ -474,6 +476,12 @@ def test_minibatch_indices_rejects_uneven_splits():
 
 
 def test_non_finite_tensors_names_each_bad_tensor_and_skips_none():
-    named = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")]), "c": None, "d": torch.tensor(float("-inf")), "e": torch.zeros(2, 2)}
+    named = {
+        "a": torch.ones(3),
+        "b": torch.tensor([1.0, float("nan")]),
+        "c": None,
+        "d": torch.tensor(float("-inf")),
+        "e": torch.zeros(2, 2),
+    }
     assert fn.non_finite_tensors(named) == ["b", "d"]
     assert fn.non_finite_tensors({"c": None}) == [] and fn.non_finite_tensors({}) == []

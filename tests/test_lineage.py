@@ -34,7 +34,8 @@ SCRIPTS = {
         src = pathlib.Path("source.txt").read_bytes()
         out = pathlib.Path("models/base"); out.mkdir(parents=True, exist_ok=True)
         (out / "weights.txt").write_text(src.decode().upper() + params["base"]["name"] + "\\n")
-        front = {"source": "source.txt", "source_sha256": hashlib.sha256(src).hexdigest(), "library_name": "transformers"}
+        front = {"source": "source.txt", "source_sha256": hashlib.sha256(src).hexdigest(),
+                 "library_name": "transformers"}
         (out / "README.md").write_text("---\\n" + yaml.safe_dump(front) + "---\\n\\n# Base model\\n")
     """,
     "scripts/prefs.py": """
@@ -181,8 +182,15 @@ def test_json_is_an_openlineage_run_event(repo, monkeypatch, capsys):
     assert event["schemaURL"].endswith("#/$defs/RunEvent")
     assert event["job"]["namespace"] == "dvc://proj"
     assert event["job"]["name"] == "train_policy"
-    assert event["job"]["facets"]["sourceCode"] == {**event["job"]["facets"]["sourceCode"], "language": "shell", "sourceCode": lock["train_policy"]["cmd"]}
-    assert event["job"]["facets"]["sourceCodeLocation"]["version"] == _git(repo, "log", "-1", "--format=%H", "--", "dvc.lock").strip()
+    assert event["job"]["facets"]["sourceCode"] == {
+        **event["job"]["facets"]["sourceCode"],
+        "language": "shell",
+        "sourceCode": lock["train_policy"]["cmd"],
+    }
+    assert (
+        event["job"]["facets"]["sourceCodeLocation"]["version"]
+        == _git(repo, "log", "-1", "--format=%H", "--", "dvc.lock").strip()
+    )
     run = event["run"]
     uuid.UUID(run["runId"])
     assert _lineage_json(capsys, "models/policy")["run"]["runId"] == run["runId"]  # deterministic
@@ -193,7 +201,11 @@ def test_json_is_an_openlineage_run_event(repo, monkeypatch, capsys):
     assert facets["upstreamParameters"]["stages"]["preferences"] == {"seed": 1, "prefs.n_rows": 6}
     assert facets["paramsDiff"]["changes"] == {}
     assert facets["git"]["dirty"] is False
-    assert {k: v for k, v in facets["stale"].items() if not k.startswith("_")} == {"stale": False, "artifactModified": False, "reasons": []}
+    assert {k: v for k, v in facets["stale"].items() if not k.startswith("_")} == {
+        "stale": False,
+        "artifactModified": False,
+        "reasons": [],
+    }
     assert facets["metrics"]["files"] == {"metrics/policy.json": {"reward": 1.5, "steps": 3}}
     assert facets["upstreamMetrics"]["files"]["metrics/preferences.json"]["agreement"] == 0.75
     env = facets["environment"]
@@ -205,7 +217,14 @@ def test_json_is_an_openlineage_run_event(repo, monkeypatch, capsys):
     inputs = {d["name"]: d["facets"]["dvc"] for d in event["inputs"]}
     base_card = next(d["facets"]["baseModel"] for d in event["inputs"] if d["name"] == "models/base")
     preference_data = next(d["facets"]["preferenceData"] for d in event["inputs"] if d["name"] == "data/preferences")
-    assert set(inputs) == {"scripts/policy.py", "models/base", "data/preferences", "scripts/base.py", "source.txt", "scripts/prefs.py"}
+    assert set(inputs) == {
+        "scripts/policy.py",
+        "models/base",
+        "data/preferences",
+        "scripts/base.py",
+        "source.txt",
+        "scripts/prefs.py",
+    }
     assert all(d["namespace"] == "dvc://proj" for d in event["inputs"])
     source = inputs["source.txt"]
     assert source["hash"] == _source_md5() and source["producedBy"] is None and source["source"] is True
@@ -322,10 +341,14 @@ def test_user_errors_name_the_path(repo, tmp_path, monkeypatch):
 
 def test_real_cli(repo):
     cmd = [sys.executable, "-m", "rlhf_pipeline.cli", "lineage"]
-    ok = subprocess.run([*cmd, "models/policy", "--json"], cwd=repo, env=_env(), capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [*cmd, "models/policy", "--json"], cwd=repo, env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["job"]["name"] == "train_policy"
-    bad = subprocess.run([*cmd, "does/not/exist.txt"], cwd=repo, env=_env(), capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [*cmd, "does/not/exist.txt"], cwd=repo, env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 1
     assert "does/not/exist.txt" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -349,7 +372,10 @@ def _validate_event(event: dict) -> None:
     checker = Draft202012Validator.FORMAT_CHECKER
     assert {"uri", "uuid", "date-time"} <= set(checker.checkers), "jsonschema's format extras are not installed"
     Draft202012Validator(schema, format_checker=checker).validate(event)
-    facets = [*event["run"]["facets"].values(), *(f for d in event["inputs"] + event["outputs"] for f in d["facets"].values())]
+    facets = [
+        *event["run"]["facets"].values(),
+        *(f for d in event["inputs"] + event["outputs"] for f in d["facets"].values()),
+    ]
     for facet in facets:
         url, _, pointer = facet["_schemaURL"].partition("#/$defs/")
         if url == schema["$id"]:

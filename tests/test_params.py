@@ -86,7 +86,9 @@ def test_unknown_keys_are_refused():
     raw["ppo"]["learning_rate"] = 1e-5
     with pytest.raises(ParamsError) as info:
         parse_params(raw)
-    assert info.value.problems == ["ppo.learning_rate: unknown key (typo? see params.yaml and rlhf_pipeline/params.py) (got 1e-05)"]
+    assert info.value.problems == [
+        "ppo.learning_rate: unknown key (typo? see params.yaml and rlhf_pipeline/params.py) (got 1e-05)"
+    ]
 
 
 def test_several_problems_are_all_reported():
@@ -98,7 +100,9 @@ def test_several_problems_are_all_reported():
 
 
 def run_cli(*args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf_pipeline.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_accepts_the_shipped_file():
@@ -115,7 +119,9 @@ def test_cli_refuses_broken_file_with_exit_2_and_no_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("content, message", [("a: [1, 2", "is not valid YAML"), ("- 1\n- 2\n", "<root>: must be a mapping")])
+@pytest.mark.parametrize(
+    "content, message", [("a: [1, 2", "is not valid YAML"), ("- 1\n- 2\n", "<root>: must be a mapping")]
+)
 def test_cli_refuses_malformed_yaml(tmp_path, content, message):
     bad = tmp_path / "params.yaml"
     bad.write_text(content)
@@ -130,7 +136,9 @@ def test_cli_missing_file(tmp_path):
 
 def test_stage_validates_params_with_the_same_messages(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(broken("base_model.dropout", 2.0)))
-    result = subprocess.run([sys.executable, str(REPO / "stages/base_model.py")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "stages/base_model.py")], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2
     assert "base_model.dropout: Input should be less than 1 (got 2.0)" in result.stderr
     assert not (tmp_path / "models").exists()
@@ -157,7 +165,9 @@ def test_yaml_dvc_would_refuse_or_that_would_hang_is_refused(tmp_path, content, 
 
 def test_an_alias_bomb_is_refused_at_once(tmp_path):
     """Nine levels of doubling would expand to 2**9 * 10 ... entries per level; refused before any expansion."""
-    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x, x]"] + [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, 10)]
+    lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x, x]"] + [
+        f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, 10)
+    ]
     bad = tmp_path / "params.yaml"
     bad.write_text("\n".join(lines) + "\n")
     result = run_cli("check-params", str(bad))
@@ -179,7 +189,9 @@ def test_cli_refuses_a_file_without_the_keys_dvc_yaml_tracks(tmp_path):
     (tmp_path / "params.yaml").write_text("")
     result = run_cli("check-params", str(tmp_path / "params.yaml"))
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    seed_line = next(line for line in result.stderr.splitlines() if line.startswith("seed: missing; dvc.yaml tracks it for "))
+    seed_line = next(
+        line for line in result.stderr.splitlines() if line.startswith("seed: missing; dvc.yaml tracks it for ")
+    )
     assert {"base_model", "corpus", "train_policy"} <= set(seed_line.split(" for ")[1].split(" (")[0].split(", "))
     assert "ppo.lr" not in result.stderr and "ppo: missing; dvc.yaml tracks it for train_policy" in result.stderr
     full = yaml.safe_load((REPO / "params.yaml").read_text())

@@ -26,7 +26,17 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
-ALL_STAGES = {"base_model", "corpus", "queries", "preferences", "validate_preferences", "train_reward", "normalize_reward", "train_policy", "evaluate"}
+ALL_STAGES = {
+    "base_model",
+    "corpus",
+    "queries",
+    "preferences",
+    "validate_preferences",
+    "train_reward",
+    "normalize_reward",
+    "train_policy",
+    "evaluate",
+}
 TINY_PARAMS = {
     "seed": 3,
     "data": {
@@ -40,17 +50,37 @@ TINY_PARAMS = {
         "train": {"batch_size": 16, "microbatch_size": 8, "lr": 1.0e-3, "normalize_before_samples": 16},
         "normalize": {"normalize_samples": 32, "eval_samples": 32, "batch_size": 32},
     },
-    "ppo": {"total_episodes": 64, "batch_size": 16, "nminibatches": 2, "microbatch_size": 8, "freeze_layers": 1, "checkpoint_every": 2, "lr": 1.0e-4},
+    "ppo": {
+        "total_episodes": 64,
+        "batch_size": 16,
+        "nminibatches": 2,
+        "microbatch_size": 8,
+        "freeze_layers": 1,
+        "checkpoint_every": 2,
+        "lr": 1.0e-4,
+    },
     "evaluate": {"num_queries": 16, "batch_size": 16, "num_table_rows": 8},
 }
 
 
 def sh(args, cwd, check=True, timeout=900, **extra_env):
-    env = {**os.environ, **extra_env, "PATH": f"{BIN}:{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        **extra_env,
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "DVC_NO_ANALYTICS": "1",
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
     env.pop("RLHF_PROJECT_ROOT", None)
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, args))} failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(map(str, args))} failed "
+            f"({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        )
     return result
 
 
@@ -91,7 +121,15 @@ def test_every_stage_ran_and_wrote_its_outputs(project):
     root, result = project
     for stage in ALL_STAGES:
         assert f"Running stage '{stage}'" in result.stdout, stage
-    for path in ("models/base", "models/reward", "models/policy", "data/preferences", "evaluation/report.md", "evaluation/overoptimization.png", "evaluation/samples.csv"):
+    for path in (
+        "models/base",
+        "models/reward",
+        "models/policy",
+        "data/preferences",
+        "evaluation/report.md",
+        "evaluation/overoptimization.png",
+        "evaluation/samples.csv",
+    ):
         assert (root / path).exists(), path
     for model in ("base", "reward", "policy"):
         card = read_model_card(root / "models" / model)
@@ -108,7 +146,15 @@ def test_metrics_are_declared_and_sane(project):
     assert 0.0 <= metrics["test/accuracy"] <= 1.0
     assert 0.0 <= metrics["labels/ceiling_accuracy"] <= 1.0
     assert abs(metrics["normalized/mean"]) < 1.0 and metrics["normalized/mean_stderr"] > 0.0
-    for key in ("gold/base_mean", "gold/policy_mean", "proxy/base_mean", "proxy/policy_mean", "kl/mean", "win_rate/gold", "win_rate/proxy"):
+    for key in (
+        "gold/base_mean",
+        "gold/policy_mean",
+        "proxy/base_mean",
+        "proxy/policy_mean",
+        "kl/mean",
+        "win_rate/gold",
+        "win_rate/proxy",
+    ):
         assert key in metrics, key
     points = json.loads((root / "evaluation/overoptimization.json").read_text())
     assert [p["update"] for p in points] == [0, 2, 4]
@@ -171,10 +217,13 @@ def test_each_stage_read_every_param_it_declares(project):
         assert all(any(r == key or r.startswith(key + ".") for key in declared) for r in reads)
 
 
-@pytest.mark.parametrize("module, importers", [
-    ("rlhf_pipeline/models.py", ALL_STAGES),
-    ("rlhf_pipeline/reward.py", {"train_reward", "normalize_reward", "train_policy", "evaluate"}),
-])
+@pytest.mark.parametrize(
+    "module, importers",
+    [
+        ("rlhf_pipeline/models.py", ALL_STAGES),
+        ("rlhf_pipeline/reward.py", {"train_reward", "normalize_reward", "train_policy", "evaluate"}),
+    ],
+)
 def test_editing_a_module_reruns_exactly_the_stages_that_import_it(project, tmp_path, module, importers):
     root, _ = project
     assert stage_importers(module) == importers  # what the import analysis derives
@@ -207,14 +256,19 @@ def test_bad_preference_data_stops_the_pipeline_and_touches_nothing(project, tmp
 
 # Two threads of matrix products: it competes with the stage for both cores and for the same
 # OpenMP/MKL machinery, the worst case for a thread-count-dependent result.
-COMPETITOR = "import torch\ntorch.set_num_threads(2)\na = torch.randn(768, 768)\nwhile True:\n    a = torch.tanh(a @ a)\n"
+COMPETITOR = (
+    "import torch\ntorch.set_num_threads(2)\na = torch.randn(768, 768)\nwhile True:\n    a = torch.tanh(a @ a)\n"
+)
 
 
 def file_digests(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
     import hashlib
 
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in skip}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name not in skip
+    }
 
 
 def test_outputs_are_byte_identical_beside_a_competing_process(project, tmp_path):
@@ -233,4 +287,6 @@ def test_outputs_are_byte_identical_beside_a_competing_process(project, tmp_path
         competitor.kill()
     assert file_digests(clone / "data" / "corpus") == file_digests(root / "data" / "corpus")
     # the model card names the run's temporary folder; every weight, config and tokenizer file must match
-    assert file_digests(clone / "models" / "policy", skip=("README.md",)) == file_digests(root / "models" / "policy", skip=("README.md",))
+    assert file_digests(clone / "models" / "policy", skip=("README.md",)) == file_digests(
+        root / "models" / "policy", skip=("README.md",)
+    )

@@ -45,7 +45,13 @@ SENTENCES = [s.strip() + "." for text in TINY_TEXT for s in text.split(".") if s
 
 
 def tiny_queries(tokenizer, n: int, length: int = 16):
-    rows = [tokenizer.encode(" " + SENTENCES[i % len(SENTENCES)] + " " + SENTENCES[(i * 7 + 3) % len(SENTENCES)], add_special_tokens=False)[:length] for i in range(n)]
+    rows = [
+        tokenizer.encode(
+            " " + SENTENCES[i % len(SENTENCES)] + " " + SENTENCES[(i * 7 + 3) % len(SENTENCES)],
+            add_special_tokens=False,
+        )[:length]
+        for i in range(n)
+    ]
     return [pad_tokens(r, length, tokenizer.pad_token_id, "left") for r in rows], [tokenizer.decode(r) for r in rows]
 
 
@@ -67,7 +73,10 @@ def test_label_temperature_samples_softmax():
     assert abs(picks.mean() - 0.75) < 0.03
     cold = pick_best(scores, 0.01, np.random.default_rng(0))
     assert cold.tolist() == [1] * 4000
-    assert pick_best(scores[:50], 1.0, np.random.default_rng(7)).tolist() == pick_best(scores[:50], 1.0, np.random.default_rng(7)).tolist()
+    assert (
+        pick_best(scores[:50], 1.0, np.random.default_rng(7)).tolist()
+        == pick_best(scores[:50], 1.0, np.random.default_rng(7)).tolist()
+    )
 
 
 def test_ceiling_accuracy_by_hand():
@@ -106,8 +115,18 @@ def simulate(model, tokenizer, seed=0, num_rows=6, temperature=0.0, n=4):
     sampler = TaskSampler.from_tokenizer(task, tokenizer)
     query_ids, queries = tiny_queries(tokenizer, 12)
     return simulate_preferences(
-        model, tokenizer, sampler, query_ids, queries, num_rows, n, CountE(), temperature, 4,
-        torch.Generator().manual_seed(seed), np.random.default_rng(seed),
+        model,
+        tokenizer,
+        sampler,
+        query_ids,
+        queries,
+        num_rows,
+        n,
+        CountE(),
+        temperature,
+        4,
+        torch.Generator().manual_seed(seed),
+        np.random.default_rng(seed),
     )
 
 
@@ -153,18 +172,38 @@ def test_simulation_labels_queries_again_on_fresh_samples(tiny_model, tiny_token
 
 def test_simulation_refuses_when_no_row_passes_the_contract(tiny_model, tiny_tokenizer):
     """Near-greedy one-token responses are four identical samples: every row breaks the contract."""
-    sampler = TaskSampler.from_tokenizer(TaskParams(response_length=1, truncate_token=None, temperature=0.001), tiny_tokenizer)
+    sampler = TaskSampler.from_tokenizer(
+        TaskParams(response_length=1, truncate_token=None, temperature=0.001), tiny_tokenizer
+    )
     query_ids, queries = tiny_queries(tiny_tokenizer, 12)
     with pytest.raises(PipelineError, match="num_labels.*duplicate_samples"):
-        simulate_preferences(tiny_model, tiny_tokenizer, sampler, query_ids, queries, 6, 4, CountE(), 0.0, 4,
-                             torch.Generator().manual_seed(0), np.random.default_rng(0))
+        simulate_preferences(
+            tiny_model,
+            tiny_tokenizer,
+            sampler,
+            query_ids,
+            queries,
+            6,
+            4,
+            CountE(),
+            0.0,
+            4,
+            torch.Generator().manual_seed(0),
+            np.random.default_rng(0),
+        )
 
 
 # --------------------------------------------------------------------------------------------
 # user formats
 # --------------------------------------------------------------------------------------------
-PAIRS = pd.DataFrame({"prompt": ["The movie was", "She walked to the market and then"], "chosen": ["great fun.", "bought bread."],
-                      "rejected": ["bad.", "the weather is fine and the sky is blue and"], "margin": [1.5, None]})
+PAIRS = pd.DataFrame(
+    {
+        "prompt": ["The movie was", "She walked to the market and then"],
+        "chosen": ["great fun.", "bought bread."],
+        "rejected": ["bad.", "the weather is fine and the sky is blue and"],
+        "margin": [1.5, None],
+    }
+)
 
 
 def test_pairwise_to_internal(tiny_tokenizer):
@@ -185,7 +224,15 @@ def test_pairwise_to_internal(tiny_tokenizer):
 
 
 def test_best_of_n_to_internal(tiny_tokenizer):
-    frame = pd.DataFrame({"query": ["q one", "q two"], "sample0": ["a", "b"], "sample2": ["e", "f"], "sample1": ["c", "d"], "best": [2, 0]})
+    frame = pd.DataFrame(
+        {
+            "query": ["q one", "q two"],
+            "sample0": ["a", "b"],
+            "sample2": ["e", "f"],
+            "sample1": ["c", "d"],
+            "best": [2, 0],
+        }
+    )
     cols = best_of_n_to_internal(frame, tiny_tokenizer, 4, 3)
     assert cols["samples"] == [["a", "c", "e"], ["b", "d", "f"]] and cols["best"] == [2, 0]
     assert all(len(r) == 3 and all(len(x) == 3 for x in r) for r in cols["sample_ids"])
@@ -205,7 +252,10 @@ def test_detect_format_and_flat_frame():
 
 
 def test_user_split_column_and_seeded_split(tmp_path):
-    rows = [{"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"r{i}", "split": "test" if i % 4 == 0 else "train"} for i in range(8)]
+    rows = [
+        {"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"r{i}", "split": "test" if i % 4 == 0 else "train"}
+        for i in range(8)
+    ]
     path = tmp_path / "pairs.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     frames, fmt = load_user_frames(str(path), "train", 0.5, seed=0)
@@ -251,7 +301,10 @@ def test_preferences_stage_simulated(project):
 def test_preferences_stage_user_pairwise(project):
     from datasets import load_from_disk
 
-    rows = [{"prompt": f"Prompt number {i}.", "chosen": f"A good answer {i}.", "rejected": f"A bad answer {i}."} for i in range(10)]
+    rows = [
+        {"prompt": f"Prompt number {i}.", "chosen": f"A good answer {i}.", "rejected": f"A bad answer {i}."}
+        for i in range(10)
+    ]
     (project / "data" / "labels").mkdir(parents=True)
     pd.DataFrame(rows).to_parquet(project / "data" / "labels" / "pairs.parquet")
     project.write_params(**{"data.preferences.source": "data/labels/pairs.parquet"})
@@ -265,12 +318,18 @@ def test_preferences_stage_user_pairwise(project):
 
 def test_an_overlong_user_text_is_refused_before_tokenization(project, capsys, monkeypatch):
     """A 5 MB row: the stage refuses it by length (exit 3) without handing it to the tokenizer."""
-    rows = [{"prompt": f"Prompt number {i}.", "chosen": f"A good answer {i}.", "rejected": f"A bad answer {i}."} for i in range(10)]
+    rows = [
+        {"prompt": f"Prompt number {i}.", "chosen": f"A good answer {i}.", "rejected": f"A bad answer {i}."}
+        for i in range(10)
+    ]
     rows[4]["rejected"] = "x" * 5_000_000
     (project / "data" / "labels").mkdir(parents=True)
     pd.DataFrame(rows).to_parquet(project / "data" / "labels" / "pairs.parquet")
     project.write_params(**{"data.preferences.source": "data/labels/pairs.parquet", "data.queries.test_fraction": 0.1})
     assert run_stage_script("preferences") == 3
     err = capsys.readouterr().err
-    assert "column 'rejected', row " in err and "a text of 5000000 characters, over data.validation.max_text_chars (4000)" in err
+    assert (
+        "column 'rejected', row " in err
+        and "a text of 5000000 characters, over data.validation.max_text_chars (4000)" in err
+    )
     assert not (project / "data" / "preferences").exists()

@@ -129,7 +129,10 @@ def test_queries_stage(project, tiny_tokenizer):
             assert ids[: 16 - len(real)] == [pad] * (16 - len(real))  # left padded
             assert tiny_tokenizer.decode(real) == text
             assert text.endswith(".")
-    assert any(q.strip() == "The movie was wonderful." for q in list(queries["train"]["query"]) + list(queries["test"]["query"]))
+    assert any(
+        q.strip() == "The movie was wonderful."
+        for q in list(queries["train"]["query"]) + list(queries["test"]["query"])
+    )
 
 
 def test_queries_stage_refuses_when_nothing_survives(project, capsys):

@@ -28,7 +28,9 @@ def pad(tiny_base_dir):
 
 
 def make_rm(tiny_base_dir, pad, pooling="last", seed=0):
-    return RewardModel.from_base(tiny_base_dir, pad, generator=torch.Generator().manual_seed(seed), pooling=pooling).eval()
+    return RewardModel.from_base(
+        tiny_base_dir, pad, generator=torch.Generator().manual_seed(seed), pooling=pooling
+    ).eval()
 
 
 def batch(pad, rows=6, n=3, q=5, r=4, seed=0):
@@ -74,14 +76,17 @@ def test_packed_mask_by_hand():
     """[pad q | r1a r1b | r2a pad]: responses see the real query token and themselves, never each other."""
     query_mask = torch.tensor([[False, True]])
     response_mask = torch.tensor([[[True, True], [True, False]]])
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0],  # query padding: itself only
-        [0, 1, 0, 0, 0, 0],  # query token
-        [0, 1, 1, 0, 0, 0],  # r1a
-        [0, 1, 1, 1, 0, 0],  # r1b
-        [0, 1, 0, 0, 1, 0],  # r2a: not r1
-        [0, 1, 0, 0, 1, 1],  # r2 padding: itself, never attended by others
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],  # query padding: itself only
+            [0, 1, 0, 0, 0, 0],  # query token
+            [0, 1, 1, 0, 0, 0],  # r1a
+            [0, 1, 1, 1, 0, 0],  # r1b
+            [0, 1, 0, 0, 1, 0],  # r2a: not r1
+            [0, 1, 0, 0, 1, 1],  # r2 padding: itself, never attended by others
+        ],
+        dtype=torch.bool,
+    )
     mask = packed_best_of_n_mask(query_mask, response_mask)
     assert mask.shape == (1, 1, 6, 6)
     assert torch.equal(mask[0, 0], expected)
@@ -93,7 +98,9 @@ def test_last_pooling_reads_the_last_real_token(tiny_base_dir, pad):
     queries, samples = batch(pad, rows=1, n=1)
     short = samples[:, :, :2]
     padded = torch.cat([short, torch.full((1, 1, 3), pad)], -1)
-    torch.testing.assert_close(rm.score_best_of_n(queries, short), rm.score_best_of_n(queries, padded), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        rm.score_best_of_n(queries, short), rm.score_best_of_n(queries, padded), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_masked_mean_hidden_by_hand():
@@ -147,8 +154,19 @@ def test_training_anneals_the_lr_to_zero_and_learns(tiny_base_dir, pad):
     best = samples[:, :, 0].argmax(-1)
     with torch.no_grad():
         initial_loss = best_of_n_loss(rm.score_best_of_n(queries, samples), best)[0].item()
-    history = train_reward_model(rm, queries, samples, best, None, lr=1e-2, epochs=1, batch_size=8, microbatch_size=4,
-                                 adam_eps=1e-5, generator=torch.Generator().manual_seed(0))
+    history = train_reward_model(
+        rm,
+        queries,
+        samples,
+        best,
+        None,
+        lr=1e-2,
+        epochs=1,
+        batch_size=8,
+        microbatch_size=4,
+        adam_eps=1e-5,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert [h["lr"] for h in history] == pytest.approx([1e-2, 0.75e-2, 0.5e-2, 0.25e-2])
     assert torch.equal(rm.backbone.layers[0].mlp.down_proj.weight, frozen_before)
     assert not torch.equal(rm.backbone.layers[1].mlp.down_proj.weight, top_before)
@@ -178,8 +196,20 @@ def test_gain_and_bias_train_with_the_model_unless_switched_off(tiny_base_dir, p
     rm = make_rm(tiny_base_dir, pad).train()
     queries, samples = batch(pad, rows=8, n=4, seed=2)
     best = samples[:, :, 0].argmax(-1)
-    train_reward_model(rm, queries, samples, best, None, lr=1e-2, epochs=1, batch_size=8, microbatch_size=8,
-                       adam_eps=1e-5, generator=torch.Generator().manual_seed(0), train_gain_bias=train_gain_bias)
+    train_reward_model(
+        rm,
+        queries,
+        samples,
+        best,
+        None,
+        lr=1e-2,
+        epochs=1,
+        batch_size=8,
+        microbatch_size=8,
+        adam_eps=1e-5,
+        generator=torch.Generator().manual_seed(0),
+        train_gain_bias=train_gain_bias,
+    )
     assert (rm.gain.item() != 1.0) is train_gain_bias
     assert rm.bias.item() == pytest.approx(0.0, abs=1e-4)  # zero gradient: Adam barely moves it
 
@@ -216,8 +246,19 @@ def test_a_non_finite_loss_stops_with_exit_code_4(tiny_base_dir, pad):
     queries, samples = batch(pad, rows=16, n=4, seed=3)
     best = samples[:, :, 0].argmax(-1)
     with pytest.raises(NonFiniteError, match="loss became non-finite at step 1; nothing was written") as info:
-        train_reward_model(rm, queries, samples, best, None, lr=float("inf"), epochs=1, batch_size=8, microbatch_size=8,
-                           adam_eps=1e-5, generator=torch.Generator().manual_seed(0))
+        train_reward_model(
+            rm,
+            queries,
+            samples,
+            best,
+            None,
+            lr=float("inf"),
+            epochs=1,
+            batch_size=8,
+            microbatch_size=8,
+            adam_eps=1e-5,
+            generator=torch.Generator().manual_seed(0),
+        )
     assert info.value.exit_code == 4
 
 
@@ -230,6 +271,17 @@ def test_a_non_finite_gradient_stops_before_the_step(tiny_base_dir, pad):
     queries, samples = batch(pad, rows=8, n=4, seed=3)
     best = samples[:, :, 0].argmax(-1)
     with pytest.raises(NonFiniteError, match=r"gradient became non-finite at step 0 \(head.weight"):
-        train_reward_model(rm, queries, samples, best, None, lr=1e-2, epochs=1, batch_size=8, microbatch_size=8,
-                           adam_eps=1e-5, generator=torch.Generator().manual_seed(0))
+        train_reward_model(
+            rm,
+            queries,
+            samples,
+            best,
+            None,
+            lr=1e-2,
+            epochs=1,
+            batch_size=8,
+            microbatch_size=8,
+            adam_eps=1e-5,
+            generator=torch.Generator().manual_seed(0),
+        )
     assert all(torch.equal(before[name], p) for name, p in rm.named_parameters())

@@ -14,7 +14,9 @@ def test_frequencies_match_softmax_across_blocks_and_tail():
     logits = torch.tensor([0.0, 1.0, -1e9, 2.0, -0.5, 0.3, 1.5, -2.0, 0.7, -1e9])
     probs = torch.softmax(logits, -1)
     draws = 60_000
-    tokens, _ = sample_from_logits(logits.expand(draws, -1).contiguous(), torch.Generator().manual_seed(0), block_size=4)
+    tokens, _ = sample_from_logits(
+        logits.expand(draws, -1).contiguous(), torch.Generator().manual_seed(0), block_size=4
+    )
     counts = torch.bincount(tokens, minlength=10).double()
     assert counts[2] == 0 and counts[9] == 0
     freq = counts / draws
@@ -62,13 +64,23 @@ def test_captured_hidden_states_equal_a_plain_forward(tiny_model, tiny_tokenizer
 
     pad = tiny_tokenizer.pad_token_id
     queries = torch.tensor([[pad, pad, 5, 6, 7], [8, 9, 10, 11, 12]])
-    out = sample_responses(tiny_model, queries, queries != pad, 6, 0.7, pad, generator=torch.Generator().manual_seed(0),
-                           num_samples=2, capture_layers=(0, 2))
+    out = sample_responses(
+        tiny_model,
+        queries,
+        queries != pad,
+        6,
+        0.7,
+        pad,
+        generator=torch.Generator().manual_seed(0),
+        num_samples=2,
+        capture_layers=(0, 2),
+    )
     assert sorted(out.hidden) == [0, 2]
     full = torch.cat([queries.repeat_interleave(2, 0), out.responses], dim=1)
     mask = full != pad
-    reference = tiny_model.model(input_ids=full, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask),
-                                 output_hidden_states=True).hidden_states
+    reference = tiny_model.model(
+        input_ids=full, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask), output_hidden_states=True
+    ).hidden_states
     for layer, states in out.hidden.items():
         assert states.shape == (4, 11, tiny_model.config.hidden_size)
         torch.testing.assert_close(states[mask], reference[layer][mask], atol=1e-5, rtol=1e-4)

@@ -8,16 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_stage_script
 from safetensors.torch import save_file
 
-from conftest import run_stage_script
 from rlhf_pipeline.errors import StorageError, storage_failure
 from rlhf_pipeline.io import atomic_dir, write_json
 
 
 def mount_tmpfs(where: Path, options: str) -> Path:
     where.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True
+    )
     if result.returncode:
         pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {result.stderr.strip()}")
     return where
@@ -39,6 +41,7 @@ def _error_of(write) -> BaseException:
 def test_real_write_failures_are_recognised(small_disk):
     """The errors each writer really raises on a full disk: the plain OSError, torch.save's
     RuntimeError raised while handling it, safetensors' own error type."""
+
     def plain():
         with open(small_disk / "plain.txt", "w") as handle:
             handle.write("x" * 1_000_000)
@@ -48,20 +51,28 @@ def test_real_write_failures_are_recognised(small_disk):
             torch.save({"x": torch.zeros(1_000_000)}, handle)
 
     errors = []
-    for write in (plain, torch_save, lambda: save_file({"x": torch.zeros(1_000_000)}, str(small_disk / "x.safetensors"))):
+    for write in (
+        plain,
+        torch_save,
+        lambda: save_file({"x": torch.zeros(1_000_000)}, str(small_disk / "x.safetensors")),
+    ):
         errors.append(_error_of(write))
         for leftover in small_disk.iterdir():  # each writer starts on an empty disk
             leftover.unlink()
     assert [type(e).__name__ for e in errors] == ["OSError", "RuntimeError", "SafetensorError"]
     assert all(storage_failure(e) == "No space left on device" for e in errors)
-    assert storage_failure(ValueError("a bug")) is None and storage_failure(FileNotFoundError(2, "No such file")) is None
+    assert (
+        storage_failure(ValueError("a bug")) is None and storage_failure(FileNotFoundError(2, "No such file")) is None
+    )
 
 
 def test_full_disk_keeps_the_previous_output(small_disk):
     target = small_disk / "model"
     with atomic_dir(target) as tmp:
         (tmp / "weights.bin").write_bytes(b"previous")
-    with pytest.raises(StorageError, match=rf"could not write {target}: No space left on device\. Nothing half-written"):
+    with pytest.raises(
+        StorageError, match=rf"could not write {target}: No space left on device\. Nothing half-written"
+    ):
         with atomic_dir(target) as tmp:
             (tmp / "weights.bin").write_bytes(b"\0" * 1_000_000)
     assert (target / "weights.bin").read_bytes() == b"previous"
