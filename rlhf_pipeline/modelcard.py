@@ -1,21 +1,57 @@
-"""Model cards (README.md with YAML front matter) for every saved model directory.
+"""Model cards (``README.md``) for every saved model directory, written and read with
+``huggingface_hub``'s ``ModelCard``/``ModelCardData``.
 
-The lineage section is computed when the model is written: the git commit of the code, a
-content hash of each input, and the params that made it. ``rlhf lineage`` cross-checks the same
-facts later from dvc.lock.
+The metadata names ``base_model`` and ``datasets`` in hub form only where the pipeline knows a hub
+id (the embedded SmolLM2 comes from ``HuggingFaceTB/SmolLM2-135M-Instruct``; a hub source is its
+own id); everything else (local folders, the content hash of each input, the git commit) is the
+card's ``lineage`` key and its Lineage section. ``rlhf lineage`` cross-checks the same facts later
+from ``dvc.lock``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from rlhf_pipeline.io import sha256_file
-from rlhf_pipeline.models import write_model_card
+from rlhf_pipeline.io import atomic_file, sha256_file
+
+CARD = "README.md"
+# owner/name as the Hub spells repository ids (a local path that happens to match is not one)
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_id(value: Any) -> str | None:
+    """``value`` when it is a hub repository id rather than a local path."""
+    if isinstance(value, str) and HUB_ID.match(value) and not Path(value).exists():
+        return value
+    return None
+
+
+def read_card(directory: str | os.PathLike) -> dict[str, Any]:
+    """The metadata of ``directory``'s model card; {} when it has none."""
+    from huggingface_hub import ModelCard
+
+    path = Path(directory, CARD)
+    if not path.is_file() or not path.read_text(errors="replace").startswith("---"):
+        return {}  # no metadata block (ModelCard would warn and return empty data)
+    return ModelCard.load(path).data.to_dict()
+
+
+def save_card(directory: str | os.PathLike, metadata: dict[str, Any], body: str) -> None:
+    """Write ``README.md``: ``metadata`` through ``ModelCardData`` (the Hub's field names and
+    checks), then ``body``."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    data = ModelCardData(**{k: v for k, v in metadata.items() if v is not None})
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.strip()}\n")
+    with atomic_file(Path(directory, CARD)) as handle:
+        handle.write(str(card))
 
 
 def git_state() -> dict:
@@ -41,56 +77,75 @@ def content_hash(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+def usage_snippet(target: str, kind: str) -> str:
+    """How to load the model at ``target``: a policy with transformers, a reward model with this package."""
+    if kind == "reward":
+        return f"""```python
+from rlhf_pipeline.reward import RewardModel
+
+reward_model = RewardModel.load("{target}")  # scores (queries, responses) token ids; see rlhf_pipeline.reward
+```"""
+    trained = kind == "policy"
+    padding = "  # pads on the left, for batched generation" if trained else ""
+    sampling = "  # generation_config.json: the sampling settings PPO trained with" if trained else ""
+    return f"""```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{target}"){padding}
+model = AutoModelForCausalLM.from_pretrained("{target}")
+inputs = tokenizer(["The movie was"], return_tensors="pt", padding=True)
+output = model.generate(**inputs, max_new_tokens=24){sampling}
+print(tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+```"""
+
+
 def write_card(
     directory: str | os.PathLike,
+    *,
+    target: str,
+    kind: str,
     title: str,
     summary: str,
-    base_model: str,
-    datasets: list[str],
+    base_dir: str,
     tags: list[str],
     hyperparameters: dict,
     metrics: dict,
     inputs: list[str],
-    license: str = "apache-2.0",
-    extra_front_matter: dict | None = None,
+    datasets: list[str] | None = None,
+    extra_metadata: dict | None = None,
 ) -> None:
+    """The card of a model trained from ``base_dir``: its base model and licence come from that
+    model's card; ``target`` is where the model lands (not the temporary folder it is written to)."""
     import torch
 
-    inputs_hashes = {str(p): content_hash(p) for p in inputs if Path(p).exists()}
+    base = read_card(base_dir)
     git = git_state()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    front = {
-        "base_model": base_model,
-        "datasets": datasets,
-        "license": license,
+    hashes = {str(p): content_hash(p) for p in inputs if Path(p).exists()}
+    metadata = {
+        "base_model": hub_id(base.get("base_model")),
+        "datasets": [d for d in map(hub_id, datasets or []) if d] or None,
+        "license": base.get("license"),
         "library_name": "transformers",
+        "pipeline_tag": "text-generation" if kind == "policy" else None,
         "tags": ["rlhf-pipeline", *tags],
         "device": device,
-        "git_commit": git["commit"],
-        "git_dirty": git["dirty"],
-        **(extra_front_matter or {}),
+        "lineage": {
+            "git_commit": git["commit"],
+            "git_dirty": git["dirty"],
+            "base_model_dir": base_dir,
+            "inputs": hashes,
+        },
+        **(extra_metadata or {}),
     }
-    body = [
-        f"# {title}",
-        "",
-        summary.strip(),
-        "",
-        "## Training procedure and hyperparameters",
-        "",
-        "```yaml",
-        yaml.safe_dump(hyperparameters, sort_keys=False).strip(),
-        "```",
-        "",
-    ]
-    body += ["## Evaluation", ""]
-    body += [f"- `{k}`: {v:.4f}" if isinstance(v, float) else f"- `{k}`: {v}" for k, v in metrics.items()] or ["(none)"]
-    body += [
-        "",
-        "## Lineage",
-        "",
+    lineage = [
         f"- git commit: `{git['commit']}`" + (" (working tree dirty)" if git["dirty"] else ""),
         f"- device: {device}",
     ]
-    body += [f"- input `{p}`: sha256 `{h}`" for p, h in inputs_hashes.items()]
-    body += ["", "Full chain: `rlhf lineage " + str(directory) + "`."]
-    write_model_card(directory, front, "\n".join(body))
+    lineage += [f"- input `{p}`: sha256 `{h}`" for p, h in hashes.items()]
+    evaluation = [f"- `{k}`: {v:.4f}" if isinstance(v, float) else f"- `{k}`: {v}" for k, v in metrics.items()]
+    body = [f"# {title}", "", summary.strip(), "", "## Usage", "", usage_snippet(target, kind), ""]
+    body += ["## Training procedure and hyperparameters", "", "```yaml"]
+    body += [yaml.safe_dump(hyperparameters, sort_keys=False).strip(), "```", "", "## Evaluation", ""]
+    body += [*(evaluation or ["(none)"]), "", "## Lineage", "", *lineage, "", f"Full chain: `rlhf lineage {target}`."]
+    save_card(directory, metadata, "\n".join(body))

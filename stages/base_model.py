@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 from rlhf_pipeline.io import atomic_dir
-from rlhf_pipeline.models import (
-    add_dedicated_pad_token,
-    count_parameters,
-    load_source_model,
-    set_dropout,
-    write_model_card,
-)
+from rlhf_pipeline.modelcard import hub_id, save_card, usage_snippet
+from rlhf_pipeline.models import add_dedicated_pad_token, count_parameters, load_source_model, set_dropout
 from rlhf_pipeline.params import Params
 from rlhf_pipeline.runner import run_stage
 
@@ -26,12 +21,15 @@ def main(params: Params) -> None:
     with atomic_dir(OUT) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        front = {
-            "base_model": provenance.get("upstream", cfg.source),
-            "license": provenance.get("license", "unknown"),
+        metadata = {
+            "base_model": hub_id(provenance.get("upstream")),
+            "base_model_relation": "quantized" if provenance.get("upstream_format") else None,
+            "license": provenance.get("license"),
             "library_name": "transformers",
+            "pipeline_tag": "text-generation",
             "tags": ["rlhf-pipeline", "base-model"],
             "source": cfg.source,
+            "source_format": provenance.get("upstream_format"),
             "source_file": provenance.get("source_file"),
             "source_sha256": provenance.get("source_sha256"),
             "parameters": n_params,
@@ -50,8 +48,12 @@ Materialised by the `base_model` stage from `{cfg.source}` as fp32 safetensors.
 - Source file sha256: `{provenance.get("source_sha256")}`
 
 This is the frozen reference policy for PPO and the initialisation of the reward model and policy.
+
+## Usage
+
+{usage_snippet(OUT, "base")}
 """
-        write_model_card(tmp, front, body)
+        save_card(tmp, metadata, body)
     print(f"base_model: saved {OUT} ({n_params:,} parameters, pad id {pad_id})")
 
 

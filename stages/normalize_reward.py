@@ -68,12 +68,14 @@ def main(params: Params) -> None:
         tokenizer.save_pretrained(tmp)
         write_card(
             tmp,
+            target=OUT,
+            kind="reward",
             title="Reward model",
             summary=f"The trained reward model of `{TRAINED}` with gain {gain:.4f} and bias {bias:.4f} fitted so that "
             f"rewards of {len(fit_queries)} base-model samples have mean {cfg.target_mean} and std {cfg.target_std} "
             "(reward = gain * head + bias). This is the reward PPO optimises.",
-            base_model=BASE,
-            datasets=["data/preferences", QUERIES],
+            base_dir=BASE,
+            datasets=[params.data.preferences.source],  # in the metadata when it is a hub id
             tags=["reward-model", "normalized"],
             hyperparameters={
                 "reward.normalize": cfg.model_dump(),

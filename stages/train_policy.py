@@ -125,20 +125,22 @@ def main(params: Params) -> None:
         metrics["gold/first_quarter"] = mean(first, "objective/gold")
         metrics["gold/last_quarter"] = mean(last, "objective/gold")
     with atomic_dir(OUT) as tmp:
-        save_policy(policy, tokenizer, tmp)
+        save_policy(policy, tokenizer, tmp, params.task.temperature, params.task.response_length)
         write_card(
             tmp,
+            target=OUT,
+            kind="policy",
             title="PPO policy",
             summary=f"`{BASE}` fine-tuned with PPO (lm-human-preferences details) against `{REWARD}` for "
             f"{metrics['episodes']} episodes on {plan.describe()}. Loads with `AutoModelForCausalLM.from_pretrained`; "
             f"the value head is in `value_head.safetensors`.",
-            base_model=BASE,
-            datasets=[QUERIES, "data/preferences"],
+            base_dir=BASE,
+            datasets=[params.data.preferences.source],  # in the metadata when it is a hub id
             tags=["ppo", "rlhf", "policy"],
             hyperparameters={"ppo": cfg.model_dump(), "task": params.task.model_dump(), "seed": params.seed},
             metrics=metrics,
             inputs=[BASE, REWARD, QUERIES],
-            extra_front_matter={"device": plan.describe()},
+            extra_metadata={"device": plan.describe()},
         )
     write_json(METRICS, metrics)
     print(

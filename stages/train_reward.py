@@ -95,13 +95,15 @@ def main(params: Params) -> None:
         tokenizer.save_pretrained(tmp)
         write_card(
             tmp,
+            target=OUT,
+            kind="reward",
             title="Reward model (before normalisation)",
             summary=f"Scalar reward head on `{BASE}`, trained one pass over {len(train[2])} best-of-"
             f"{train[1].shape[1]} labels with softmax cross-entropy (lm-human-preferences). "
             "Gain/bias here are from `normalize_before`; the `normalize_reward` stage refits them into "
             "`models/reward`.",
-            base_model=BASE,
-            datasets=[PREFS],
+            base_dir=BASE,
+            datasets=[params.data.preferences.source],  # in the metadata when it is a hub id
             tags=["reward-model"],
             hyperparameters={
                 "reward.train": cfg.model_dump(),

@@ -11,7 +11,8 @@ import pytest
 import yaml
 from conftest import add_pipeline_definition, full_params
 
-from rlhf_pipeline.models import load_tokenizer, read_model_card
+from rlhf_pipeline.modelcard import read_card as read_model_card
+from rlhf_pipeline.models import load_tokenizer
 from rlhf_pipeline.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,6 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 def stage_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("base_stage")
     build_tiny_model(root / "tiny_src")
+    # the source's own card says where it came from: the base model's card carries that on, in hub form
+    (root / "tiny_src/README.md").write_text("---\nbase_model: example-org/tiny-llama\nlicense: mit\n---\n\n# Tiny\n")
     (root / "params.yaml").write_text(
         yaml.safe_dump(full_params({"base_model": {"source": str(root / "tiny_src"), "dropout": 0.0}}))
     )
@@ -51,7 +54,10 @@ def test_model_card_front_matter(stage_run):
 
     assert card["source"] == str(root / "tiny_src")
     assert card["source_sha256"] == hashlib.sha256(source_weights.read_bytes()).hexdigest()
-    assert card["parameters"] > 10_000 and card["license"]
+    assert card["parameters"] > 10_000
+    assert card["base_model"] == "example-org/tiny-llama" and card["license"] == "mit"  # from the source's card
+    assert card["pipeline_tag"] == "text-generation" and "tmp-" not in (root / "models/base/README.md").read_text()
+    assert 'AutoModelForCausalLM.from_pretrained("models/base")' in (root / "models/base/README.md").read_text()
     assert not list((root / "models").glob(".base.tmp-*")), "no temporary directory left behind"
 
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from stage_imports import pipeline_stages, stage_importers
 
-from rlhf_pipeline.models import read_model_card
+from rlhf_pipeline.modelcard import read_card as read_model_card
 from rlhf_pipeline.params import parse_params
 from rlhf_pipeline.runner import RECORD_READS_ENV
 from rlhf_pipeline.stage_params import declared_param_keys
@@ -133,7 +133,18 @@ def test_every_stage_ran_and_wrote_its_outputs(project):
         assert (root / path).exists(), path
     for model in ("base", "reward", "policy"):
         card = read_model_card(root / "models" / model)
-        assert {"base_model", "license", "library_name", "tags"} <= set(card), model
+        text = (root / "models" / model / "README.md").read_text()
+        assert {"library_name", "tags"} <= set(card), model
+        # a local tiny source with no card: no hub base model or licence is invented, the lineage says where from
+        assert "base_model" not in card and "license" not in card, model
+        assert ".tmp-" not in text and f"rlhf lineage models/{model}" in text or model == "base", model
+    policy = read_model_card(root / "models/policy")
+    assert policy["pipeline_tag"] == "text-generation" and policy["lineage"]["base_model_dir"] == "models/base"
+    generation = json.loads((root / "models/policy/generation_config.json").read_text())
+    sampling = TINY_PARAMS["task"]
+    assert generation["do_sample"] is True and generation["max_new_tokens"] == sampling["response_length"]
+    assert generation["temperature"] == parse_params(TINY_PARAMS).task.temperature and generation["top_k"] == 0
+    assert json.loads((root / "models/policy/tokenizer_config.json").read_text())["padding_side"] == "left"
 
 
 def test_metrics_are_declared_and_sane(project):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.lineage.record import is_under, stage_name
+from rlhf_pipeline.modelcard import CARD, read_card
 
 PACKAGES = ("torch", "transformers", "datasets", "dvc", "prefect")
 VALIDATION_SUMMARY = "data/validation/summary.json"
@@ -22,17 +23,15 @@ MODEL_CARD_KEYS = ("base_model", "library_name", "device", "license")
 
 def card_metadata(root: str, path: str) -> tuple[str, dict] | None:
     """(the card's path, its metadata) when ``path`` is a model folder with a README.md card, or the card itself."""
-    from huggingface_hub import ModelCard
-
     target = Path(root, path)
-    card = target / "README.md" if target.is_dir() else target if target.name == "README.md" else None
-    if card is None or not card.is_file() or not card.read_text(errors="replace").startswith("---"):
-        return None  # no metadata block (ModelCard would warn and return empty data)
+    folder = target if target.is_dir() else target.parent if target.name == CARD else None
+    if folder is None:
+        return None
     try:
-        metadata = ModelCard.load(card).data.to_dict()
+        metadata = read_card(folder)
     except Exception:  # a damaged card must not hide the rest of the lineage
         return None
-    return (card.relative_to(root).as_posix(), metadata) if metadata else None
+    return ((folder / CARD).relative_to(root).as_posix(), metadata) if metadata else None
 
 
 def read_metrics(repo, paths: list[str]) -> dict[str, Any]:
