@@ -51,7 +51,7 @@ def main() -> None:
     from rlhf_pipeline.models import load_causal_lm, load_tokenizer
     from rlhf_pipeline.params import TaskParams
     from rlhf_pipeline.queries import build_queries
-    from rlhf_pipeline.rollout import TaskSampler
+    from rlhf_pipeline.sampling import ResponseSampler
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--passages", type=int, default=192)
@@ -87,7 +87,7 @@ def main() -> None:
         splits, counts = build_queries(texts, tokenizer, args.query_length, None, ".", 0.5, args.seed)
         queries = torch.tensor(splits["train"]["query_ids"] + splits["test"]["query_ids"])[:96]
         task = TaskParams(response_length=args.response_length, truncate_after=4)
-        sampler = TaskSampler.from_tokenizer(task, tokenizer)
+        sampler = ResponseSampler.from_tokenizer(task, tokenizer)
         with torch.no_grad():
             out, _, _ = sampler.sample(model, queries, torch.Generator().manual_seed(args.seed), num_samples=4)
         valid = {}

@@ -35,7 +35,7 @@ def sample_features(args) -> dict:
     from rlhf_pipeline.models import load_causal_lm, load_tokenizer
     from rlhf_pipeline.params import load_params
     from rlhf_pipeline.preferences import pick_best
-    from rlhf_pipeline.rollout import TaskSampler
+    from rlhf_pipeline.sampling import ResponseSampler
 
     params = load_params("params.yaml")
     task = params.task.model_copy(
@@ -50,7 +50,7 @@ def sample_features(args) -> dict:
     norm = model.model.norm
     n_layers = model.config.num_hidden_layers
     layers = [int(x) for x in args.layers.split(",")] if args.layers else list(range(0, n_layers + 1, 3))
-    sampler = TaskSampler.from_tokenizer(task, tokenizer)
+    sampler = ResponseSampler.from_tokenizer(task, tokenizer)
     from datasets import load_from_disk
 
     from rlhf_pipeline.queries import build_queries

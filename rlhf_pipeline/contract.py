@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.corpus import replace_surrogates
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.io import replace_surrogates
 from rlhf_pipeline.preferences import BAD_CHARACTERS, PAIRWISE, VISIBLE_CHARACTER, display_names, sample_columns
 
 INTEGER_TYPES = ["int", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "Int64", "Int32"]
@@ -410,9 +410,8 @@ def validate_file_cli(
     """
     import pandas as pd
 
-    from rlhf_pipeline.corpus import read_table
     from rlhf_pipeline.errors import DataContractError
-    from rlhf_pipeline.io import write_json
+    from rlhf_pipeline.io import read_table, write_json
     from rlhf_pipeline.preferences import detect_format, split_by_column, to_flat_frame
 
     validation = load_validation_params(params_path)

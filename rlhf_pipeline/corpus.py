@@ -16,13 +16,12 @@ Empty and whitespace-only passages are dropped everywhere.
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import torch
 
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.io import read_table, read_txt_passages
 from rlhf_pipeline.sampling import iterate_batches, sample_responses
 
 GENERATED = "generated"
@@ -174,66 +173,6 @@ def is_local_source(source: str) -> bool:
         or source.lower().endswith(LOCAL_SUFFIXES + (".json",))
         or source.startswith(("/", "./", "../"))
     )
-
-
-_SURROGATES = re.compile(r"[\ud800-\udfff]")
-
-
-def replace_surrogates(value):
-    """Lone surrogates (from JSON escapes like "\\ud800") -> U+FFFD, the mark of invalid UTF-8.
-
-    pandas' string dtype (and arrow) cannot hold surrogates at all; U+FFFD can, and the data
-    contract flags it."""
-    return _SURROGATES.sub("\ufffd", value) if isinstance(value, str) else value
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Rows of a JSON-lines file; blank lines are skipped. Invalid UTF-8 bytes and lone
-    surrogate escapes become U+FFFD (visible to the data contract) instead of crashing."""
-    rows = []
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise PipelineError(
-                    f"{path}: line {number} is not valid JSON ({error.msg}); each line must be one JSON object."
-                ) from None
-            if not isinstance(row, dict):
-                raise PipelineError(
-                    f"{path}: line {number} is a JSON {type(row).__name__}, not an object with named columns."
-                )
-            rows.append({key: replace_surrogates(value) for key, value in row.items()})
-    return rows
-
-
-def read_table(path: str | Path):
-    """A .jsonl or .parquet file as a pandas DataFrame (PipelineError if missing or unreadable)."""
-    import pandas as pd
-
-    path = Path(path)
-    if not path.is_file():
-        raise PipelineError(f"{path} not found (paths are relative to the project root, e.g. data/raw/corpus.jsonl).")
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return pd.DataFrame(read_jsonl(path))
-    if suffix == ".parquet":
-        try:
-            return pd.read_parquet(path)
-        except Exception as error:  # pyarrow raises several unrelated types
-            raise PipelineError(f"{path} is not a readable Parquet file: {error}") from None
-    raise PipelineError(f"{path}: unsupported file type {suffix!r}; use .jsonl or .parquet.")
-
-
-def read_txt_passages(path: Path) -> list[str]:
-    """Paragraphs separated by blank lines; one passage per line if the file has no blank line."""
-    text = path.read_text(encoding="utf-8", errors="replace").strip()
-    paragraphs = re.split(r"\n\s*\n", text)
-    if len(paragraphs) == 1:
-        return text.splitlines()
-    return [" ".join(line.strip() for line in p.splitlines() if line.strip()) for p in paragraphs]
 
 
 def column_texts(values, column: str, where: str) -> list[str]:

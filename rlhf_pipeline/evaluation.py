@@ -21,8 +21,7 @@ from torch import Tensor, nn
 
 from rlhf_pipeline.functional import apply_penalty
 from rlhf_pipeline.reward import RewardModel, score_query_responses
-from rlhf_pipeline.rollout import TaskSampler
-from rlhf_pipeline.sampling import iterate_batches, response_logprobs, shared_lower_blocks
+from rlhf_pipeline.sampling import ResponseSampler, iterate_batches, response_logprobs, shared_lower_blocks
 
 
 def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -79,7 +78,7 @@ def sample_and_score(
     base: nn.Module,
     reward_model: RewardModel,
     queries: Tensor,
-    sampler: TaskSampler,
+    sampler: ResponseSampler,
     tokenizer,
     seed: int,
     batch_size: int,

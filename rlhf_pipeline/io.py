@@ -1,7 +1,9 @@
-"""Atomic outputs: write to a temporary sibling, then rename into place.
+"""Files in and out.
 
-A crashed or refused stage therefore never leaves a half-written artifact where DVC (or the
-next stage) would mistake it for a finished one.
+Outputs are atomic: written to a temporary sibling, then renamed into place, so a crashed or
+refused stage never leaves a half-written artifact where DVC (or the next stage) would mistake
+it for a finished one. User files (JSONL, Parquet, text) are read with one clear error for
+anything unreadable, naming the file and line.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -109,3 +112,66 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# user files
+# --------------------------------------------------------------------------------------------
+_SURROGATES = re.compile(r"[\ud800-\udfff]")
+
+
+def replace_surrogates(value):
+    """Lone surrogates (from JSON escapes like "\\ud800") -> U+FFFD, the mark of invalid UTF-8.
+
+    pandas' string dtype (and arrow) cannot hold surrogates at all; U+FFFD can, and the data
+    contract flags it."""
+    return _SURROGATES.sub("\ufffd", value) if isinstance(value, str) else value
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSON-lines file; blank lines are skipped. Invalid UTF-8 bytes and lone
+    surrogate escapes become U+FFFD (visible to the data contract) instead of crashing."""
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise PipelineError(
+                    f"{path}: line {number} is not valid JSON ({error.msg}); each line must be one JSON object."
+                ) from None
+            if not isinstance(row, dict):
+                raise PipelineError(
+                    f"{path}: line {number} is a JSON {type(row).__name__}, not an object with named columns."
+                )
+            rows.append({key: replace_surrogates(value) for key, value in row.items()})
+    return rows
+
+
+def read_table(path: str | Path):
+    """A .jsonl or .parquet file as a pandas DataFrame (PipelineError if missing or unreadable)."""
+    import pandas as pd
+
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"{path} not found (paths are relative to the project root, e.g. data/raw/corpus.jsonl).")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return pd.DataFrame(read_jsonl(path))
+    if suffix == ".parquet":
+        try:
+            return pd.read_parquet(path)
+        except Exception as error:  # pyarrow raises several unrelated types
+            raise PipelineError(f"{path} is not a readable Parquet file: {error}") from None
+    raise PipelineError(f"{path}: unsupported file type {suffix!r}; use .jsonl or .parquet.")
+
+
+def read_txt_passages(path: Path) -> list[str]:
+    """Paragraphs separated by blank lines; one passage per line if the file has no blank line."""
+    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    paragraphs = re.split(r"\n\s*\n", text)
+    if len(paragraphs) == 1:
+        return text.splitlines()
+    return [" ".join(line.strip() for line in p.splitlines() if line.strip()) for p in paragraphs]

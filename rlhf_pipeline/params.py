@@ -21,7 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rlhf_pipeline.errors import ParamsError
 
-PositiveInt = Field(gt=0)
 RewardPooling = Literal["last", "mean"]  # reward-head input; rlhf_pipeline.reward reads the choices from here
 
 

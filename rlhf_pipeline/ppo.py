@@ -31,7 +31,7 @@ import random
 import shutil
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,11 +45,11 @@ from torch import Tensor, nn
 from rlhf_pipeline import functional as F
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
 from rlhf_pipeline.io import atomic_dir, atomic_file, recover_interrupted_write, sha256_file
-from rlhf_pipeline.models import adam, backbone_of, freeze_lower_layers
+from rlhf_pipeline.models import backbone_of, freeze_lower_layers
+from rlhf_pipeline.optim import adam
 from rlhf_pipeline.params import PPOParams, TaskParams
 from rlhf_pipeline.reward import RewardModel, score_query_responses
-from rlhf_pipeline.rollout import TaskSampler
-from rlhf_pipeline.sampling import hidden_from, never_pad, response_logprobs, supports_trunk_split
+from rlhf_pipeline.sampling import ResponseSampler, hidden_from, never_pad, response_logprobs, supports_trunk_split
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -337,7 +337,7 @@ class PPOTrainer:
                 f"ppo.microbatch_size ({cfg.microbatch_size}) must divide the per-process minibatch "
                 f"({self.local_batch // cfg.nminibatches})."
             )
-        self.sampler = TaskSampler.from_tokenizer(task, tokenizer)
+        self.sampler = ResponseSampler.from_tokenizer(task, tokenizer)
         self.query_length = queries.shape[1]
         self.num_updates = cfg.total_episodes // cfg.batch_size
         self.freeze = cfg.freeze_layers
@@ -370,7 +370,7 @@ class PPOTrainer:
 
     # ---- helpers ----------------------------------------------------------------------------
     def _ctx(self):
-        return self.autocast() if self.autocast is not None else _null()
+        return self.autocast() if self.autocast is not None else nullcontext()
 
     def _offload(self, module: nn.Module, to_device: bool) -> None:
         if self.cfg.offload_frozen:
@@ -629,11 +629,6 @@ class PPOTrainer:
                     dist.barrier()
         bar.close()
         return self.history
-
-
-@contextmanager
-def _null():
-    yield
 
 
 def save_policy(

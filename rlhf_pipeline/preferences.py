@@ -159,7 +159,7 @@ def simulate_preferences(
 ) -> SimulatedSplit:
     """Label ``num_rows`` rows with best-of-``num_samples`` choices.
 
-    ``sampler`` is a :class:`rlhf_pipeline.rollout.TaskSampler` (task sampling + truncation).
+    ``sampler`` is a :class:`rlhf_pipeline.sampling.ResponseSampler` (task sampling + truncation).
     Queries are taken in order, ``batch_size`` at a time; when there are more rows to label than
     queries, the list starts over and the same queries are labelled again on fresh samples. When a
     query's candidates would break the data contract (see :func:`sample_problem`: e.g. two
@@ -398,7 +398,8 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
     A ``split`` column (train/test) or the hub dataset's ``test`` split is used when present;
     otherwise a seeded ``test_fraction`` of the rows is held out.
     """
-    from rlhf_pipeline.corpus import is_local_source, load_hub_dataset, read_table
+    from rlhf_pipeline.corpus import is_local_source, load_hub_dataset
+    from rlhf_pipeline.io import read_table
     from rlhf_pipeline.queries import split_indices
 
     if is_local_source(source):

@@ -19,6 +19,8 @@ from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from rlhf_pipeline.errors import PipelineError
 
@@ -156,3 +158,36 @@ def build_queries(
         }
         counts[name] = len(rows)
     return splits, counts
+
+
+def is_left_padded(queries: Tensor, pad_token_id: int) -> bool:
+    """True if no row has padding after a real token. Sampling continues from the last position
+    and PPO reads the state that predicts response token 0 at index query_length - 1, so every
+    query tensor is left-padded (data/queries stores them so)."""
+    real = queries != pad_token_id
+    return not bool((real[:, :-1] & ~real[:, 1:]).any())
+
+
+def load_queries(path: str, split: str, pad_token_id: int, limit: int | None = None) -> Tensor:
+    """Query ids of a split of the queries dataset as a left-padded (B, Q) tensor."""
+    from datasets import load_from_disk
+
+    rows = load_from_disk(path)[split]["query_ids"]
+    queries = torch.tensor(rows[:limit] if limit is not None else rows, dtype=torch.long)
+    if not is_left_padded(queries, pad_token_id):
+        raise PipelineError(
+            f"{path} ({split}) holds queries that are not left-padded (written by an older version?); rerun `dvc "
+            "repro queries`."
+        )
+    return queries
+
+
+def draw_queries(queries: Tensor, n: int, generator: torch.Generator) -> Tensor:
+    """``n`` rows of ``queries`` drawn without replacement, reshuffled whenever all have been drawn.
+
+    With ``n == len(queries)`` every query appears exactly once, so a mean over the draws has no
+    query-sampling error with respect to that (finite) query set, only the responses' noise.
+    """
+    passes = -(-n // len(queries))
+    order = torch.cat([torch.randperm(len(queries), generator=generator) for _ in range(passes)])
+    return queries[order[:n]]

@@ -339,7 +339,7 @@ def train_reward_model(
     from tqdm import tqdm
 
     from rlhf_pipeline.functional import best_of_n_loss, linear_anneal, non_finite_tensors
-    from rlhf_pipeline.models import adam
+    from rlhf_pipeline.optim import adam
 
     model.gain.requires_grad_(train_gain_bias)
     model.bias.requires_grad_(train_gain_bias)

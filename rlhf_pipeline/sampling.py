@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from rlhf_pipeline.functional import logprobs_from_logits
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.functional import logprobs_from_logits, truncate_response
 from rlhf_pipeline.models import backbone_of, transformer_layers
+from rlhf_pipeline.params import TaskParams
 
 
 @dataclass
@@ -85,14 +87,6 @@ def sample_from_logits(
 def _just_below(x: Tensor) -> Tensor:
     """The largest float of x's dtype below each element of x."""
     return torch.nextafter(x, torch.zeros_like(x))
-
-
-def is_left_padded(queries: Tensor, pad_token_id: int) -> bool:
-    """True if no row has padding after a real token. Sampling continues from the last position
-    and PPO reads the state that predicts response token 0 at index query_length - 1, so every
-    query tensor is left-padded (data/queries stores them so)."""
-    real = queries != pad_token_id
-    return not bool((real[:, :-1] & ~real[:, 1:]).any())
 
 
 def position_ids_from_mask(mask: Tensor) -> Tensor:
@@ -280,3 +274,80 @@ def response_logprobs(
 def iterate_batches(n: int, batch_size: int):
     for start in range(0, n, batch_size):
         yield slice(start, min(start + batch_size, n))
+
+
+def single_token_id(tokenizer, text: str | None, key: str) -> int | None:
+    """Token id of ``text`` (e.g. task.truncate_token '.'), which must encode to exactly one token."""
+    if text is None:
+        return None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise PipelineError(
+            f"{key} {text!r} encodes to {len(ids)} tokens {ids} with this tokenizer; it must be a single token."
+        )
+    return ids[0]
+
+
+@dataclass
+class ResponseSampler:
+    """Samples responses to queries with the task's settings and post-processes them like
+    lm-human-preferences (fixed length, truncation after the truncate token, validity flag).
+
+    Shared by reward normalisation, PPO rollouts and evaluation so all three see responses
+    processed the same way."""
+
+    task: TaskParams
+    pad_token_id: int
+    eos_token_id: int | None
+    truncate_token_id: int | None
+
+    @classmethod
+    def from_tokenizer(cls, task: TaskParams, tokenizer) -> ResponseSampler:
+        return cls(
+            task,
+            tokenizer.pad_token_id,
+            tokenizer.eos_token_id,
+            single_token_id(tokenizer, task.truncate_token, "task.truncate_token"),
+        )
+
+    def sample(
+        self,
+        model: nn.Module,
+        queries: Tensor,
+        generator: torch.Generator,
+        value_head: nn.Module | None = None,
+        num_samples: int = 1,
+        capture_layers: tuple[int, ...] = (),
+    ):
+        out = sample_responses(
+            model,
+            queries,
+            queries != self.pad_token_id,
+            self.task.response_length,
+            self.task.temperature,
+            self.pad_token_id,
+            generator=generator,
+            eos_token_id=self.eos_token_id,
+            stop_at_eos=self.task.stop_at_eos,
+            value_head=value_head,
+            num_samples=num_samples,
+            capture_layers=capture_layers,
+        )
+        truncated, valid = self.truncate(out.responses)
+        return out, truncated, valid
+
+    def truncate(self, responses: Tensor) -> tuple[Tensor, Tensor]:
+        return truncate_response(responses, self.truncate_token_id, self.task.truncate_after, self.pad_token_id)
+
+    @torch.no_grad()
+    def sample_batched(
+        self, model: nn.Module, queries: Tensor, generator: torch.Generator, batch_size: int, truncate: bool = True
+    ) -> tuple[Tensor, Tensor]:
+        """Responses (truncated unless ``truncate`` is false: the raw fixed-length samples) and
+        their validity for many queries, in batches: ((B, R), (B,))."""
+        responses, valids = [], []
+        for rows in iterate_batches(len(queries), batch_size):
+            out, truncated, valid = self.sample(model, queries[rows], generator)
+            responses.append(truncated if truncate else out.responses)
+            valids.append(valid)
+        return torch.cat(responses), torch.cat(valids)

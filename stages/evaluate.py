@@ -19,9 +19,10 @@ from rlhf_pipeline.io import atomic_file, write_json
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import Params
+from rlhf_pipeline.queries import load_queries
 from rlhf_pipeline.reward import RewardModel
-from rlhf_pipeline.rollout import TaskSampler, load_queries
 from rlhf_pipeline.runner import run_stage
+from rlhf_pipeline.sampling import ResponseSampler
 
 BASE, REWARD, POLICY, QUERIES, SNAPSHOTS = (
     "models/base",
@@ -42,7 +43,7 @@ def main(params: Params) -> None:
     base = load_causal_lm(BASE).eval()
     policy = load_causal_lm(POLICY).eval()
     reward_model = RewardModel.load(REWARD)
-    sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
+    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
     labeler = get_labeler(params.data.preferences.labeler) if params.data.preferences.source == "simulated" else None
     queries = load_queries(QUERIES, "test", tokenizer.pad_token_id, cfg.num_queries)
     seed = params.seed + 2  # same stream for base and policy, distinct from training streams

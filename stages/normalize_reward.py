@@ -17,9 +17,10 @@ from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.modelcard import write_card
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import Params
+from rlhf_pipeline.queries import draw_queries, load_queries
 from rlhf_pipeline.reward import RewardModel, fit_normalization, score_query_responses, set_gain_bias
-from rlhf_pipeline.rollout import TaskSampler, draw_queries, load_queries
 from rlhf_pipeline.runner import run_stage
+from rlhf_pipeline.sampling import ResponseSampler
 
 BASE, TRAINED, QUERIES = "models/base", "models/reward_unnormalized", "data/queries"
 OUT, METRICS = "models/reward", "metrics/reward.json"
@@ -31,7 +32,7 @@ def main(params: Params) -> None:
     tokenizer = load_tokenizer(BASE)
     model = RewardModel.load(TRAINED)
     base = load_causal_lm(BASE).eval()
-    sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
+    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
     # Queries come from the train split, the set PPO optimises over; drawing each of them once
     # (normalize_samples = its size) removes query-sampling error from the fit. The check redraws
     # the queries and samples fresh responses, with a different seed stream from train_reward.

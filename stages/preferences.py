@@ -25,8 +25,8 @@ from rlhf_pipeline.preferences import (
     simulate_preferences,
     user_to_internal,
 )
-from rlhf_pipeline.rollout import TaskSampler
 from rlhf_pipeline.runner import run_stage
+from rlhf_pipeline.sampling import ResponseSampler
 
 BASE, QUERIES, OUT, METRICS = "models/base", "data/queries", "data/preferences", "metrics/preferences.json"
 
@@ -44,7 +44,7 @@ def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
             f"{params.data.queries.query_length}; rerun `dvc repro queries`."
         )
     model = load_causal_lm(BASE).eval()
-    sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
+    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
     labeler = get_labeler(cfg.labeler)
     generator = torch.Generator().manual_seed(params.seed)
     rng = np.random.default_rng(params.seed)

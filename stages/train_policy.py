@@ -15,8 +15,8 @@ from rlhf_pipeline.modelcard import content_hash, write_card
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir, resolve_device
 from rlhf_pipeline.params import Params
 from rlhf_pipeline.ppo import Checkpointer, PolicyWithValue, PPOTrainer, fingerprint_of, save_policy
+from rlhf_pipeline.queries import load_queries
 from rlhf_pipeline.reward import RewardModel
-from rlhf_pipeline.rollout import load_queries
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.stage_params import declared_code_hash
 

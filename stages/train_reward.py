@@ -11,6 +11,7 @@ from rlhf_pipeline.logging import open_live
 from rlhf_pipeline.modelcard import write_card
 from rlhf_pipeline.models import freeze_lower_layers, load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import Params
+from rlhf_pipeline.queries import load_queries
 from rlhf_pipeline.reward import (
     RewardModel,
     best_of_n_accuracy,
@@ -19,8 +20,8 @@ from rlhf_pipeline.reward import (
     score_query_responses,
     train_reward_model,
 )
-from rlhf_pipeline.rollout import TaskSampler, load_queries
 from rlhf_pipeline.runner import run_stage
+from rlhf_pipeline.sampling import ResponseSampler
 
 BASE, PREFS, QUERIES, VALIDATION = "models/base", "data/preferences", "data/queries", "data/validation/summary.json"
 OUT, METRICS = "models/reward_unnormalized", "metrics/reward_train.json"
@@ -44,7 +45,7 @@ def main(params: Params) -> None:
         # OAI target_mean_std: start training from rewards already on the target scale.
         base = load_causal_lm(BASE).eval()
         queries = load_queries(QUERIES, "train", tokenizer.pad_token_id, cfg.normalize_before_samples)
-        sampler = TaskSampler.from_tokenizer(params.task, tokenizer)
+        sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
         responses, _ = sampler.sample_batched(
             base, queries, generator, params.reward.normalize.batch_size, params.reward.normalize.truncate
         )

@@ -140,8 +140,7 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     from rlhf_pipeline.models import load_causal_lm
     from rlhf_pipeline.params import TaskParams
     from rlhf_pipeline.reward import RewardModel
-    from rlhf_pipeline.rollout import TaskSampler
-    from rlhf_pipeline.sampling import response_logprobs, shared_lower_blocks
+    from rlhf_pipeline.sampling import ResponseSampler, response_logprobs, shared_lower_blocks
 
     base = load_causal_lm(tiny_base_dir).eval()
     policy = copy.deepcopy(base)
@@ -150,7 +149,7 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     assert shared_lower_blocks(policy, base) == 1 and shared_lower_blocks(base, base) == 2
     pad = tiny_tokenizer.pad_token_id
     reward = RewardModel.from_base(tiny_base_dir, pad, generator=torch.Generator().manual_seed(0)).eval()
-    sampler = TaskSampler.from_tokenizer(TaskParams(response_length=6, truncate_token=None), tiny_tokenizer)
+    sampler = ResponseSampler.from_tokenizer(TaskParams(response_length=6, truncate_token=None), tiny_tokenizer)
     queries = torch.randint(0, 250, (6, 5), generator=torch.Generator().manual_seed(0))
     queries[:2, :2] = pad
     result = sample_and_score(policy, base, reward, queries, sampler, tiny_tokenizer, seed=3, batch_size=6)

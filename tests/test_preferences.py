@@ -26,9 +26,8 @@ from rlhf_pipeline.preferences import (
     simulate_preferences,
     to_flat_frame,
 )
-from rlhf_pipeline.queries import pad_tokens
-from rlhf_pipeline.rollout import TaskSampler
-from rlhf_pipeline.sampling import is_left_padded
+from rlhf_pipeline.queries import is_left_padded, pad_tokens
+from rlhf_pipeline.sampling import ResponseSampler
 from rlhf_pipeline.tiny import TINY_TEXT
 
 
@@ -112,7 +111,7 @@ def test_is_left_padded():
 # --------------------------------------------------------------------------------------------
 def simulate(model, tokenizer, seed=0, num_rows=6, temperature=0.0, n=4):
     task = TaskParams(response_length=8, truncate_after=4, temperature=0.7)
-    sampler = TaskSampler.from_tokenizer(task, tokenizer)
+    sampler = ResponseSampler.from_tokenizer(task, tokenizer)
     query_ids, queries = tiny_queries(tokenizer, 12)
     return simulate_preferences(
         model,
@@ -172,7 +171,7 @@ def test_simulation_labels_queries_again_on_fresh_samples(tiny_model, tiny_token
 
 def test_simulation_refuses_when_no_row_passes_the_contract(tiny_model, tiny_tokenizer):
     """Near-greedy one-token responses are four identical samples: every row breaks the contract."""
-    sampler = TaskSampler.from_tokenizer(
+    sampler = ResponseSampler.from_tokenizer(
         TaskParams(response_length=1, truncate_token=None, temperature=0.001), tiny_tokenizer
     )
     query_ids, queries = tiny_queries(tiny_tokenizer, 12)

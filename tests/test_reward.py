@@ -222,7 +222,7 @@ def test_tensorflow_adam_by_hand():
       step 2: m = 0.025, v = 0.00028975, sqrt(v) = 0.0170220, lr_t = 0.1 * sqrt(0.001999) / 0.19 = 0.0235317,
               update = 0.0235317 * 0.025 / (0.0170220 + 0.001) = 0.0326429 -> 0.8733053
     torch.optim.Adam (epsilon after bias correction) gives 0.9001996 and 0.8657296 instead."""
-    from rlhf_pipeline.models import adam
+    from rlhf_pipeline.optim import adam
 
     for tensorflow, expected in ((True, [0.9059482, 0.8733053]), (False, [0.9001996, 0.8657296])):
         param = torch.nn.Parameter(torch.tensor([1.0]))

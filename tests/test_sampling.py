@@ -45,7 +45,7 @@ def test_seeded_and_certain_draws():
 
 
 def test_draw_queries_covers_the_pool_before_repeating():
-    from rlhf_pipeline.rollout import draw_queries
+    from rlhf_pipeline.queries import draw_queries
 
     pool = torch.arange(10)[:, None].repeat(1, 3)  # 10 distinct "queries"
     g = torch.Generator().manual_seed(0)
@@ -90,10 +90,10 @@ def test_normalisation_samples_are_raw_unless_truncation_is_asked(tiny_model, ti
     """reward.normalize.truncate: false (both references) scores the raw fixed-length responses;
     true scores them cut after the first truncate token, as PPO does."""
     from rlhf_pipeline.params import TaskParams
-    from rlhf_pipeline.rollout import TaskSampler
+    from rlhf_pipeline.sampling import ResponseSampler
 
     task = TaskParams(response_length=12, truncate_after=1, temperature=1.0)
-    sampler = TaskSampler.from_tokenizer(task, tiny_tokenizer)
+    sampler = ResponseSampler.from_tokenizer(task, tiny_tokenizer)
     pad = tiny_tokenizer.pad_token_id
     queries = torch.tensor([[pad, 5, 6, 7]] * 16)
     raw, valid = sampler.sample_batched(tiny_model, queries, torch.Generator().manual_seed(0), 8, truncate=False)
