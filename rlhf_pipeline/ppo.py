@@ -49,7 +49,13 @@ from rlhf_pipeline.models import backbone_of, freeze_lower_layers
 from rlhf_pipeline.optim import adam
 from rlhf_pipeline.params import PPOParams, TaskParams
 from rlhf_pipeline.reward import RewardModel, score_query_responses
-from rlhf_pipeline.sampling import ResponseSampler, hidden_from, never_pad, response_logprobs, supports_trunk_split
+from rlhf_pipeline.sampling import (
+    ResponseSampler,
+    hidden_from,
+    response_logprobs,
+    response_outputs,
+    supports_trunk_split,
+)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -90,15 +96,11 @@ class PolicyWithValue(nn.Module):
         trunk: Tensor | None = None,
     ):
         """(logprobs, entropy, values) of the response tokens: each (B, R)."""
-        hidden = hidden_from(self.lm, query_responses, mask, freeze_layers, trunk)[:, query_length - 1 : -1]
-        logits = never_pad(self.lm.get_output_embeddings()(hidden).float(), pad_token_id) / temperature
-        logp_all = torch.log_softmax(logits, dim=-1)
-        labels = query_responses[:, query_length:]
-        logprobs = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        logprobs = torch.where(labels == pad_token_id, torch.zeros_like(logprobs), logprobs)
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        args = (query_responses, mask, query_length, temperature, pad_token_id, freeze_layers, trunk)
+        out = response_outputs(self.lm, *args, entropy=True)
+        logprobs, entropy = out.logprobs, out.entropy
         if self.shared:
-            values = self.value_head(hidden).squeeze(-1).float()
+            values = self.value_head(out.hidden).squeeze(-1).float()
         else:
             value_hidden = hidden_from(self.value_backbone_as_lm(), query_responses, mask)[:, query_length - 1 : -1]
             values = self.value_head(value_hidden).squeeze(-1).float()

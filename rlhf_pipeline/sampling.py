@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.functional import logprobs_from_logits, truncate_response
+from rlhf_pipeline.functional import logprobs_and_entropy, logprobs_from_logits, truncate_response
 from rlhf_pipeline.models import backbone_of, transformer_layers
 from rlhf_pipeline.params import TaskParams
 
@@ -250,6 +250,40 @@ def shared_lower_blocks(model: nn.Module, other: nn.Module) -> int:
     return count
 
 
+@dataclass
+class ResponseOutputs:
+    logprobs: Tensor  # (B, R) of the response tokens, 0 at pad positions
+    entropy: Tensor | None  # (B, R), when asked for
+    hidden: Tensor  # (B, R, H): the final hidden state that predicts each response token
+
+
+def response_outputs(
+    model: nn.Module,
+    query_responses: Tensor,
+    attention_mask: Tensor,
+    query_length: int,
+    temperature: float,
+    pad_token_id: int,
+    start_layer: int = 0,
+    trunk: Tensor | None = None,
+    entropy: bool = False,
+) -> ResponseOutputs:
+    """The one path from a forward over query+response to the response tokens' logprobs under
+    ``model`` at ``temperature`` (and their entropy when asked): from block ``start_layer`` on,
+    given the ``trunk`` entering it, with the LM head on the response positions only. PPO's
+    training forward, its reference pass and the evaluation's KL all go through it."""
+    hidden = hidden_from(model, query_responses, attention_mask, start_layer, trunk)[:, query_length - 1 : -1]
+    logits = never_pad(model.get_output_embeddings()(hidden).float(), pad_token_id) / temperature
+    labels = query_responses[:, query_length:]
+    if entropy:
+        logprobs, entropies = logprobs_and_entropy(logits, labels)
+    else:  # gather minus logsumexp: no (B, R, V) log-softmax is kept
+        logprobs, entropies = logprobs_from_logits(logits, labels), None
+    # padding after an EOS (stop mode) is masked downstream; keep it finite here
+    logprobs = torch.where(labels == pad_token_id, torch.zeros_like(logprobs), logprobs)
+    return ResponseOutputs(logprobs, entropies, hidden)
+
+
 def response_logprobs(
     model: nn.Module,
     query_responses: Tensor,
@@ -260,15 +294,9 @@ def response_logprobs(
     start_layer: int = 0,
     trunk: Tensor | None = None,
 ) -> Tensor:
-    """Logprobs (B, R) of the response tokens under ``model`` at ``temperature``, from one forward
-    (from block ``start_layer`` on, given the ``trunk`` entering it) with the LM head on the
-    response positions only."""
-    hidden = hidden_from(model, query_responses, attention_mask, start_layer, trunk)[:, query_length - 1 : -1]
-    logits = never_pad(model.get_output_embeddings()(hidden).float(), pad_token_id) / temperature
-    labels = query_responses[:, query_length:]
-    logprobs = logprobs_from_logits(logits, labels)
-    # padding after an EOS (stop mode) is masked downstream; keep it finite here
-    return torch.where(labels == pad_token_id, torch.zeros_like(logprobs), logprobs)
+    """Logprobs (B, R) of the response tokens (:func:`response_outputs` without entropy)."""
+    args = (model, query_responses, attention_mask, query_length, temperature, pad_token_id, start_layer, trunk)
+    return response_outputs(*args).logprobs
 
 
 def iterate_batches(n: int, batch_size: int):

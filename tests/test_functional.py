@@ -313,19 +313,22 @@ def test_value_loss_with_mask():
 # --------------------------------------------------------------------------------------------
 # logits
 # --------------------------------------------------------------------------------------------
-def test_entropy_from_logits():
+def test_logprobs_and_entropy():
     logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3.0), -1e9, -1e9]]])
-    h = fn.entropy_from_logits(logits)
-    assert h.shape == (1, 2)
+    logprobs, h = fn.logprobs_and_entropy(logits, torch.tensor([[2, 1]]))
+    assert h.shape == logprobs.shape == (1, 2)
     # uniform over 4: ln 4; p = [.25, .75]: -(.25 ln .25 + .75 ln .75)
     close(h, [[math.log(4.0), 0.25 * math.log(4.0) + 0.75 * math.log(4.0 / 3.0)]])
+    close(logprobs, [[math.log(0.25), math.log(0.75)]])
+    close(logprobs, fn.logprobs_from_logits(logits, torch.tensor([[2, 1]])))  # the same as the gather path
 
 
-def test_entropy_from_logits_with_minus_inf_is_finite():
-    logits = torch.tensor([[0.0, 0.0, -math.inf]], requires_grad=True)
-    h = fn.entropy_from_logits(logits)
+def test_entropy_of_a_masked_token_is_finite_with_its_gradient():
+    logits = torch.tensor([[0.0, 0.0, -1e9]], requires_grad=True)  # masked the way never_pad masks
+    logprobs, h = fn.logprobs_and_entropy(logits, torch.tensor([0]))
     close(h, [math.log(2.0)])
-    h.sum().backward()
+    close(logprobs, [math.log(0.5)])
+    (h.sum() + logprobs.sum()).backward()
     assert torch.isfinite(logits.grad).all()
 
 
