@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before transformers loads)
+
 import os
 import platform
 import random
@@ -20,8 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-import rlhf_pipeline  # noqa: F401  (sets HF_HUB_OFFLINE=1 and friends before transformers is imported)
 
 BENCH_DIR = Path(__file__).resolve().parent
 CACHE_DIR = BENCH_DIR / ".cache"

@@ -6,9 +6,12 @@ args and returns an exit code. User errors (:class:`PipelineError`) print one pa
 
 from __future__ import annotations
 
+import rlhf_pipeline.offline  # noqa: F401  (first: the rlhf command runs offline and quiet)
+
 import argparse
 import sys
 
+from rlhf_pipeline import __version__
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.runner import report_error, report_unexpected
 
@@ -42,10 +45,19 @@ def cmd_lineage(args) -> int:
     return lineage_cli(args.path, as_json=args.json)
 
 
+def cmd_export_preferences(args) -> int:
+    from rlhf_pipeline.preferences import export_pairwise
+
+    count = export_pairwise(args.input, args.split, args.output)
+    print(f"{args.output}: {count} pairs (prompt, chosen, rejected) from {args.input} [{args.split}]")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`)."
     )
+    parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check-params", help="validate params.yaml: prints ok, or one line per problem and exits 2")
@@ -68,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="emit an OpenLineage-shaped run event")
     p.set_defaults(func=cmd_lineage)
+
+    p = sub.add_parser(
+        "export-preferences",
+        help="write the preference data in TRL's pairwise format (prompt, chosen, rejected), .jsonl or .parquet",
+    )
+    p.add_argument("output")
+    p.add_argument("--input", default="data/preferences", help="the preferences stage's output")
+    p.add_argument("--split", default="train", choices=["train", "test"])
+    p.set_defaults(func=cmd_export_preferences)
     return parser
 
 

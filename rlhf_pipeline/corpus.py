@@ -22,6 +22,7 @@ import torch
 
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import read_table, read_txt_passages
+from rlhf_pipeline.progress import Progress
 from rlhf_pipeline.sampling import iterate_batches, sample_responses
 
 GENERATED = "generated"
@@ -130,13 +131,14 @@ def generate_passages(
     batch_size: int,
     seed: int,
     samples_per_prompt: int = 1,
+    progress: str | None = None,
 ) -> list[str]:
     """Sample ``num_passages`` passages from ``model``, deterministic for a given seed and model.
 
     Prompt ``j`` is ``order[j % P]`` of :func:`topic_prompts` (``order`` a seeded permutation, so
     a small corpus still spans many topics) and is answered ``samples_per_prompt`` times from one
     prefill of its (chat-templated) text; sampling stops at EOS or after ``passage_tokens`` tokens.
-    ``batch_size`` counts passages.
+    ``batch_size`` counts passages; ``progress`` labels a line per batch.
     """
     prompts = topic_prompts()
     generator = torch.Generator().manual_seed(seed)
@@ -145,6 +147,7 @@ def generate_passages(
     encoded = [encode_prompt(tokenizer, prompts[order[j % len(prompts)]]) for j in range(num_prompts)]
     pad_id = tokenizer.pad_token_id
     texts: list[str] = []
+    lines = Progress(progress, num_passages, "passages")
     for rows in iterate_batches(num_prompts, max(1, batch_size // samples_per_prompt)):
         ids, mask = left_pad(encoded[rows], pad_id)
         out = sample_responses(
@@ -160,6 +163,7 @@ def generate_passages(
             num_samples=samples_per_prompt,
         )
         texts.extend(tokenizer.batch_decode(out.responses.tolist(), skip_special_tokens=True))
+        lines.update(len(texts))
     return texts[:num_passages]
 
 

@@ -1,8 +1,9 @@
 """Process-wide environment: offline hubs and quiet tools.
 
-Imported first by the package, so every stage, flow and test runs offline even when the
-caller forgot to export the variables. ``setdefault`` lets a user with hub access opt back in
-by exporting e.g. ``HF_HUB_OFFLINE=0`` explicitly.
+Applied by the entry points (:mod:`rlhf_pipeline.offline`), never by importing the library, so
+every stage, the CLI, the flow and the tests run offline even when the caller forgot to export
+the variables. ``setdefault`` lets a user with hub access opt back in by exporting e.g.
+``HF_HUB_OFFLINE=0`` explicitly.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ OFFLINE_DEFAULTS = {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "TOKENIZERS_PARALLELISM": "false",
     "TQDM_MININTERVAL": "5",
+    # Hugging Face's own download/load/save bars: the stages print their own progress lines
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
 }
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_pipeline.functional import apply_penalty
+from rlhf_pipeline.progress import Progress
 from rlhf_pipeline.reward import RewardModel, score_query_responses
 from rlhf_pipeline.sampling import ResponseSampler, iterate_batches, response_logprobs, shared_lower_blocks
 
@@ -83,6 +84,7 @@ def sample_and_score(
     seed: int,
     batch_size: int,
     labeler=None,
+    progress: str | None = None,
 ) -> SampleSet:
     """Sample ``model`` on ``queries`` (seeded: the same seed gives base and policy the same
     random stream), score with proxy and gold, and measure KL from ``base``.
@@ -94,6 +96,7 @@ def sample_and_score(
     responses, truncated, valids, kls = [], [], [], []
     q_len = queries.shape[1]
     shared = 0 if model is base else shared_lower_blocks(model, base)
+    lines = Progress(progress, len(queries), "queries sampled")
     for rows in iterate_batches(len(queries), batch_size):
         out, trunc, valid = sampler.sample(model, queries[rows], generator, capture_layers=(shared,) if shared else ())
         if model is base:
@@ -115,6 +118,7 @@ def sample_and_score(
         responses.append(out.responses)
         truncated.append(trunc)
         valids.append(valid)
+        lines.update(rows.stop)
     truncated_t, valid_t = torch.cat(truncated), torch.cat(valids)
     raw = score_query_responses(reward_model, queries, truncated_t, batch_size)
     proxy = apply_penalty(raw, valid_t, sampler.task.penalty_reward)

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.progress import Progress
 from rlhf_pipeline.queries import pad_tokens
 
 PAIRWISE, BEST_OF_N, SIMULATED = "pairwise", "best_of_n", "simulated"
@@ -156,6 +158,7 @@ def simulate_preferences(
     rng: np.random.Generator,
     split_name: str = "train",
     max_resamples: int = 3,
+    progress: bool = True,
 ) -> SimulatedSplit:
     """Label ``num_rows`` rows with best-of-``num_samples`` choices.
 
@@ -169,6 +172,7 @@ def simulate_preferences(
     result = SimulatedSplit({k: [] for k in ("query", "query_ids", "samples", "sample_ids", "best", "gold", "margin")})
     cols = result.columns
     start = 0  # position in the endless stream query 0, 1, ..., n-1, 0, 1, ...
+    lines = Progress(f"preferences {split_name}" if progress else None, num_rows, "rows labelled")
     while len(cols["best"]) < num_rows:
         if start >= len(query_ids) * (1 + num_rows // max(len(query_ids), 1)) + len(query_ids):
             raise PipelineError(
@@ -214,6 +218,7 @@ def simulate_preferences(
             cols["gold"].append(scores[row].tolist())
             cols["margin"].append(0.0)
         start = stop
+        lines.update(len(cols["best"]))
     return result
 
 
@@ -432,3 +437,46 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
         "train": frame.iloc[train_idx].reset_index(drop=True),
         "test": frame.iloc[test_idx].reset_index(drop=True),
     }, fmt
+
+
+def to_pairwise(columns) -> pd.DataFrame:  # noqa: F821
+    """Internal rows -> TRL's pairwise preference format (``prompt``, ``chosen``, ``rejected``), which
+    TRL's ``RewardTrainer`` and DPO-style trainers read: each best-of-N row gives N-1 pairs, the
+    labelled best against each other sample. ``margin`` comes along when the labels carry one."""
+    import pandas as pd
+
+    names = columns.column_names if hasattr(columns, "column_names") else list(columns)
+    margins = list(columns["margin"]) if "margin" in names else None
+    keep_margin = margins is not None and any(m for m in margins)
+    rows = []
+    for index, (query, samples, best) in enumerate(zip(columns["query"], columns["samples"], columns["best"])):
+        for other, rejected in enumerate(samples):
+            if other != best:
+                pair = {"prompt": query, "chosen": samples[best], "rejected": rejected}
+                rows.append({**pair, "margin": margins[index]} if keep_margin else pair)
+    return pd.DataFrame(rows, columns=["prompt", "chosen", "rejected", *(["margin"] if keep_margin else [])])
+
+
+def export_pairwise(source: str, split: str, target: str) -> int:
+    """Write split ``split`` of the preference dataset at ``source`` to ``target`` (.jsonl or
+    .parquet) in TRL's pairwise format; returns the number of pairs."""
+    from datasets import load_from_disk
+
+    from rlhf_pipeline.io import atomic_file
+
+    suffix = Path(target).suffix.lower()
+    if suffix not in (".jsonl", ".parquet"):
+        raise PipelineError(f"{target}: write .jsonl or .parquet (TRL's load_dataset reads both).")
+    try:
+        dataset = load_from_disk(source)
+    except FileNotFoundError:
+        raise PipelineError(f"{source} is missing; run `dvc repro preferences` first.") from None
+    if split not in dataset:
+        raise PipelineError(f"{source} has no split {split!r}; its splits are {sorted(dataset)}.")
+    pairs = to_pairwise(dataset[split])
+    with atomic_file(target, "wb") as handle:
+        if suffix == ".jsonl":
+            handle.write(pairs.to_json(orient="records", lines=True, force_ascii=False).encode())
+        else:
+            pairs.to_parquet(handle, index=False)
+    return len(pairs)

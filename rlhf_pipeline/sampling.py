@@ -23,6 +23,7 @@ from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.functional import logprobs_and_entropy, logprobs_from_logits, truncate_response
 from rlhf_pipeline.models import backbone_of, transformer_layers
 from rlhf_pipeline.params import TaskParams
+from rlhf_pipeline.progress import Progress
 
 
 @dataclass
@@ -369,13 +370,21 @@ class ResponseSampler:
 
     @torch.no_grad()
     def sample_batched(
-        self, model: nn.Module, queries: Tensor, generator: torch.Generator, batch_size: int, truncate: bool = True
+        self,
+        model: nn.Module,
+        queries: Tensor,
+        generator: torch.Generator,
+        batch_size: int,
+        truncate: bool = True,
+        progress: str | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Responses (truncated unless ``truncate`` is false: the raw fixed-length samples) and
-        their validity for many queries, in batches: ((B, R), (B,))."""
+        their validity for many queries, in batches: ((B, R), (B,)); ``progress`` labels a line per batch."""
         responses, valids = [], []
+        lines = Progress(progress, len(queries), "responses sampled")
         for rows in iterate_batches(len(queries), batch_size):
             out, truncated, valid = self.sample(model, queries[rows], generator)
             responses.append(truncated if truncate else out.responses)
             valids.append(valid)
+            lines.update(rows.stop)
         return torch.cat(responses), torch.cat(valids)

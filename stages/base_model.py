@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
+
 from rlhf_pipeline.io import atomic_dir
 from rlhf_pipeline.modelcard import hub_id, save_card, usage_snippet
 from rlhf_pipeline.models import add_dedicated_pad_token, count_parameters, load_source_model, set_dropout

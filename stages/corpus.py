@@ -6,6 +6,8 @@ local .txt/.jsonl/.parquet file, or a hub dataset id; see rlhf_pipeline/corpus.p
 
 from __future__ import annotations
 
+import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
+
 from datasets import Dataset
 
 from rlhf_pipeline.corpus import (
@@ -39,6 +41,7 @@ def main(params: Params) -> None:
             cfg.batch_size,
             params.seed,
             cfg.samples_per_prompt,
+            progress="corpus",
         )
     elif is_local_source(cfg.source):
         texts = load_local_passages(cfg.source, cfg.text_column)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
+
 import csv
 import json
 from pathlib import Path
@@ -48,10 +50,11 @@ def main(params: Params) -> None:
     queries = load_queries(QUERIES, "test", tokenizer.pad_token_id, cfg.num_queries)
     seed = params.seed + 2  # same stream for base and policy, distinct from training streams
 
-    def evaluate(model):
-        return sample_and_score(model, base, reward_model, queries, sampler, tokenizer, seed, cfg.batch_size, labeler)
+    def evaluate(model, name: str):
+        args = (model, base, reward_model, queries, sampler, tokenizer, seed, cfg.batch_size, labeler)
+        return sample_and_score(*args, progress=f"evaluate {name}")
 
-    base_set, policy_set = evaluate(base), evaluate(policy)
+    base_set, policy_set = evaluate(base, "base"), evaluate(policy, "policy")
     metrics = summarize(base_set, policy_set)
     metrics["length/base"] = length_stats(base_set, tokenizer.pad_token_id)
     metrics["length/policy"] = length_stats(policy_set, tokenizer.pad_token_id)
@@ -70,7 +73,7 @@ def main(params: Params) -> None:
             sample = policy_set
         else:
             load_snapshot(policy, snapshot)
-            sample = evaluate(policy)
+            sample = evaluate(policy, f"checkpoint {update}")
         points.append(curve_point(update, sample, base_set))
     best = max(points, key=lambda p: p["gold"] if p["gold"] is not None else p["proxy"])
 

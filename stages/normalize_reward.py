@@ -9,6 +9,8 @@ with the gold score is measured on that same fresh sample.
 
 from __future__ import annotations
 
+import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
+
 import torch
 from scipy.stats import spearmanr
 
@@ -42,11 +44,15 @@ def main(params: Params) -> None:
     eval_queries = draw_queries(train_queries, cfg.eval_samples, generator)
 
     set_gain_bias(model, 1.0, 0.0)
-    fit_responses, _ = sampler.sample_batched(base, fit_queries, generator, cfg.batch_size, cfg.truncate)
+    fit_responses, _ = sampler.sample_batched(
+        base, fit_queries, generator, cfg.batch_size, cfg.truncate, progress="normalize_reward fit"
+    )
     raw = score_query_responses(model, fit_queries, fit_responses, cfg.batch_size, normalized=False)
     gain, bias = fit_normalization(model, raw, cfg.target_mean, cfg.target_std)
 
-    eval_responses, _ = sampler.sample_batched(base, eval_queries, generator, cfg.batch_size, cfg.truncate)
+    eval_responses, _ = sampler.sample_batched(
+        base, eval_queries, generator, cfg.batch_size, cfg.truncate, progress="normalize_reward check"
+    )
     fresh = score_query_responses(model, eval_queries, eval_responses, cfg.batch_size)
     metrics = {
         "gain": gain,

@@ -7,6 +7,8 @@ See rlhf_pipeline/preferences.py for the formats.
 
 from __future__ import annotations
 
+import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
+
 import numpy as np
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
+
 import os
 from contextlib import nullcontext
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
+
 import torch
 from datasets import load_from_disk
 
@@ -47,7 +49,12 @@ def main(params: Params) -> None:
         queries = load_queries(QUERIES, "train", tokenizer.pad_token_id, cfg.normalize_before_samples)
         sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
         responses, _ = sampler.sample_batched(
-            base, queries, generator, params.reward.normalize.batch_size, params.reward.normalize.truncate
+            base,
+            queries,
+            generator,
+            params.reward.normalize.batch_size,
+            params.reward.normalize.truncate,
+            progress="train_reward normalize_before",
         )
         del base
         raw = score_query_responses(

@@ -7,6 +7,8 @@ downstream trains on bad labels. ``min_rows`` applies to the train split.
 
 from __future__ import annotations
 
+import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
+
 from pathlib import Path
 
 from datasets import load_from_disk

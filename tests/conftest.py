@@ -3,6 +3,8 @@ to run a stage script in a temporary project directory."""
 
 from __future__ import annotations
 
+import rlhf_pipeline.offline  # noqa: F401  (first: the suite runs offline, like the stages)
+
 import os
 import runpy
 import shutil

@@ -247,6 +247,27 @@ def test_deterministic_failures_are_not_retried(project: Path, code: int):
     assert not (project / "models/policy").exists()
     summary = _artifacts(state.state_details.flow_run_id)["retrain-summary"].data
     assert "# Retrain: failed" in summary and message in summary
+    assert any(message in line for line in _error_logs(state.state_details.flow_run_id)), "not logged at ERROR"
+
+
+def test_a_stage_traceback_is_logged_at_error(project: Path):
+    """A bug's traceback, streamed from the stage line by line, reaches Prefect's log at ERROR."""
+    trace = 'Traceback (most recent call last):\n  File "step.py", line 1\nZeroDivisionError: division by zero'
+    _control(project, train_reward={"exit": 1, "message": trace})
+    state = retrain(repo=str(project), retries=0, return_state=True, **FAST)
+    assert state.is_failed()
+    errors = _error_logs(state.state_details.flow_run_id)
+    assert "Traceback (most recent call last):" in errors and "ZeroDivisionError: division by zero" in errors
+
+
+def _error_logs(flow_run_id) -> list[str]:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # logs reach the server in batches: send the pending ones first
+    log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]), level=LogFilterLevel(ge_=40))
+    with get_client(sync_client=True) as client:
+        return [log.message for log in client.read_logs(log_filter=log_filter)]
 
 
 def test_unchanged_project_runs_nothing(project: Path):

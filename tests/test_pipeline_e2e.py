@@ -147,6 +147,22 @@ def test_every_stage_ran_and_wrote_its_outputs(project):
     assert json.loads((root / "models/policy/tokenizer_config.json").read_text())["padding_side"] == "left"
 
 
+def test_long_stages_print_progress_and_no_hugging_face_bars(project):
+    _, result = project
+    log = result.stdout + result.stderr
+    progress = [line for line in log.splitlines() if "/" in line and line.endswith(" s)")]
+    for start in (
+        "corpus: 200/200 passages",
+        "preferences train: 64/64 rows labelled",
+        "normalize_reward fit: ",
+        "evaluate base: ",
+        "evaluate policy: ",
+    ):
+        assert any(line.startswith(start) for line in progress), (start, progress)
+    bars = [line for line in log.splitlines() if "it/s]" in line or "Loading" in line or "Saving the dataset" in line]
+    assert bars == [], bars[:5]
+
+
 def test_metrics_are_declared_and_sane(project):
     root, _ = project
     shown = json.loads(sh(["dvc", "metrics", "show", "--json"], root).stdout)

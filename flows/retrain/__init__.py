@@ -43,7 +43,8 @@ The package is split by concern: :mod:`.dvc_project` (everything asked of DVC), 
 
 from __future__ import annotations
 
-import rlhf_pipeline  # noqa: F401  (first: offline env vars and PREFECT_HOME before Prefect loads)
+import rlhf_pipeline.offline  # noqa: F401  (first: offline env vars and PREFECT_HOME before Prefect loads)
+
 from flows.retrain.dvc_project import CommandResult, stage_exit_code, stage_order
 from flows.retrain.flow import DEPLOYMENT_NAME, build_deployment, resolve_schedule, retrain
 

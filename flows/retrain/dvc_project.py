@@ -4,6 +4,7 @@ process of its own, and its output is streamed to the flow's log line by line)."
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -145,7 +146,8 @@ def capture(cmd: list[str], cwd: Path, timeout: float | None = 600) -> CommandRe
 
 
 def stream(cmd: list[str], cwd: Path, logger) -> CommandResult:
-    """Run ``cmd``, logging each output line as it comes; keep the tail for error messages."""
+    """Run ``cmd``, logging each output line as it comes (a traceback, from its first line on, and
+    DVC's ``ERROR:`` lines at ERROR, the rest at INFO); keep the tail for error messages."""
     tail: deque[str] = deque(maxlen=400)
     proc = subprocess.Popen(
         cmd,
@@ -159,12 +161,14 @@ def stream(cmd: list[str], cwd: Path, logger) -> CommandResult:
         bufsize=1,
     )
     assert proc.stdout is not None
+    in_traceback = False
     try:
         for line in proc.stdout:
             line = line.rstrip("\n")
             tail.append(line)
+            in_traceback = in_traceback or line.startswith("Traceback (most recent call last):")
             if line.strip():
-                logger.info(line)
+                logger.log(logging.ERROR if in_traceback or line.startswith("ERROR:") else logging.INFO, line)
     finally:
         returncode = proc.wait()
     return CommandResult(returncode, "\n".join(tail))

@@ -1,0 +1,69 @@
+"""The `rlhf` command's own behaviour: version, the environment it leaves alone, the TRL export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from datasets import Dataset, DatasetDict, load_dataset
+
+from rlhf_pipeline import __version__
+from rlhf_pipeline.cli import main
+from rlhf_pipeline.contract import validate_file_cli
+from rlhf_pipeline.env import OFFLINE_DEFAULTS
+
+
+def run_cli(*argv: str) -> int:
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    return exit_.value.code
+
+
+def test_version(capsys):
+    assert run_cli("--version") == 0
+    assert capsys.readouterr().out.strip() == f"rlhf {__version__}"
+
+
+def test_importing_the_library_changes_nothing_in_the_callers_environment():
+    """The offline and quiet settings come from the entry points (rlhf_pipeline.offline), not from
+    importing the package or any of its modules."""
+    modules = "rlhf_pipeline, rlhf_pipeline.params, rlhf_pipeline.ppo, rlhf_pipeline.contract, rlhf_pipeline.lineage"
+    code = (
+        "import json, os; before = dict(os.environ)\n"
+        f"import {modules}\n"
+        "after = dict(os.environ)\n"
+        "print(json.dumps(sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))))\n"
+        "import rlhf_pipeline.offline\n"
+        "print(json.dumps(sorted(k for k in os.environ if os.environ.get(k) != after.get(k))))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in OFFLINE_DEFAULTS and k != "PREFECT_HOME"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    by_import, by_entry_point = map(json.loads, out.splitlines())
+    assert by_import == []
+    assert set(OFFLINE_DEFAULTS) | {"PREFECT_HOME"} == set(by_entry_point)
+
+
+def test_export_preferences_writes_trls_pairwise_format(tmp_path, capsys):
+    rows = [
+        {"query": f"Query {i}.", "samples": [f"Sample {k} of {i}." for k in range(4)], "best": i % 4, "margin": 0.0}
+        for i in range(24)
+    ]
+    DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:4])}).save_to_disk(
+        tmp_path / "prefs"
+    )
+    target = tmp_path / "pairs.jsonl"
+    assert run_cli("export-preferences", str(target), "--input", str(tmp_path / "prefs")) == 0
+    assert "72 pairs" in capsys.readouterr().out
+    pairs = load_dataset("json", data_files=str(target), split="train")  # how TRL users load it
+    assert pairs.column_names == ["prompt", "chosen", "rejected"]  # no all-zero margin column
+    assert len(pairs) == 24 * 3
+    first = [p for p in pairs if p["prompt"] == "Query 5."]
+    assert {p["chosen"] for p in first} == {"Sample 1 of 5."}
+    assert sorted(p["rejected"] for p in first) == ["Sample 0 of 5.", "Sample 2 of 5.", "Sample 3 of 5."]
+    # the export is itself a valid pairwise file for the data contract
+    assert validate_file_cli(str(target), params_path=str(tmp_path / "none.yaml")) == 0
+    assert run_cli("export-preferences", str(tmp_path / "pairs.csv"), "--input", str(tmp_path / "prefs")) == 1
+    assert "write .jsonl or .parquet" in capsys.readouterr().err
