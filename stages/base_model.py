@@ -23,9 +23,12 @@ def main(params: Params) -> None:
     with atomic_dir(OUT) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        upstream = provenance.get("upstream")
         metadata = {
-            "base_model": hub_id(provenance.get("upstream")),
-            "base_model_relation": "quantized" if provenance.get("upstream_format") else None,
+            "base_model": hub_id(upstream),
+            "base_model_relation": "quantized"
+            if provenance.get("upstream") and provenance.get("upstream_format")
+            else None,
             "license": provenance.get("license"),
             "library_name": "transformers",
             "pipeline_tag": "text-generation",

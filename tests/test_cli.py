@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from datasets import Dataset, DatasetDict, load_dataset
@@ -14,6 +16,9 @@ from rlhf_pipeline import __version__
 from rlhf_pipeline.cli import main
 from rlhf_pipeline.contract import validate_file_cli
 from rlhf_pipeline.env import OFFLINE_DEFAULTS
+from rlhf_pipeline.models import load_source_model
+from rlhf_pipeline.params import load_params, parse_params, read_params_file
+from rlhf_pipeline.stage_params import declared_keys_by_stage, missing_key_problems
 
 
 def run_cli(*argv: str) -> int:
@@ -67,3 +72,39 @@ def test_export_preferences_writes_trls_pairwise_format(tmp_path, capsys):
     assert validate_file_cli(str(target), params_path=str(tmp_path / "none.yaml")) == 0
     assert run_cli("export-preferences", str(tmp_path / "pairs.csv"), "--input", str(tmp_path / "prefs")) == 1
     assert "write .jsonl or .parquet" in capsys.readouterr().err
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("profile", sorted(p.stem for p in (REPO / "params").glob("*.yaml")))
+def test_every_profile_is_valid_and_spells_out_every_tracked_key(profile):
+    raw = read_params_file(REPO / "params" / f"{profile}.yaml")
+    parse_params(raw, profile)
+    assert missing_key_problems(raw, declared_keys_by_stage(REPO)) == []
+
+
+def test_the_shipped_params_file_is_the_cpu_profile():
+    assert (REPO / "params.yaml").read_bytes() == (REPO / "params" / "cpu.yaml").read_bytes()
+
+
+def test_profile_command_switches_params_and_refuses_a_broken_profile(tmp_path, monkeypatch, capsys):
+    shutil.copytree(REPO / "params", tmp_path / "params")
+    shutil.copy(REPO / "dvc.yaml", tmp_path / "dvc.yaml")
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("profile") == 0 and capsys.readouterr().out.split() == ["cpu", "reference", "tiny"]
+    assert run_cli("profile", "tiny") == 0
+    assert Path("params.yaml").read_bytes() == Path("params/tiny.yaml").read_bytes()
+    assert load_params("params.yaml").base_model.source == "tiny-random-llama"
+    Path("params/broken.yaml").write_text(Path("params/tiny.yaml").read_text().replace("lr: 0.0001", "lr: .inf"))
+    assert run_cli("profile", "broken") == 2
+    assert "ppo.lr" in capsys.readouterr().err
+    assert Path("params.yaml").read_bytes() == Path("params/tiny.yaml").read_bytes(), "params.yaml was touched"
+    assert run_cli("profile", "nope") == 1
+
+
+def test_tiny_random_source_builds_a_two_block_model():
+    model, tokenizer, provenance = load_source_model("tiny-random-llama")
+    assert model.config.num_hidden_layers == 2 and tokenizer.eos_token_id is not None
+    assert provenance["source"] == "tiny-random-llama"
