@@ -57,7 +57,7 @@ def cmd_profile(args) -> int:
     with atomic_file(args.params, "wb") as handle:
         handle.write(source.read_bytes())
     print(
-        f"{args.params} is now the {args.name} profile ({source}): run `dvc repro`; `dvc params diff` shows the change"
+        f"{args.params} is now the {args.name} profile ({source}): run `dvc repro` (`dvc params diff` shows the change)"
     )
     return 0
 

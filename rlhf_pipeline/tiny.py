@@ -1,6 +1,7 @@
 """A tiny randomly initialised Llama and byte-level BPE tokenizer, built in-process.
 
-Tests and the end-to-end check use it instead of downloading anything. Like SmolLM2, its
+Tests, the end-to-end check and the quick-look profile (``base_model.source: tiny-llama``) use
+it instead of downloading anything. Like SmolLM2, its
 tokenizer ships with pad == eos, so the base_model stage's pad-token handling is exercised.
 """
 
@@ -60,3 +61,25 @@ def build_tiny_model(directory: str | os.PathLike, seed: int = 0, layers: int = 
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def warm_up(model, tokenizer, steps: int = 100, seed: int = 0) -> None:
+    """A few optimizer steps on the tiny corpus, so the tiny model writes words and periods.
+
+    A randomly initialised byte-level model samples control bytes and broken UTF-8 about half
+    the time, which the preference data contract (rightly) refuses and which never yields a
+    query; a model that has seen TINY_TEXT for a second behaves like a (very small) real one.
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    batch = tokenizer(TINY_TEXT, add_special_tokens=False, padding=True, return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()

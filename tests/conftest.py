@@ -21,39 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 PAD_TOKEN = "<|pad|>"
 
 
-def warm_up_tiny_model(model, tokenizer, steps: int = 100, seed: int = 0) -> None:
-    """A few optimizer steps on the tiny corpus, so the tiny model writes words and periods.
-
-    A randomly initialised byte-level model samples control bytes and broken UTF-8 about half
-    the time, which the preference data contract (rightly) refuses and which never yields a
-    query; a model that has seen TINY_TEXT for a second behaves like a (very small) real one.
-    """
-    from rlhf_pipeline.tiny import TINY_TEXT
-
-    torch.manual_seed(seed)
-    batch = tokenizer(TINY_TEXT, add_special_tokens=False, padding=True, return_tensors="pt")
-    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
-
-
 def materialize_tiny_base(directory: str | os.PathLike, warm_up: bool = True) -> Path:
     """models/base for the tiny model: build_tiny_model, load it the way the base_model stage
     loads a local source, (warm it up), add the dedicated pad token, save."""
     from rlhf_pipeline.models import add_dedicated_pad_token, load_source_model
-    from rlhf_pipeline.tiny import build_tiny_model
+    from rlhf_pipeline.tiny import build_tiny_model, warm_up
 
     directory = Path(directory)
     source = build_tiny_model(directory.parent / f"{directory.name}-source")
     model, tokenizer, _ = load_source_model(str(source))
     if warm_up:
-        warm_up_tiny_model(model, tokenizer)
+        warm_up(model, tokenizer)
     add_dedicated_pad_token(model, tokenizer, PAD_TOKEN)
     model.eval()
     model.save_pretrained(directory)

@@ -96,7 +96,7 @@ def test_profile_command_switches_params_and_refuses_a_broken_profile(tmp_path, 
     assert run_cli("profile") == 0 and capsys.readouterr().out.split() == ["cpu", "reference", "tiny"]
     assert run_cli("profile", "tiny") == 0
     assert Path("params.yaml").read_bytes() == Path("params/tiny.yaml").read_bytes()
-    assert load_params("params.yaml").base_model.source == "tiny-random-llama"
+    assert load_params("params.yaml").base_model.source == "tiny-llama"
     Path("params/broken.yaml").write_text(Path("params/tiny.yaml").read_text().replace("lr: 0.0001", "lr: .inf"))
     assert run_cli("profile", "broken") == 2
     assert "ppo.lr" in capsys.readouterr().err
@@ -105,6 +105,6 @@ def test_profile_command_switches_params_and_refuses_a_broken_profile(tmp_path, 
 
 
 def test_tiny_random_source_builds_a_two_block_model():
-    model, tokenizer, provenance = load_source_model("tiny-random-llama")
+    model, tokenizer, provenance = load_source_model("tiny-llama")
     assert model.config.num_hidden_layers == 2 and tokenizer.eos_token_id is not None
-    assert provenance["source"] == "tiny-random-llama"
+    assert provenance["source"] == "tiny-llama"
