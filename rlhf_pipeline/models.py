@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rlhf_pipeline.distributed import local_rank
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.modelcard import read_card
 
@@ -51,9 +52,8 @@ def resolve_device(preference: str = "auto") -> DevicePlan:
     if preference in ("auto", "cuda") and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
         bf16 = torch.cuda.is_bf16_supported()
-        return DevicePlan(torch.device("cuda", local_rank), torch.bfloat16 if bf16 else None)
+        return DevicePlan(torch.device("cuda", local_rank()), torch.bfloat16 if bf16 else None)
     return DevicePlan(torch.device("cpu"), None)
 
 

@@ -37,11 +37,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from safetensors.torch import save as save_safetensors
 from torch import Tensor, nn
 
+from rlhf_pipeline import distributed
 from rlhf_pipeline import functional as F
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
 from rlhf_pipeline.io import atomic_dir, atomic_file, recover_interrupted_write, sha256_file
@@ -326,8 +326,7 @@ class PPOTrainer:
         self.pad_id = tokenizer.pad_token_id
         # Data parallel (torchrun / `accelerate launch`): each rank rolls out batch_size/world
         # episodes and DDP averages gradients; statistics that steer training (KL) are averaged.
-        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        self.world_size, self.rank = distributed.world_size(), distributed.rank()
         if cfg.batch_size % self.world_size or (cfg.batch_size // self.world_size) % cfg.nminibatches:
             raise PipelineError(
                 f"ppo.batch_size ({cfg.batch_size}) must split evenly over {self.world_size} processes and then "
@@ -349,13 +348,7 @@ class PPOTrainer:
         freeze_lower_layers(backbone_of(policy.lm), self.freeze)
         # lm_head is tied to the (frozen) input embeddings in most small LMs; untied heads train.
         self.use_trunk = self.freeze > 0 and supports_trunk_split(policy.lm) and supports_trunk_split(ref_model)
-        self.train_module = policy
-        if self.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.train_module = DistributedDataParallel(
-                policy, device_ids=[device.index] if device.type == "cuda" else None
-            )
+        self.train_module = distributed.data_parallel(policy, device)
         self.optimizer = adam(
             (p for p in policy.parameters() if p.requires_grad),
             lr=cfg.lr,
@@ -550,11 +543,7 @@ class PPOTrainer:
         return stats
 
     def all_mean(self, value: Tensor) -> float:
-        if self.world_size > 1:
-            value = value.detach().clone()
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
-            value /= self.world_size
-        return value.item()
+        return distributed.mean_over_processes(value)
 
     def last_good(self) -> str:
         return (
@@ -569,8 +558,7 @@ class PPOTrainer:
             return
         if self.rank == 0:
             self.checkpointer.prepare()  # drops a checkpoint of other params/inputs
-        if self.world_size > 1:
-            dist.barrier()
+        distributed.barrier()
         if (self.checkpointer.state_dir / "meta.json").is_file():
             self.start_update, self.history = self.checkpointer.load(self.policy, self.optimizer, self.kl_ctl)
             print(f"train_policy: resuming from update {self.start_update} ({self.checkpointer.state_dir})")
@@ -627,8 +615,7 @@ class PPOTrainer:
             if self.checkpointer is not None and (done % self.cfg.checkpoint_every == 0 or done == self.num_updates):
                 if self.rank == 0:
                     self.checkpointer.save(done, self.policy, self.optimizer, self.kl_ctl, self.history)
-                if self.world_size > 1:
-                    dist.barrier()
+                distributed.barrier()
         bar.close()
         return self.history
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
-import os
 from contextlib import nullcontext
 
 import torch
 
+from rlhf_pipeline.distributed import init_process_group
 from rlhf_pipeline.env import project_root
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import get_labeler
@@ -48,15 +48,8 @@ def main(params: Params) -> None:
     uses_reward_model = cfg.score_source == "reward_model" or cfg.value_model == "separate"
     for path, stage in ((BASE, "base_model"), (REWARD, "normalize_reward"))[: 2 if uses_reward_model else 1]:
         require_dir(path, stage)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     plan = resolve_device(cfg.device)
-    if distributed:  # launched by `accelerate launch` or `torchrun`
-        import torch.distributed as dist
-
-        if plan.device.type == "cuda":
-            torch.cuda.set_device(plan.device)
-        dist.init_process_group(backend="nccl" if plan.device.type == "cuda" else "gloo")
-    is_main = not distributed or int(os.environ.get("RANK", "0")) == 0
+    is_main = init_process_group(plan.device)  # a no-op unless `accelerate launch`/`torchrun` started several
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=plan.device.type == "cuda")
     tokenizer = load_tokenizer(BASE)

@@ -194,11 +194,21 @@ def test_second_repro_is_a_no_op(project):
     assert "up to date" in result.stdout.lower()
 
 
-def test_plots_render_offline(project, tmp_path):
+def test_plots_show_the_ppo_objective_and_the_overoptimisation_curve(project):
+    """What `dvc plots show` draws (its JSON): one chart with score, KL and KL coefficient per update,
+    the over-optimisation curve against sqrt(KL), and no second, index-based plot of that curve's data.
+    (That the HTML page draws offline in a browser is not tested yet.)"""
     root, _ = project
-    sh(["dvc", "plots", "show", "-o", str(tmp_path / "plots")], root)
-    html = (tmp_path / "plots/index.html").read_text()
-    assert "over-optimisation" in html.lower() and "objective" in html
+    plots = json.loads(sh(["dvc", "plots", "show", "--json"], root).stdout)["data"]
+    objective = plots["PPO objective over updates (score, KL, KL coefficient)"][0]["content"]
+    series = {row["filename::field"] for row in objective["data"]["values"]}
+    assert series == {"score.tsv::score", "kl.tsv::kl", "kl_coef.tsv::kl_coef"}
+    assert len(objective["data"]["values"]) == 3 * (
+        TINY_PARAMS["ppo"]["total_episodes"] // TINY_PARAMS["ppo"]["batch_size"]
+    )
+    curve = plots["Reward over-optimisation (Gao et al. 2022)"][0]["content"]
+    assert curve["encoding"]["x"]["field"] == "sqrt_kl"
+    assert "evaluation/overoptimization.json" not in plots
 
 
 def test_lineage_of_the_policy_reaches_the_sources(project):
