@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from rlhf_pipeline.functional import apply_penalty
 from rlhf_pipeline.progress import Progress
 from rlhf_pipeline.reward import RewardModel, score_query_responses
-from rlhf_pipeline.sampling import ResponseSampler, iterate_batches, response_logprobs, shared_lower_blocks
+from rlhf_pipeline.sampling import ResponseSampler, iterate_batches, response_outputs, shared_lower_blocks
 
 
 def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -104,7 +104,7 @@ def sample_and_score(
         else:
             query_responses = torch.cat([queries[rows], out.responses], 1)
             mask = query_responses != sampler.pad_token_id
-            ref_logprobs = response_logprobs(
+            ref_logprobs = response_outputs(
                 base,
                 query_responses,
                 mask,
@@ -113,7 +113,7 @@ def sample_and_score(
                 sampler.pad_token_id,
                 shared,
                 out.hidden.get(shared),
-            )
+            ).logprobs
             kls.append(sequence_kl(out.logprobs, ref_logprobs, out.mask))
         responses.append(out.responses)
         truncated.append(trunc)

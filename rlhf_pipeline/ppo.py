@@ -52,7 +52,6 @@ from rlhf_pipeline.reward import RewardModel, score_query_responses
 from rlhf_pipeline.sampling import (
     ResponseSampler,
     hidden_from,
-    response_logprobs,
     response_outputs,
     supports_trunk_split,
 )
@@ -411,7 +410,7 @@ class PPOTrainer:
         self._offload(self.ref_model, True)
         with self._ctx():
             trunk = sampled.hidden[self.freeze] if self.use_trunk else None
-            ref_logprobs = response_logprobs(
+            ref_logprobs = response_outputs(
                 self.ref_model,
                 query_responses,
                 attn,
@@ -420,7 +419,7 @@ class PPOTrainer:
                 self.pad_id,
                 self.freeze if self.use_trunk else 0,
                 trunk,
-            )
+            ).logprobs
         self._offload(self.ref_model, False)
         values = sampled.values
         if not self.policy.shared:

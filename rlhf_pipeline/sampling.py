@@ -4,7 +4,7 @@
   ``temperature``, a fixed number of tokens that ignores EOS (or an EOS-stop mode), with a KV cache.
   It also returns, from the same forward passes, the sampled tokens' logprobs and (when a value
   head is given) the values, so PPO needs no second policy forward to build a rollout.
-- :func:`response_logprobs`: one forward over query+response that applies the LM head to the
+- :func:`response_outputs`: one forward over query+response that applies the LM head to the
   response positions only (the vocabulary projection is ~20% of a small model's FLOPs, and the
   query positions' logits are never used), optionally from a trunk captured while sampling
   (:func:`hidden_from`: only the blocks above it run).
@@ -283,21 +283,6 @@ def response_outputs(
     # padding after an EOS (stop mode) is masked downstream; keep it finite here
     logprobs = torch.where(labels == pad_token_id, torch.zeros_like(logprobs), logprobs)
     return ResponseOutputs(logprobs, entropies, hidden)
-
-
-def response_logprobs(
-    model: nn.Module,
-    query_responses: Tensor,
-    attention_mask: Tensor,
-    query_length: int,
-    temperature: float,
-    pad_token_id: int,
-    start_layer: int = 0,
-    trunk: Tensor | None = None,
-) -> Tensor:
-    """Logprobs (B, R) of the response tokens (:func:`response_outputs` without entropy)."""
-    args = (model, query_responses, attention_mask, query_length, temperature, pad_token_id, start_layer, trunk)
-    return response_outputs(*args).logprobs
 
 
 def iterate_batches(n: int, batch_size: int):

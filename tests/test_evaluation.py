@@ -140,7 +140,7 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     from rlhf_pipeline.models import load_causal_lm
     from rlhf_pipeline.params import TaskParams
     from rlhf_pipeline.reward import RewardModel
-    from rlhf_pipeline.sampling import ResponseSampler, response_logprobs, shared_lower_blocks
+    from rlhf_pipeline.sampling import ResponseSampler, response_outputs, shared_lower_blocks
 
     base = load_causal_lm(tiny_base_dir).eval()
     policy = copy.deepcopy(base)
@@ -156,7 +156,7 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     with torch.no_grad():
         again = sampler.sample(policy, queries, torch.Generator().manual_seed(3))[0]  # same stream, one batch
         full = torch.cat([queries, again.responses], 1)
-        ref = response_logprobs(base, full, full != pad, 5, sampler.task.temperature, pad)
+        ref = response_outputs(base, full, full != pad, 5, sampler.task.temperature, pad).logprobs
     assert torch.equal(result.responses, again.responses)
     torch.testing.assert_close(result.kl, sequence_kl(again.logprobs, ref, again.mask), atol=1e-4, rtol=1e-4)
     assert result.kl.abs().max() > 1e-3  # the perturbation is visible
