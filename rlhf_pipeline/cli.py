@@ -12,23 +12,16 @@ import argparse
 import sys
 
 from rlhf_pipeline import __version__
-from rlhf_pipeline.errors import ParamsError, PipelineError
+from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.runner import report_error, report_unexpected
 
 
 def cmd_check_params(args) -> int:
     from pathlib import Path
 
-    from rlhf_pipeline.errors import ParamsError
-    from rlhf_pipeline.params import parse_params, read_params_file
-    from rlhf_pipeline.stage_params import declared_keys_by_stage, missing_key_problems
+    from rlhf_pipeline.stage_params import check_params_file
 
-    raw = read_params_file(args.path)
-    parse_params(raw, args.path)
-    # the keys dvc.yaml (next to the file) tracks must be in the file: DVC does not know the schema's defaults
-    problems = missing_key_problems(raw, declared_keys_by_stage(Path(args.path).resolve().parent))
-    if problems:
-        raise ParamsError(args.path, problems)
+    check_params_file(args.path, Path(args.path).resolve().parent)  # against the dvc.yaml next to the file
     print("ok")
     return 0
 
@@ -38,8 +31,7 @@ def cmd_profile(args) -> int:
     from pathlib import Path
 
     from rlhf_pipeline.io import atomic_file
-    from rlhf_pipeline.params import parse_params, read_params_file
-    from rlhf_pipeline.stage_params import declared_keys_by_stage, missing_key_problems
+    from rlhf_pipeline.stage_params import check_params_file
 
     folder = Path(args.params).resolve().parent / "params"
     available = sorted(p.stem for p in folder.glob("*.yaml"))
@@ -49,11 +41,7 @@ def cmd_profile(args) -> int:
     if args.name not in available:
         raise PipelineError(f"no profile {args.name!r} in {folder}; the profiles are {', '.join(available) or 'none'}.")
     source = folder / f"{args.name}.yaml"
-    raw = read_params_file(source)
-    parse_params(raw, str(source))  # a broken profile never replaces a working params file
-    problems = missing_key_problems(raw, declared_keys_by_stage(folder.parent))
-    if problems:
-        raise ParamsError(str(source), problems)
+    check_params_file(source, folder.parent)  # a broken profile never replaces a working params file
     with atomic_file(args.params, "wb") as handle:
         handle.write(source.read_bytes())
     print(

@@ -131,6 +131,19 @@ def missing_key_problems(raw: Any, declared: dict[str, frozenset[str] | None]) -
     ]
 
 
+def check_params_file(path: str | os.PathLike, root: str | os.PathLike) -> None:
+    """Validate the params file at ``path`` against the schema, and check that it spells out every
+    key ``root``/dvc.yaml tracks (DVC does not know the schema's defaults); ParamsError otherwise."""
+    from rlhf_pipeline.errors import ParamsError
+    from rlhf_pipeline.params import parse_params, read_params_file
+
+    raw = read_params_file(path)
+    parse_params(raw, str(path))
+    problems = missing_key_problems(raw, declared_keys_by_stage(root))
+    if problems:
+        raise ParamsError(str(path), problems)
+
+
 def _covers(declared: Iterable[str], path: str) -> bool:
     """True if a declared key is ``path`` or one of its parent sections."""
     return any(path == key or path.startswith(key + ".") for key in declared)
