@@ -141,6 +141,15 @@ def test_save_and_load_round_trip(tiny_base_dir, pad, tmp_path):
     torch.testing.assert_close(loaded.score_best_of_n(queries, samples), rm.score_best_of_n(queries, samples))
 
 
+def train_on_largest_first_token(rm, queries, samples, **overrides):
+    """One epoch of ``train_reward_model`` on the learnable rule these tests use (prefer the sample
+    whose first token id is largest), with their shared settings; ``overrides`` change them."""
+    settings = {"lr": 1e-2, "epochs": 1, "batch_size": 8, "microbatch_size": 8, "adam_eps": 1e-5}
+    best = samples[:, :, 0].argmax(-1)
+    generator = torch.Generator().manual_seed(0)
+    return train_reward_model(rm, queries, samples, best, None, generator=generator, **{**settings, **overrides})
+
+
 def test_training_anneals_the_lr_to_zero_and_learns(tiny_base_dir, pad):
     """One epoch of 4 steps over 32 labels: lr = lr0 * (1 - start/32) per step (OAI), the loss
     falls on a learnable rule (prefer the sample whose first token id is largest), and with
@@ -154,19 +163,7 @@ def test_training_anneals_the_lr_to_zero_and_learns(tiny_base_dir, pad):
     best = samples[:, :, 0].argmax(-1)
     with torch.no_grad():
         initial_loss = best_of_n_loss(rm.score_best_of_n(queries, samples), best)[0].item()
-    history = train_reward_model(
-        rm,
-        queries,
-        samples,
-        best,
-        None,
-        lr=1e-2,
-        epochs=1,
-        batch_size=8,
-        microbatch_size=4,
-        adam_eps=1e-5,
-        generator=torch.Generator().manual_seed(0),
-    )
+    history = train_on_largest_first_token(rm, queries, samples, microbatch_size=4)
     assert [h["lr"] for h in history] == pytest.approx([1e-2, 0.75e-2, 0.5e-2, 0.25e-2])
     assert torch.equal(rm.backbone.layers[0].mlp.down_proj.weight, frozen_before)
     assert not torch.equal(rm.backbone.layers[1].mlp.down_proj.weight, top_before)
@@ -195,21 +192,7 @@ def test_gain_and_bias_train_with_the_model_unless_switched_off(tiny_base_dir, p
     """Both references train the reward gain and bias with the model (reward.train.train_gain_bias)."""
     rm = make_rm(tiny_base_dir, pad).train()
     queries, samples = batch(pad, rows=8, n=4, seed=2)
-    best = samples[:, :, 0].argmax(-1)
-    train_reward_model(
-        rm,
-        queries,
-        samples,
-        best,
-        None,
-        lr=1e-2,
-        epochs=1,
-        batch_size=8,
-        microbatch_size=8,
-        adam_eps=1e-5,
-        generator=torch.Generator().manual_seed(0),
-        train_gain_bias=train_gain_bias,
-    )
+    train_on_largest_first_token(rm, queries, samples, train_gain_bias=train_gain_bias)
     assert (rm.gain.item() != 1.0) is train_gain_bias
     assert rm.bias.item() == pytest.approx(0.0, abs=1e-4)  # zero gradient: Adam barely moves it
 
@@ -244,21 +227,8 @@ def test_a_non_finite_loss_stops_with_exit_code_4(tiny_base_dir, pad):
     NonFiniteError (exit 4, not retried by the flow), not a generic error that Prefect retries."""
     rm = make_rm(tiny_base_dir, pad).train()
     queries, samples = batch(pad, rows=16, n=4, seed=3)
-    best = samples[:, :, 0].argmax(-1)
     with pytest.raises(NonFiniteError, match="loss became non-finite at step 1; nothing was written") as info:
-        train_reward_model(
-            rm,
-            queries,
-            samples,
-            best,
-            None,
-            lr=float("inf"),
-            epochs=1,
-            batch_size=8,
-            microbatch_size=8,
-            adam_eps=1e-5,
-            generator=torch.Generator().manual_seed(0),
-        )
+        train_on_largest_first_token(rm, queries, samples, lr=float("inf"))
     assert info.value.exit_code == 4
 
 
@@ -269,19 +239,6 @@ def test_a_non_finite_gradient_stops_before_the_step(tiny_base_dir, pad):
     head = rm.head.weight
     head.register_hook(lambda grad: grad * float("nan"))
     queries, samples = batch(pad, rows=8, n=4, seed=3)
-    best = samples[:, :, 0].argmax(-1)
     with pytest.raises(NonFiniteError, match=r"gradient became non-finite at step 0 \(head.weight"):
-        train_reward_model(
-            rm,
-            queries,
-            samples,
-            best,
-            None,
-            lr=1e-2,
-            epochs=1,
-            batch_size=8,
-            microbatch_size=8,
-            adam_eps=1e-5,
-            generator=torch.Generator().manual_seed(0),
-        )
+        train_on_largest_first_token(rm, queries, samples)
     assert all(torch.equal(before[name], p) for name, p in rm.named_parameters())
