@@ -226,6 +226,11 @@ def _examples(frame, rows: list[int], user_columns: list[str], columns: list[str
     return examples
 
 
+def _exception_message(result) -> str | None:
+    """The error GX caught while evaluating an expectation (e.g. a comparison of mixed types), if any."""
+    return (result.exception_info or {}).get("exception_message")
+
+
 def _failure(result, frame, user_columns: list[str], names: dict[str, str]) -> dict[str, Any]:
     config = result.expectation_config
     kwargs = config.kwargs
@@ -234,7 +239,7 @@ def _failure(result, frame, user_columns: list[str], names: dict[str, str]) -> d
     shown = ", ".join(label(c) for c in columns if not c.startswith("_") and label(c)) or "(table)"
     details = result.result or {}
     indices = list(details.get("partial_unexpected_index_list") or [])
-    exception = (result.exception_info or {}).get("exception_message") if result.exception_info else None
+    exception = _exception_message(result)
     observed = _json_safe(details.get("observed_value"))
     if config.type == "expect_table_columns_to_match_set":
         missing = set(details.get("details", {}).get("mismatched", {}).get("missing") or [])
@@ -255,7 +260,7 @@ def _text_failures(result, cells, frame, user_columns: list[str], names: dict[st
     """One failure per text column at fault, as if the check had run on that column alone."""
     config = result.expectation_config
     label = lambda c: names.get(c, c)  # noqa: E731
-    exception = (result.exception_info or {}).get("exception_message") if result.exception_info else None
+    exception = _exception_message(result)
     if exception:
         return [
             {

@@ -99,7 +99,9 @@ def params_deps(stage) -> list:
 
 
 def file_deps(stage) -> list:
-    return [dep for dep in stage.deps if dep not in params_deps(stage)]
+    from dvc.dependency.param import ParamsDependency
+
+    return [dep for dep in stage.deps if not isinstance(dep, ParamsDependency)]
 
 
 def _param_label(params_file: str, key: str) -> str:
