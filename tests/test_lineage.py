@@ -51,7 +51,9 @@ SCRIPTS = {
         pathlib.Path("data/validation").mkdir(parents=True, exist_ok=True)
         pathlib.Path("data/validation/summary.json").write_text(json.dumps({"success": True}))
         pathlib.Path("metrics").mkdir(exist_ok=True)
-        pathlib.Path("metrics/preferences.json").write_text(json.dumps({"rows": n, "agreement": 0.75}))
+        pathlib.Path("metrics/preferences.json").write_text(
+            json.dumps({"rows/train": n - 2, "rows/test": 2, "agreement": 0.75})  # per split, as the real stage
+        )
     """,
     "scripts/policy.py": """
         import json, pathlib, yaml
@@ -167,7 +169,7 @@ def test_text_report_names_stages_and_sources(repo, monkeypatch, capsys):
     assert f"{head}  (clean)" in out
     assert "verdict      up to date" in out
     assert "policy.lr = 0.1" in out
-    assert "6 rows (data/preferences/metrics.json); Great Expectations: passed" in out
+    assert "6 rows (metrics/preferences.json); Great Expectations: passed" in out
     assert hashlib.sha256(SOURCE_TEXT.encode()).hexdigest() in out  # base model provenance
     assert '"reward": 1.5' in out
     assert "device cpu-test (models/policy/README.md)" in out
@@ -252,7 +254,7 @@ def test_files_inside_outputs_metrics_and_dvc_added_sources(repo, monkeypatch, c
     event = _lineage_json(capsys, "data/preferences")
     assert event["job"]["name"] == "preferences"
     assert {d["name"] for d in event["inputs"]} >= {"models/base", "source.txt"}
-    assert event["run"]["facets"]["metrics"]["files"]["metrics/preferences.json"]["rows"] == 6
+    assert event["run"]["facets"]["metrics"]["files"]["metrics/preferences.json"]["rows/train"] == 4
 
     event = _lineage_json(capsys, "source.txt")
     assert event["job"]["name"] == "source.txt.dvc"
@@ -361,25 +363,38 @@ def test_an_exponent_float_in_params_equals_the_locked_float(work, capsys):
     assert _lineage_json(capsys, "models/policy")["run"]["facets"]["paramsDiff"]["changes"] == {}
 
 
+OPENLINEAGE_SPEC = Path(__file__).parent / "openlineage"  # the published spec, vendored with its licence
+
+
 def _validate_event(event: dict) -> None:
-    """The event against the schema shipped with the package, formats (uri, uuid, date-time) checked,
-    and each custom facet against the definition its own _schemaURL names."""
+    """The event against the published OpenLineage spec (2-0-2), formats (uri, uuid, date-time) checked,
+    then each facet against the definition its own _schemaURL names: the spec's standard facet files
+    or the project's custom facets in the package's schema.json (each extending the spec's RunFacet or
+    DatasetFacet)."""
     from jsonschema import Draft202012Validator
+    from referencing import Registry, Resource
 
     import rlhf_pipeline.lineage as lineage_package
 
-    schema = json.loads((Path(lineage_package.__file__).parent / "schema.json").read_text())
+    schemas = [json.loads(p.read_text()) for p in sorted(OPENLINEAGE_SPEC.glob("*.json"))]
+    schemas.append(json.loads((Path(lineage_package.__file__).parent / "schema.json").read_text()))
+    registry = Registry().with_resources((s["$id"], Resource.from_contents(s)) for s in schemas)
     checker = Draft202012Validator.FORMAT_CHECKER
     assert {"uri", "uuid", "date-time"} <= set(checker.checkers), "jsonschema's format extras are not installed"
-    Draft202012Validator(schema, format_checker=checker).validate(event)
+
+    def validate(instance: dict, ref: str) -> None:
+        Draft202012Validator({"$ref": ref}, registry=registry, format_checker=checker).validate(instance)
+
+    validate(event, "https://openlineage.io/spec/2-0-2/OpenLineage.json")
     facets = [
+        *event["job"]["facets"].values(),
         *event["run"]["facets"].values(),
         *(f for d in event["inputs"] + event["outputs"] for f in d["facets"].values()),
     ]
+    known = {s["$id"] for s in schemas}
     for facet in facets:
-        url, _, pointer = facet["_schemaURL"].partition("#/$defs/")
-        if url == schema["$id"]:
-            Draft202012Validator({**schema, "$ref": f"#/$defs/{pointer}"}, format_checker=checker).validate(facet)
+        assert facet["_schemaURL"].partition("#")[0] in known, f"no schema for {facet['_schemaURL']}"
+        validate(facet, facet["_schemaURL"])
 
 
 def test_json_event_validates_against_the_openlineage_schema(work, capsys):

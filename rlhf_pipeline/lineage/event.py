@@ -2,13 +2,15 @@
 
 Standard facets where the spec has them (``sourceCode``, ``sourceCodeLocation``); every other
 fact is a custom facet carrying ``_producer`` and a ``_schemaURL`` into ``schema.json`` beside
-this module, which describes each of them (the tests validate events against it)."""
+this module, which describes each of them as an extension of the spec's ``RunFacet`` or
+``DatasetFacet`` (the tests validate events against the published spec and these definitions)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.errors import PipelineError
@@ -16,13 +18,18 @@ from rlhf_pipeline.lineage import facts, record
 
 PRODUCER = "https://github.com/rlhf-pipeline/rlhf-pipeline"
 RUN_EVENT_SCHEMA = "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunEvent"
-STANDARD_FACETS = "https://openlineage.io/spec/facets/1-0-1/{name}.json#/$defs/{name}"
+# the version of each standard facet's published schema that the event follows
+STANDARD_FACET_VERSIONS = {"SourceCodeJobFacet": "1-0-1", "SourceCodeLocationJobFacet": "1-1-0"}
+STANDARD_FACETS = "https://openlineage.io/spec/facets/{version}/{name}.json#/$defs/{name}"
 CUSTOM_FACETS = PRODUCER + "/blob/main/rlhf_pipeline/lineage/schema.json#/$defs/{name}"
 
 
 def facet(name: str, standard: bool = False, **fields: Any) -> dict[str, Any]:
     """A facet object: the spec's two base fields, then ``fields``."""
-    schema = (STANDARD_FACETS if standard else CUSTOM_FACETS).format(name=name)
+    if standard:
+        schema = STANDARD_FACETS.format(version=STANDARD_FACET_VERSIONS[name], name=name)
+    else:
+        schema = CUSTOM_FACETS.format(name=name)
     return {"_producer": PRODUCER, "_schemaURL": schema, **fields}
 
 
@@ -145,13 +152,19 @@ def _event(repo, stage, out, rel: str) -> dict[str, Any]:
     card_paths = [rel, output, *(record.repo_path(repo, o) for o in stage.outs)]
     params_files = sorted({record.repo_path(repo, d) for s in order for d in record.params_deps(s)})
     git = record.git_facts(repo.root_dir, record.record_file(stage), params_files)
+    # the spec wants a URI in url (an scp-style remote such as git@host:org/repo goes in repoUrl)
+    remote = git.get("url") or ""
+    url = remote if "://" in remote else Path(repo.root_dir).resolve().as_uri()
+    where = {"repoUrl": remote} if remote else {}
+    version = {"version": git["commit"]} if git.get("commit") else {}
     location = facet(
         "SourceCodeLocationJobFacet",
         standard=True,
         type="git",
-        url=git.get("url") or repo.root_dir,
+        url=url,
         path=record.record_file(stage),
-        version=git.get("commit"),
+        **where,
+        **version,
     )
     code = facet(
         "SourceCodeJobFacet", standard=True, language="shell", sourceCode=record.command(stage) or f"dvc add {output}"

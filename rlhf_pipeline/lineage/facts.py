@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.lineage.record import is_under, stage_name
+from rlhf_pipeline.lineage.record import is_under, repo_path, stage_name
 from rlhf_pipeline.modelcard import CARD, read_card
 
 PACKAGES = ("torch", "transformers", "datasets", "dvc", "prefect")
 VALIDATION_SUMMARY = "data/validation/summary.json"
 PREFERENCES_DIR = "data/preferences"
 BASE_MODEL_DIR = "models/base"
-ROW_COUNT_KEYS = ("rows", "num_rows", "pairs", "count")
 BASE_MODEL_KEYS = ("source", "source_sha256", "source_file", "base_model", "revision")
 MODEL_CARD_KEYS = ("base_model", "library_name", "device", "license")
 
@@ -45,42 +45,19 @@ def read_metrics(repo, paths: list[str]) -> dict[str, Any]:
     }
 
 
-def count_rows(target: Path) -> int | None:
-    """Rows of a ``datasets`` folder, all splits together; None when it is not one."""
-    from datasets import load_from_disk
+def preference_facts(repo, metrics_files: list[str]) -> dict[str, Any]:
+    """Rows (all splits: every ``rows`` or ``rows/SPLIT`` value in the stage's metrics, read by DVC)
+    and the Great Expectations verdict."""
+    from dvc.utils.flatten import flatten
 
-    try:
-        data = load_from_disk(str(target))
-    except Exception:  # not a dataset we can read: the count is simply unknown
-        return None
-    return sum(data.num_rows.values()) if isinstance(data.num_rows, dict) else data.num_rows
-
-
-def _rows_in_metrics(payload: Any) -> int | None:
-    for key in ROW_COUNT_KEYS:
-        value = payload.get(key) if isinstance(payload, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, dict) and value and all(isinstance(v, int) for v in value.values()):
-            return sum(value.values())  # per split
-    return None
-
-
-def preference_facts(repo, path: str, metrics_files: list[str]) -> dict[str, Any]:
-    """Rows (from the stage's metrics, else counted) and the Great Expectations verdict."""
-    root = repo.root_dir
     rows, source = None, None
-    for candidate in [f"{path}/metrics.json", *metrics_files]:
-        if Path(root, candidate).is_file():
-            rows = _rows_in_metrics(json.loads(Path(root, candidate).read_text()))
-            if rows is not None:
-                source = candidate
-                break
-    if rows is None:
-        rows = count_rows(Path(root, path))
-        source = "counted" if rows is not None else None
+    for path, values in read_metrics(repo, metrics_files).items():
+        counts = [v for k, v in flatten(values).items() if re.split(r"[/.]", k)[0] == "rows" and type(v) is int]
+        if counts:
+            rows, source = sum(counts), path
+            break
     validation: dict[str, Any] = {"summary": VALIDATION_SUMMARY, "success": None}
-    summary = Path(root, VALIDATION_SUMMARY)
+    summary = Path(repo.root_dir, VALIDATION_SUMMARY)
     if summary.is_file():
         verdict = json.loads(summary.read_text()).get("success")
         validation["success"] = verdict if isinstance(verdict, bool) else None
@@ -102,8 +79,8 @@ def annotate(repo, path: str, producer) -> dict[str, Any]:
             **{k: metadata[k] for k in keys if metadata.get(k) is not None},
         }
     if (producer is not None and stage_name(producer) == "preferences") or is_under(path, PREFERENCES_DIR):
-        metrics = [out.def_path for out in producer.outs if out.metric] if producer is not None else []
-        notes["preferenceData"] = preference_facts(repo, path, metrics)
+        metrics = [repo_path(repo, out) for out in producer.outs if out.metric] if producer is not None else []
+        notes["preferenceData"] = preference_facts(repo, metrics)
     return notes
 
 

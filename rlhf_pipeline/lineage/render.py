@@ -12,14 +12,10 @@ STATUS_WORDS = {"ok": "up to date", "modified": "MODIFIED", "missing": "MISSING"
 
 
 def _size(dvc: dict) -> str:
+    from dvc.utils.humanize import naturalsize
+
     parts = [f"{dvc['nfiles']} files"] if dvc.get("nfiles") is not None else []
-    if dvc.get("size") is not None:
-        value, unit = float(dvc["size"]), "B"
-        for unit in ("B", "KiB", "MiB", "GiB"):
-            if value < 1024 or unit == "GiB":
-                break
-            value /= 1024
-        parts.append(f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}")
+    parts += [naturalsize(dvc["size"])] if dvc.get("size") is not None else []
     return f" ({', '.join(parts)})" if parts else ""
 
 
