@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-# Offline and quiet for everything make runs (rlhf_pipeline also sets these on import).
+# Offline and quiet for everything make runs (the rlhf command, the stages and the flow also set them).
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1

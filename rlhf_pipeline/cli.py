@@ -70,6 +70,14 @@ def cmd_export_preferences(args) -> int:
     return 0
 
 
+def cmd_plots_page(args) -> int:
+    from rlhf_pipeline.plots_page import write_offline_page_template
+
+    path = write_offline_page_template(args.root)
+    print(f"{path}: `dvc plots show` and `dvc plots diff` now draw with no network (.dvc/config plots.html_template)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`)."
@@ -111,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", default="data/preferences", help="the preferences stage's output")
     p.add_argument("--split", default="train", choices=["train", "test"])
     p.set_defaults(func=cmd_export_preferences)
+
+    p = sub.add_parser(
+        "plots-page", help="(re)write the page template that lets `dvc plots show` draw offline (vega inlined)"
+    )
+    p.add_argument("--root", default=".", help="the DVC project (the template goes in its .dvc/plots/)")
+    p.set_defaults(func=cmd_plots_page)
     return parser
 
 

@@ -40,6 +40,18 @@ def materialize_tiny_base(directory: str | os.PathLike, warm_up: bool = True) ->
 
 
 @pytest.fixture(scope="session")
+def chromium() -> str:
+    """Chromium from the distribution's packages, installed here when missing (root + apt-get);
+    the browser tests are skipped, with the reason, only where it cannot be had."""
+    from headless_browser import find_or_install_chromium
+
+    executable, why = find_or_install_chromium()
+    if executable is None:
+        pytest.skip(why)
+    return executable
+
+
+@pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory) -> Path:
     """Path of a tiny base model directory (config, weights, tokenizer with a dedicated pad)."""
     return materialize_tiny_base(tmp_path_factory.mktemp("tiny") / "base")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from headless_browser import DVC_PLOTS, DVC_PLOTS_DRAWN, HeadlessChromium, page_url
 from stage_imports import pipeline_stages, stage_importers
 
 from rlhf_pipeline.modelcard import read_card as read_model_card
@@ -104,7 +105,9 @@ def project(tmp_path_factory, tiny_base_dir):
     (root / ".gitignore").write_text("/models/\n/checkpoints/\n/dvclive/\n/tiny_source/\n")
     sh(["git", "init", "-q"], root)
     sh(["dvc", "init", "-q"], root)
-    shutil.copytree(REPO / ".dvc/plots", root / ".dvc/plots")  # custom plot templates
+    shutil.copytree(REPO / ".dvc/plots", root / ".dvc/plots")  # custom plot templates and the offline page
+    template = sh(["dvc", "config", "--project", "plots.html_template"], REPO).stdout.strip()
+    sh(["dvc", "config", "plots.html_template", template], root)
     sh(["git", "add", "-A"], root)
     sh(["git", "commit", "-qm", "tiny project"], root)
     result = sh(["dvc", "repro"], root, **{RECORD_READS_ENV: str(root.parent / f"{root.name}-reads")})
@@ -196,8 +199,7 @@ def test_second_repro_is_a_no_op(project):
 
 def test_plots_show_the_ppo_objective_and_the_overoptimisation_curve(project):
     """What `dvc plots show` draws (its JSON): one chart with score, KL and KL coefficient per update,
-    the over-optimisation curve against sqrt(KL), and no second, index-based plot of that curve's data.
-    (That the HTML page draws offline in a browser is not tested yet.)"""
+    the over-optimisation curve against sqrt(KL), and no second, index-based plot of that curve's data."""
     root, _ = project
     plots = json.loads(sh(["dvc", "plots", "show", "--json"], root).stdout)["data"]
     objective = plots["PPO objective over updates (score, KL, KL coefficient)"][0]["content"]
@@ -209,6 +211,22 @@ def test_plots_show_the_ppo_objective_and_the_overoptimisation_curve(project):
     curve = plots["Reward over-optimisation (Gao et al. 2022)"][0]["content"]
     assert curve["encoding"]["x"]["field"] == "sqrt_kl"
     assert "evaluation/overoptimization.json" not in plots
+
+
+@pytest.mark.parametrize("command", [["show"], ["diff", "HEAD~1"]], ids=["show", "diff"])
+def test_plots_pages_draw_every_chart_offline_in_a_real_browser(project, chromium, tmp_path, command):
+    """`dvc plots show` / `dvc plots diff` pages, opened in headless Chromium with every host name
+    unresolvable: each plot has its canvas or SVG, the page requested nothing but itself, no script failed."""
+    root, _ = project
+    sh(["dvc", "plots", *command, "-o", str(tmp_path / "page")], root)
+    with HeadlessChromium(chromium) as browser:
+        report = browser.load(page_url(tmp_path / "page" / "index.html"), DVC_PLOTS, DVC_PLOTS_DRAWN, timeout_s=60)
+    charts = dict(report.result["charts"])
+    assert "PPO_objective_over_updates__score__KL__KL_coefficient_" in charts
+    assert len(charts) >= 10, charts
+    assert [name for name, drawn in charts.items() if not drawn] == []
+    assert report.failed == [] and report.errors == []
+    assert [url for url in report.requested if not url.startswith("file://")] == []
 
 
 def test_lineage_of_the_policy_reaches_the_sources(project):
