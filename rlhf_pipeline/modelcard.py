@@ -77,14 +77,29 @@ def content_hash(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def usage_snippet(target: str, kind: str) -> str:
-    """How to load the model at ``target``: a policy with transformers, a reward model with this package."""
+def usage_snippet(target: str, kind: str, reward_pooling: str | None = None) -> str:
+    """How to load the model at ``target``: a policy with transformers; a reward model with this
+    package, and (last-token pooling) as a stock transformers sequence classifier."""
     if kind == "reward":
-        return f"""```python
+        project = f"""```python
 from rlhf_pipeline.reward import RewardModel
 
 reward_model = RewardModel.load("{target}")  # scores (queries, responses) token ids; see rlhf_pipeline.reward
 ```"""
+        if reward_pooling != "last":
+            return project + "\n\nIt pools the mean over the response tokens, which no stock transformers class does."
+        return f"""```python
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{target}")
+model = AutoModelForSequenceClassification.from_pretrained("{target}")
+inputs = tokenizer(["The movie was great fun"], return_tensors="pt", padding=True)  # pads on the right
+score = model(**inputs).logits[:, 0] + model.config.reward_offset  # the normalised reward PPO used
+```
+
+or, on token ids, with this package:
+
+{project}"""
     trained = kind == "policy"
     padding = "  # pads on the left, for batched generation" if trained else ""
     sampling = "  # generation_config.json: the sampling settings PPO trained with" if trained else ""
@@ -113,6 +128,7 @@ def write_card(
     inputs: list[str],
     datasets: list[str] | None = None,
     extra_metadata: dict | None = None,
+    reward_pooling: str | None = None,
 ) -> None:
     """The card of a model trained from ``base_dir``: its base model and licence come from that
     model's card; ``target`` is where the model lands (not the temporary folder it is written to)."""
@@ -126,8 +142,11 @@ def write_card(
         "base_model": hub_id(base.get("base_model")),
         "datasets": [d for d in map(hub_id, datasets or []) if d] or None,
         "license": base.get("license"),
-        "library_name": "transformers",
-        "pipeline_tag": "text-generation" if kind == "policy" else None,
+        # a mean-pooling reward model has no transformers class (rlhf_pipeline.reward loads it)
+        "library_name": None if kind == "reward" and reward_pooling != "last" else "transformers",
+        "pipeline_tag": {"policy": "text-generation", "reward": "text-classification"}.get(kind)
+        if kind != "reward" or reward_pooling == "last"
+        else None,
         "tags": ["rlhf-pipeline", *tags],
         "device": device,
         "lineage": {
@@ -144,7 +163,7 @@ def write_card(
     ]
     lineage += [f"- input `{p}`: sha256 `{h}`" for p, h in hashes.items()]
     evaluation = [f"- `{k}`: {v:.4f}" if isinstance(v, float) else f"- `{k}`: {v}" for k, v in metrics.items()]
-    body = [f"# {title}", "", summary.strip(), "", "## Usage", "", usage_snippet(target, kind), ""]
+    body = [f"# {title}", "", summary.strip(), "", "## Usage", "", usage_snippet(target, kind, reward_pooling), ""]
     body += ["## Training procedure and hyperparameters", "", "```yaml"]
     body += [yaml.safe_dump(hyperparameters, sort_keys=False).strip(), "```", "", "## Evaluation", ""]
     body += [*(evaluation or ["(none)"]), "", "## Lineage", "", *lineage, "", f"Full chain: `rlhf lineage {target}`."]

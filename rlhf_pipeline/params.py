@@ -179,6 +179,13 @@ class RewardNormalizeParams(Strict):
 
 
 class RewardParams(Strict):
+    pretrained: str | None = Field(
+        None,
+        description="An existing sequence-classification reward model (local directory or hub id, one label, "
+        "the base model's tokenizer) to use instead of training one: train_reward adopts it (last-token "
+        "pooling) and measures it on the test labels; normalize_reward then fits gain and bias as usual. "
+        "null: train the reward model (the reference).",
+    )
     train: RewardTrainParams = RewardTrainParams()
     normalize: RewardNormalizeParams = RewardNormalizeParams()
 

@@ -36,6 +36,8 @@ HEAD_FILE = "reward_head.safetensors"
 POOLINGS = get_args(RewardPooling)
 POOLING_DESCRIPTIONS = {"last": "last non-pad token", "mean": "mean over response tokens"}
 CONFIG_FILE = "reward_config.json"
+BACKBONE_DIR = "backbone"  # where a mean-pooling model's backbone goes (no stock class computes it)
+OFFSET_KEY = "reward_offset"  # in config.json of a stock export: normalised score = logits + this
 
 
 def init_reward_head(head: nn.Linear, generator: torch.Generator | None = None) -> None:
@@ -131,8 +133,19 @@ class RewardModel(nn.Module):
 
     # ----------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
+        """The backbone and head as Hugging Face files, and the project's own head file (raw head,
+        gain, bias), which :meth:`load` reads.
+
+        ``pooling='last'`` writes a stock ``<Arch>ForSequenceClassification`` (see
+        :meth:`as_sequence_classifier`), so ``AutoModelForSequenceClassification`` loads it.
+        ``pooling='mean'`` has no stock class: the backbone goes in ``backbone/`` and the folder
+        itself has no ``config.json``, so a stock load fails loudly instead of adding a random head.
+        """
         directory = Path(directory)
-        self.backbone.save_pretrained(directory)
+        if self.pooling == "last":
+            self.as_sequence_classifier().save_pretrained(directory)
+        else:
+            self.backbone.save_pretrained(directory / BACKBONE_DIR)
         tensors = {
             "head.weight": self.head.weight.detach().cpu().contiguous(),
             "head.bias": self.head.bias.detach().cpu().contiguous(),
@@ -140,6 +153,7 @@ class RewardModel(nn.Module):
             "bias": self.bias.detach().cpu().reshape(1),
         }
         save_file(tensors, str(directory / HEAD_FILE))
+        stock = {"stock_class": f"AutoModelForSequenceClassification, plus config.{OFFSET_KEY}"}
         (directory / CONFIG_FILE).write_text(
             json.dumps(
                 {
@@ -148,11 +162,39 @@ class RewardModel(nn.Module):
                     "bias": self.bias.item(),
                     "pooling": self.pooling,
                     "head": POOLING_DESCRIPTIONS[self.pooling],
+                    **(stock if self.pooling == "last" else {"backbone": BACKBONE_DIR}),
                 },
                 indent=2,
             )
             + "\n"
         )
+
+    def offset(self) -> float:
+        """The constant of the normalised score: ``gain * head.bias + bias``."""
+        return (self.gain * self.head.bias[0] + self.bias).item()
+
+    def as_sequence_classifier(self):
+        """The stock ``<Arch>ForSequenceClassification`` (one label) on this backbone, scoring the
+        last non-pad token with ``score.weight = gain * head.weight``: the normalised score minus
+        :meth:`offset`, which ``config.reward_offset`` records. The stock head of Llama-family models
+        has no bias, and the final RMSNorm before it leaves no constant direction to carry one, so
+        the constant cannot be folded into the weights. Inputs must not be left-padded: the stock
+        class numbers positions from the first column, this model from the first real token.
+        """
+        import copy
+
+        from transformers import AutoModelForSequenceClassification
+
+        if self.pooling != "last":
+            raise ValueError(f"pooling={self.pooling!r} has no stock Hugging Face class; only 'last' does")
+        config = copy.deepcopy(self.backbone.config)
+        config.num_labels, config.architectures, config.pad_token_id = 1, None, self.pad_token_id
+        setattr(config, OFFSET_KEY, self.offset())
+        model = AutoModelForSequenceClassification.from_config(config, dtype=self.head.weight.dtype)
+        model.base_model.load_state_dict(self.backbone.state_dict())
+        with torch.no_grad():
+            model.score.weight.copy_(self.gain * self.head.weight)
+        return model.eval()
 
     @classmethod
     def from_base(
@@ -187,6 +229,51 @@ class RewardModel(nn.Module):
         return model
 
     @classmethod
+    def from_sequence_classifier(cls, source: str, tokenizer) -> RewardModel:
+        """Adopt an existing one-label ``AutoModelForSequenceClassification`` (local directory or hub
+        id) that shares the base model's tokenizer: its backbone, its ``score`` as the head (bias 0
+        where it has none), gain 1 and bias ``config.reward_offset`` (0 where unset), last-token pooling.
+        The pipeline's dedicated pad token gets an embedding row if the model lacks one (pads are
+        never attended)."""
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        where = f"reward.pretrained ({source!r})"
+        try:
+            stock = AutoModelForSequenceClassification.from_pretrained(source, dtype=torch.float32)
+            theirs = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as error:
+            raise PipelineError(
+                f"{where} could not be loaded as a sequence-classification model with its tokenizer: {error}. "
+                "Give a local directory or a hub id already in the local Hugging Face cache (the pipeline runs "
+                "offline) holding config.json, the weights and the tokenizer files."
+            ) from None
+        if stock.config.num_labels != 1:
+            raise PipelineError(f"{where} has {stock.config.num_labels} labels; a reward model has one (a scalar).")
+        ours = tokenizer.get_vocab()
+        differing = sorted(t for t, i in theirs.get_vocab().items() if ours.get(t) != i)
+        if differing:
+            raise PipelineError(
+                f"{where} uses a different tokenizer from the base model: {len(differing)} of its "
+                f"{len(theirs)} tokens have another id or none in the base tokenizer (e.g. {differing[:5]}). "
+                "The reward model scores the policy's token ids, so it must share the base model's vocabulary."
+            )
+        head = getattr(stock, "score", None)
+        if not isinstance(head, nn.Linear):
+            raise PipelineError(
+                f"{where} is a {type(stock).__name__}, whose head is not a linear `score` layer on the last "
+                "token's state (the decoder-model classifiers' layout), so it cannot be adopted as is."
+            )
+        backbone = stock.base_model
+        if backbone.get_input_embeddings().num_embeddings < len(tokenizer):
+            backbone.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+        model = cls(backbone, tokenizer.pad_token_id, "last")
+        with torch.no_grad():
+            model.head.weight.copy_(head.weight)
+            model.head.bias.copy_(head.bias if head.bias is not None else torch.zeros(1))
+            model.bias.fill_(float(getattr(stock.config, OFFSET_KEY, 0.0) or 0.0))
+        return model
+
+    @classmethod
     def load(cls, directory: str | Path, device: torch.device | str = "cpu") -> RewardModel:
         from transformers import AutoModel
 
@@ -196,7 +283,10 @@ class RewardModel(nn.Module):
                 f"'{directory}' is not a reward model directory (no {HEAD_FILE}); run `dvc repro train_reward` first."
             )
         config = json.loads((directory / CONFIG_FILE).read_text())
-        backbone = AutoModel.from_pretrained(str(directory), dtype=torch.float32)
+        # mean pooling keeps the backbone in backbone/; last pooling is a stock sequence classifier,
+        # whose backbone AutoModel reads (its score.weight is the head file's gain * weight)
+        backbone_dir = directory / BACKBONE_DIR if (directory / BACKBONE_DIR).is_dir() else directory
+        backbone = AutoModel.from_pretrained(str(backbone_dir), dtype=torch.float32)
         model = cls(backbone, config["pad_token_id"], config.get("pooling", "last"))
         tensors = load_file(str(directory / HEAD_FILE))
         with torch.no_grad():

@@ -77,6 +77,7 @@ def main(params: Params) -> None:
             tmp,
             target=OUT,
             kind="reward",
+            reward_pooling=model.pooling,
             title="Reward model",
             summary=f"The trained reward model of `{TRAINED}` with gain {gain:.4f} and bias {bias:.4f} fitted so that "
             f"rewards of {len(fit_queries)} base-model samples have mean {cfg.target_mean} and std {cfg.target_std} "

@@ -39,11 +39,14 @@ def main(params: Params) -> None:
     tokenizer = load_tokenizer(BASE)
     prefs = load_from_disk(PREFS)
     generator = torch.Generator().manual_seed(params.seed)
-    model = RewardModel.from_base(BASE, tokenizer.pad_token_id, cfg.dropout, generator, cfg.pooling, cfg.num_layers)
-    trainable = freeze_lower_layers(model.backbone, cfg.freeze_layers)
+    if params.reward.pretrained:  # adopt an existing reward model: measured on the test labels, not trained
+        model, trainable = RewardModel.from_sequence_classifier(params.reward.pretrained, tokenizer), 0
+    else:
+        model = RewardModel.from_base(BASE, tokenizer.pad_token_id, cfg.dropout, generator, cfg.pooling, cfg.num_layers)
+        trainable = freeze_lower_layers(model.backbone, cfg.freeze_layers)
 
     normalize_before = {}
-    if cfg.normalize_before:
+    if cfg.normalize_before and not params.reward.pretrained:
         # OAI target_mean_std: start training from rewards already on the target scale.
         base = load_causal_lm(BASE).eval()
         queries = load_queries(QUERIES, "train", tokenizer.pad_token_id, cfg.normalize_before_samples)
@@ -74,30 +77,46 @@ def main(params: Params) -> None:
                 live.log_metric(f"train/{key}", record[key])
             live.next_step()
 
-        history = train_reward_model(
-            model,
-            *train,
-            lr=cfg.lr,
-            epochs=cfg.epochs,
-            batch_size=cfg.batch_size,
-            microbatch_size=cfg.microbatch_size,
-            adam_eps=cfg.adam_eps,
-            generator=generator,
-            max_grad_norm=cfg.max_grad_norm,
-            log=log,
-            tensorflow_adam=cfg.tensorflow_adam,
-            train_gain_bias=cfg.train_gain_bias,
+        history = (
+            []
+            if params.reward.pretrained
+            else train_reward_model(
+                model,
+                *train,
+                lr=cfg.lr,
+                epochs=cfg.epochs,
+                batch_size=cfg.batch_size,
+                microbatch_size=cfg.microbatch_size,
+                adam_eps=cfg.adam_eps,
+                generator=generator,
+                max_grad_norm=cfg.max_grad_norm,
+                log=log,
+                tensorflow_adam=cfg.tensorflow_adam,
+                train_gain_bias=cfg.train_gain_bias,
+            )
         )
     test_accuracy = best_of_n_accuracy(model, test[0], test[1], test[2], params.reward.normalize.batch_size)
-    tail = history[-max(1, len(history) // 4) :]
     metrics = {
         "test/accuracy": test_accuracy,
         "test/rows": len(test[2]),
         "train/steps": len(history),
-        "train/final_loss": sum(r["loss"] for r in tail) / len(tail),
-        "train/final_accuracy": sum(r["accuracy"] for r in tail) / len(tail),
         "trainable_parameters": trainable,
     }
+    if history:
+        tail = history[-max(1, len(history) // 4) :]
+        metrics["train/final_loss"] = sum(r["loss"] for r in tail) / len(tail)
+        metrics["train/final_accuracy"] = sum(r["accuracy"] for r in tail) / len(tail)
+    if params.reward.pretrained:
+        summary = (
+            f"The existing reward model `{params.reward.pretrained}` (reward.pretrained), adopted without "
+            f"training and measured on {len(test[2])} held-out best-of-{test[1].shape[1]} labels. "
+        )
+    else:
+        summary = (
+            f"Scalar reward head on `{BASE}`, trained one pass over {len(train[2])} best-of-"
+            f"{train[1].shape[1]} labels with softmax cross-entropy (lm-human-preferences). "
+            "Gain/bias here are from `normalize_before`; "
+        )
     with atomic_dir(OUT) as tmp:
         model.save(tmp)
         tokenizer.save_pretrained(tmp)
@@ -105,15 +124,14 @@ def main(params: Params) -> None:
             tmp,
             target=OUT,
             kind="reward",
+            reward_pooling=model.pooling,
             title="Reward model (before normalisation)",
-            summary=f"Scalar reward head on `{BASE}`, trained one pass over {len(train[2])} best-of-"
-            f"{train[1].shape[1]} labels with softmax cross-entropy (lm-human-preferences). "
-            "Gain/bias here are from `normalize_before`; the `normalize_reward` stage refits them into "
-            "`models/reward`.",
+            summary=summary + "The `normalize_reward` stage fits gain and bias into `models/reward`.",
             base_dir=BASE,
             datasets=[params.data.preferences.source],  # in the metadata when it is a hub id
             tags=["reward-model"],
             hyperparameters={
+                "reward.pretrained": params.reward.pretrained,
                 "reward.train": cfg.model_dump(),
                 "task": params.task.model_dump(),
                 "seed": params.seed,

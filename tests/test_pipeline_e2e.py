@@ -141,6 +141,8 @@ def test_every_stage_ran_and_wrote_its_outputs(project):
         # a local tiny source with no card: no hub base model or licence is invented, the lineage says where from
         assert "base_model" not in card and "license" not in card, model
         assert ".tmp-" not in text and f"rlhf lineage models/{model}" in text or model == "base", model
+    reward = read_model_card(root / "models/reward")  # last pooling: a stock sequence classifier
+    assert reward["pipeline_tag"] == "text-classification" and (root / "models/reward/config.json").is_file()
     policy = read_model_card(root / "models/policy")
     assert policy["pipeline_tag"] == "text-generation" and policy["lineage"]["base_model_dir"] == "models/base"
     generation = json.loads((root / "models/policy/generation_config.json").read_text())

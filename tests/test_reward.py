@@ -141,6 +141,43 @@ def test_save_and_load_round_trip(tiny_base_dir, pad, tmp_path):
     torch.testing.assert_close(loaded.score_best_of_n(queries, samples), rm.score_best_of_n(queries, samples))
 
 
+def test_last_pooling_saves_a_stock_sequence_classifier_that_scores_like_the_project(tiny_base_dir, pad, tmp_path):
+    """`AutoModelForSequenceClassification` loads models saved with last pooling; its logit is the
+    normalised score (gain folded into score.weight) minus config.reward_offset, on unpadded and
+    right-padded rows, and `RewardModel.load` reads the same folder back."""
+    from transformers import AutoModelForSequenceClassification
+
+    rm = make_rm(tiny_base_dir, pad)
+    with torch.no_grad():
+        rm.head.bias.fill_(0.3)  # a non-zero head bias too: both constants go into the offset
+    fit_normalization(rm, torch.tensor([0.0, 1.0, 4.0]), 0.5, 2.0)
+    rm.save(tmp_path)
+    stock = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert type(stock).__name__ == "LlamaForSequenceClassification" and stock.config.num_labels == 1
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, 250, (5, 9), generator=g)
+    rows[1, 6:] = pad  # right padding: the stock class reads the last non-pad token, as the project does
+    rows[3, 4:] = pad
+    with torch.no_grad():
+        ours = rm(rows)
+        logits = stock(input_ids=rows, attention_mask=(rows != pad).long()).logits[:, 0]
+    assert stock.config.reward_offset == pytest.approx(rm.offset()) and abs(rm.offset()) > 0.1
+    torch.testing.assert_close(logits + stock.config.reward_offset, ours, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(RewardModel.load(tmp_path)(rows), ours)
+
+
+def test_mean_pooling_cannot_be_loaded_as_a_stock_classifier(tiny_base_dir, pad, tmp_path):
+    """No stock class pools a mean over the response: loading one must fail, not add a random head."""
+    from transformers import AutoModelForSequenceClassification
+
+    rm = make_rm(tiny_base_dir, pad, "mean")
+    rm.save(tmp_path)
+    with pytest.raises((OSError, ValueError), match="config.json"):
+        AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no stock Hugging Face class"):
+        rm.as_sequence_classifier()
+
+
 def train_on_largest_first_token(rm, queries, samples, **overrides):
     """One epoch of ``train_reward_model`` on the learnable rule these tests use (prefer the sample
     whose first token id is largest), with their shared settings; ``overrides`` change them."""
@@ -242,3 +279,67 @@ def test_a_non_finite_gradient_stops_before_the_step(tiny_base_dir, pad):
     with pytest.raises(NonFiniteError, match=r"gradient became non-finite at step 0 \(head.weight"):
         train_on_largest_first_token(rm, queries, samples)
     assert all(torch.equal(before[name], p) for name, p in rm.named_parameters())
+
+
+def save_stock_reward_model(rm, tokenizer, directory, drop_rows: int = 0):
+    """What a user brings: a one-label AutoModelForSequenceClassification folder with its tokenizer
+    (``drop_rows``: its embeddings lack the pipeline's last added tokens, e.g. the dedicated pad)."""
+    stock = rm.as_sequence_classifier()
+    if drop_rows:
+        stock.resize_token_embeddings(stock.config.vocab_size - drop_rows)
+        stock.config.pad_token_id = 0  # its own pad is one of the tokens it still has
+    stock.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_an_existing_sequence_classifier_is_adopted_with_its_scores(tiny_base_dir, tiny_tokenizer, pad, tmp_path):
+    rm = make_rm(tiny_base_dir, pad, seed=3)
+    fit_normalization(rm, torch.tensor([0.0, 1.0, 4.0]), 0.5, 2.0)
+    source = save_stock_reward_model(rm, tiny_tokenizer, tmp_path / "external", drop_rows=1)
+    adopted = RewardModel.from_sequence_classifier(str(source), tiny_tokenizer).eval()
+    assert adopted.pooling == "last" and adopted.backbone.get_input_embeddings().num_embeddings == len(tiny_tokenizer)
+    queries, samples = batch(pad)  # left-padded queries, a right-padded sample: pads are never attended
+    torch.testing.assert_close(adopted.score_best_of_n(queries, samples), rm.score_best_of_n(queries, samples))
+
+
+def test_a_sequence_classifier_that_cannot_be_a_reward_model_is_refused(tiny_base_dir, tiny_tokenizer, pad, tmp_path):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
+
+    from rlhf_pipeline.errors import PipelineError
+
+    with pytest.raises(PipelineError, match=r"reward.pretrained \('missing/dir'\) could not be loaded"):
+        RewardModel.from_sequence_classifier("missing/dir", tiny_tokenizer)
+    source = save_stock_reward_model(make_rm(tiny_base_dir, pad), tiny_tokenizer, tmp_path / "two")
+    two = AutoModelForSequenceClassification.from_pretrained(source, num_labels=2, ignore_mismatched_sizes=True)
+    two.save_pretrained(source)
+    with pytest.raises(PipelineError, match="has 2 labels; a reward model has one"):
+        RewardModel.from_sequence_classifier(str(source), tiny_tokenizer)
+    bpe = ByteLevelBPETokenizer()  # the same byte alphabet, merges learned from other text: other ids
+    bpe.train_from_iterator(["zebra quartz jumps"] * 20, vocab_size=300, special_tokens=["<|endoftext|>"])
+    other = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="<|endoftext|>")
+    source = save_stock_reward_model(make_rm(tiny_base_dir, pad), other, tmp_path / "other")
+    with pytest.raises(PipelineError, match="uses a different tokenizer from the base model"):
+        RewardModel.from_sequence_classifier(str(source), tiny_tokenizer)
+
+
+def test_train_reward_stage_adopts_reward_pretrained_instead_of_training(project, tiny_base_dir, tiny_tokenizer, pad):
+    from conftest import run_stage_script
+
+    from rlhf_pipeline.io import read_json
+    from rlhf_pipeline.modelcard import read_card
+
+    source = save_stock_reward_model(make_rm(tiny_base_dir, pad, seed=5), tiny_tokenizer, project / "external_rm")
+    project.write_params(**{"reward.pretrained": str(source)})
+    for stage in ("corpus", "queries", "preferences", "validate_preferences", "train_reward"):
+        assert run_stage_script(stage) == 0, stage
+    metrics = read_json(project / "metrics" / "reward_train.json")
+    assert metrics["train/steps"] == 0 and metrics["trainable_parameters"] == 0 and "train/final_loss" not in metrics
+    adopted = RewardModel.load(project / "models" / "reward_unnormalized")
+    external = RewardModel.from_sequence_classifier(str(source), tiny_tokenizer).eval()
+    queries, samples = batch(pad)
+    torch.testing.assert_close(adopted.score_best_of_n(queries, samples), external.score_best_of_n(queries, samples))
+    card = read_card(project / "models" / "reward_unnormalized")
+    assert card["pipeline_tag"] == "text-classification"
+    assert "external_rm" in (project / "models" / "reward_unnormalized" / "README.md").read_text()
