@@ -29,7 +29,13 @@ from typing import Any
 
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import replace_surrogates
-from rlhf_pipeline.preferences import BAD_CHARACTERS, PAIRWISE, VISIBLE_CHARACTER, display_names, sample_columns
+from rlhf_pipeline.preferences import (
+    BAD_CHARACTERS,
+    PAIRED_FORMATS,
+    VISIBLE_CHARACTER,
+    display_names,
+    sample_columns,
+)
 
 INTEGER_TYPES = ["int", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "Int64", "Int32"]
 EXAMPLES = 3
@@ -427,10 +433,11 @@ def validate_file_cli(
         "split" in frame.columns
     ):  # the same rule the preferences stage applies, so the CLI passes only what the stage takes
         frame = pd.concat(split_by_column(frame, path).values(), ignore_index=True)
-    fmt = detect_format(frame.columns, path)
-    flat = to_flat_frame(frame, fmt)
+    fmt = detect_format(frame, path)
+    tokenizer = optional_tokenizer(tokenizer_dir)
+    flat = to_flat_frame(frame, fmt, tokenizer, path)
     result = validate_dataframe(
-        flat, validation, optional_tokenizer(tokenizer_dir), label_check=fmt != PAIRWISE, names=display_names(fmt)
+        flat, validation, tokenizer, label_check=fmt not in PAIRED_FORMATS, names=display_names(fmt)
     )
     if result_path:
         write_json(result_path, result.gx_json)

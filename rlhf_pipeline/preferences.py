@@ -22,7 +22,10 @@ Two ways to fill it:
   (argmax at temperature 0).
 - **user data**: a .jsonl/.parquet file or a hub dataset in *pairwise* format (``prompt``,
   ``chosen``, ``rejected``, optional ``margin``) -> N=2 with ``samples=[chosen, rejected]`` and
-  ``best=0``; or in *best-of-N* format (``query``, ``sample0`` .. ``sampleK``, ``best``).
+  ``best=0``; in *conversational* format (the same columns holding ``{"role", "content"}``
+  messages, or ``chosen``/``rejected`` conversations with an implicit shared prompt; see
+  :mod:`rlhf_pipeline.conversations`) -> the same, the prompt rendered with the chat template;
+  or in *best-of-N* format (``query``, ``sample0`` .. ``sampleK``, ``best``).
   The format is detected from the columns. A ``split`` column (``train``/``test``) is honoured.
 """
 
@@ -39,7 +42,8 @@ from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.progress import Progress
 from rlhf_pipeline.queries import pad_tokens
 
-PAIRWISE, BEST_OF_N, SIMULATED = "pairwise", "best_of_n", "simulated"
+PAIRWISE, BEST_OF_N, SIMULATED, CONVERSATIONAL = "pairwise", "best_of_n", "simulated", "conversational"
+PAIRED_FORMATS = (PAIRWISE, CONVERSATIONAL)  # one chosen against one rejected: best is 0 by construction
 PAIRWISE_COLUMNS = ("prompt", "chosen", "rejected")
 SAMPLE_COLUMN = re.compile(r"^sample(\d+)$")
 VALIDATE_HINT = "Run `rlhf validate-preferences FILE` for a full report of the problems in a preference file."
@@ -231,25 +235,35 @@ def sample_columns(columns) -> list[str]:
     return [c for _, c in sorted(found)]
 
 
-def detect_format(columns, where: str) -> str:
-    """``pairwise`` or ``best_of_n`` from the column names (PipelineError naming them if neither)."""
-    columns = [str(c) for c in columns]
+def detect_format(frame, where: str) -> str:
+    """``pairwise``, ``conversational`` or ``best_of_n`` from the columns (and, for the first two, the
+    kind of value in ``chosen``); PipelineError naming the columns if none fits."""
+    from rlhf_pipeline.conversations import is_conversational
+
+    columns = [str(c) for c in frame.columns]
     if any(c in columns for c in PAIRWISE_COLUMNS):
-        return PAIRWISE
+        return CONVERSATIONAL if is_conversational(frame) else PAIRWISE
     if "query" in columns or sample_columns(columns):
         return BEST_OF_N
     raise PipelineError(
         f"{where}: cannot tell the preference format from its columns {columns}. Use pairwise columns "
-        f"(prompt, chosen, rejected, optional margin) or best-of-N columns (query, sample0, sample1, ..., best)."
+        f"(prompt, chosen, rejected, optional margin; texts, or lists of role/content messages) or best-of-N "
+        "columns (query, sample0, sample1, ..., best)."
     )
 
 
-def to_flat_frame(frame, fmt: str):
+def to_flat_frame(frame, fmt: str, tokenizer=None, where: str = "preferences"):
     """The uniform flat frame the contract checks: ``query``, ``sample0..``, ``best`` (+ ``margin``).
 
     Lenient on purpose: missing columns stay missing and nulls stay null, so the contract can
-    report them. Pairwise data becomes ``query=prompt, sample0=chosen, sample1=rejected, best=0``.
+    report them. Pairwise data becomes ``query=prompt, sample0=chosen, sample1=rejected, best=0``;
+    conversational data first becomes pairwise text (its messages checked; the prompt rendered
+    with ``tokenizer``'s chat template, or as ``role: content`` lines without one).
     """
+    if fmt == CONVERSATIONAL:
+        from rlhf_pipeline.conversations import to_text_pairs
+
+        frame, fmt = to_text_pairs(frame, where, tokenizer), PAIRWISE
     flat = frame.copy()
     if fmt == PAIRWISE:
         flat = flat.rename(columns={"prompt": "query", "chosen": "sample0", "rejected": "sample1"})
@@ -260,7 +274,7 @@ def to_flat_frame(frame, fmt: str):
 
 def display_names(fmt: str) -> dict[str, str]:
     """Flat column -> the user's column name, for messages (None: not the user's, not shown)."""
-    if fmt == PAIRWISE:
+    if fmt in PAIRED_FORMATS:
         return {"query": "prompt", "sample0": "chosen", "sample1": "rejected", "best": None}
     return {}
 
@@ -299,12 +313,16 @@ def _margins(frame) -> list[float]:
     return [0.0 if v is None or v != v else float(v) for v in frame["margin"].tolist()]
 
 
-def _internal(tokenizer, queries, samples, best, margins, query_length, response_length) -> dict[str, list]:
+def _internal(
+    tokenizer, queries, samples, best, margins, query_length, response_length, response_end: str = ""
+) -> dict[str, list]:
     return {
         "query": list(queries),
         "query_ids": [tokenize_query(tokenizer, q, query_length) for q in queries],
         "samples": [list(s) for s in samples],
-        "sample_ids": [[tokenize_response(tokenizer, t, response_length) for t in row] for row in samples],
+        "sample_ids": [
+            [tokenize_response(tokenizer, t + response_end, response_length) for t in row] for row in samples
+        ],
         "best": [int(b) for b in best],
         "gold": [None] * len(queries),
         "margin": list(margins),
@@ -312,15 +330,28 @@ def _internal(tokenizer, queries, samples, best, margins, query_length, response
 
 
 def pairwise_to_internal(
-    frame, tokenizer, query_length: int, response_length: int, where: str = "preferences"
+    frame, tokenizer, query_length: int, response_length: int, where: str = "preferences", response_end: str = ""
 ) -> dict[str, list]:
     """Pairwise rows (``prompt``, ``chosen``, ``rejected``, optional ``margin``) -> internal
-    columns with N=2, ``samples=[chosen, rejected]`` and ``best=0``."""
+    columns with N=2, ``samples=[chosen, rejected]`` and ``best=0``; each response's tokens end
+    with ``response_end`` (a chat template's end-of-turn text)."""
     _require_text(frame, list(PAIRWISE_COLUMNS), where)
     samples = list(zip(frame["chosen"].tolist(), frame["rejected"].tolist()))
+    prompts, margins = frame["prompt"].tolist(), _margins(frame)
     return _internal(
-        tokenizer, frame["prompt"].tolist(), samples, [0] * len(frame), _margins(frame), query_length, response_length
+        tokenizer, prompts, samples, [0] * len(frame), margins, query_length, response_length, response_end
     )
+
+
+def conversational_to_internal(
+    frame, tokenizer, query_length: int, response_length: int, where: str = "preferences"
+) -> dict[str, list]:
+    """Conversational rows -> internal columns: the prompt rendered with the chat template (its
+    last ``query_length`` tokens, left-padded), each reply ending with the template's end of turn."""
+    from rlhf_pipeline.conversations import end_of_turn, to_text_pairs
+
+    pairs = to_text_pairs(frame, where, tokenizer)
+    return pairwise_to_internal(pairs, tokenizer, query_length, response_length, where, end_of_turn(tokenizer))
 
 
 def best_of_n_to_internal(
@@ -345,10 +376,11 @@ def best_of_n_to_internal(
 def refuse_overlong_texts(frame, max_chars: int, where: str) -> None:
     """Refuse a text over ``max_chars`` before anything tokenizes it: a tokenizer given a 50 MB
     row takes minutes and gigabytes, and the contract would refuse the row anyway."""
+    from rlhf_pipeline.conversations import content_length
     from rlhf_pipeline.errors import DataContractError
 
     for column in frame.columns:
-        lengths = [len(v) if isinstance(v, str) else 0 for v in frame[column].tolist()]
+        lengths = [content_length(v) for v in frame[column].tolist()]
         over = [row for row, n in enumerate(lengths) if n > max_chars]
         if over:
             raise DataContractError(
@@ -362,7 +394,9 @@ def refuse_overlong_texts(frame, max_chars: int, where: str) -> None:
 def user_to_internal(
     frame, fmt: str, tokenizer, query_length: int, response_length: int, where: str
 ) -> dict[str, list]:
-    convert = pairwise_to_internal if fmt == PAIRWISE else best_of_n_to_internal
+    convert = {PAIRWISE: pairwise_to_internal, CONVERSATIONAL: conversational_to_internal}.get(
+        fmt, best_of_n_to_internal
+    )
     return convert(frame, tokenizer, query_length, response_length, where)
 
 
@@ -424,7 +458,7 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
     first = next(iter(frames.values()))
     if len(first) == 0:
         raise PipelineError(f"data.preferences.source: {source} has no rows.")
-    fmt = detect_format(first.columns, source)
+    fmt = detect_format(first, source)
     if "all" not in frames:
         return frames, fmt
     frame = frames["all"]

@@ -17,7 +17,7 @@ from rlhf_pipeline.contract import format_summary, optional_tokenizer, summary_p
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import atomic_dir, read_json, write_json
 from rlhf_pipeline.params import Params
-from rlhf_pipeline.preferences import PAIRWISE, display_names, internal_to_flat
+from rlhf_pipeline.preferences import PAIRED_FORMATS, display_names, internal_to_flat
 from rlhf_pipeline.runner import run_stage
 
 BASE, PREFS, OUT = "models/base", "data/preferences", "data/validation"
@@ -40,7 +40,7 @@ def main(params: Params) -> None:
             internal_to_flat(prefs[name]),
             cfg,
             tokenizer,
-            label_check=fmt != PAIRWISE,
+            label_check=fmt not in PAIRED_FORMATS,
             min_rows=cfg.min_rows if name == "train" else 1,
             names=display_names(fmt),
         )

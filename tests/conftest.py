@@ -57,6 +57,29 @@ def tiny_base_dir(tmp_path_factory) -> Path:
     return materialize_tiny_base(tmp_path_factory.mktemp("tiny") / "base")
 
 
+# ChatML, as SmolLM2-Instruct and many chat models write conversations
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_base_dir(tiny_base_dir, tmp_path_factory) -> Path:
+    """The tiny base model with a chat template: ChatML's two markers added as special tokens
+    (embedding rows appended) and the template saved with the tokenizer."""
+    from rlhf_pipeline.models import load_causal_lm, load_tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny_chat") / "base"
+    model, tokenizer = load_causal_lm(tiny_base_dir), load_tokenizer(tiny_base_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    tokenizer.chat_template = CHATML
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_base_dir):
     from rlhf_pipeline.models import load_tokenizer

@@ -242,10 +242,10 @@ def test_best_of_n_to_internal(tiny_tokenizer):
 
 
 def test_detect_format_and_flat_frame():
-    assert detect_format(PAIRS.columns, "f") == PAIRWISE
-    assert detect_format(["query", "sample0", "sample1", "best"], "f") == BEST_OF_N
+    assert detect_format(PAIRS, "f") == PAIRWISE
+    assert detect_format(pd.DataFrame(columns=["query", "sample0", "sample1", "best"]), "f") == BEST_OF_N
     with pytest.raises(PipelineError, match=r"\['text', 'label'\]"):
-        detect_format(["text", "label"], "f")
+        detect_format(pd.DataFrame(columns=["text", "label"]), "f")
     flat = to_flat_frame(PAIRS, PAIRWISE)
     assert list(flat.columns) == ["query", "sample0", "sample1", "best", "margin"] and flat["best"].tolist() == [0, 0]
 
