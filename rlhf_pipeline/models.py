@@ -202,11 +202,13 @@ def count_parameters(model: nn.Module) -> int:
 # --------------------------------------------------------------------------------------------
 # loading pipeline models
 # --------------------------------------------------------------------------------------------
-def require_dir(path: str | os.PathLike, produced_by: str) -> Path:
+def require_dir(path: str | os.PathLike, produced_by: str, marker: str = "config.json") -> Path:
+    """``path``, if it holds ``marker`` (a reward model's is its head file: a mean-pooling one has no
+    top-level config.json); PipelineError naming the stage that writes it otherwise."""
     path = Path(path)
-    if not (path / "config.json").is_file():
+    if not (path / marker).is_file():
         raise PipelineError(
-            f"Model directory '{path}' is missing or incomplete (no config.json); run `dvc repro {produced_by}` first."
+            f"Model directory '{path}' is missing or incomplete (no {marker}); run `dvc repro {produced_by}` first."
         )
     return path
 

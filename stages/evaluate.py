@@ -22,7 +22,7 @@ from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import Params
 from rlhf_pipeline.queries import load_queries
-from rlhf_pipeline.reward import RewardModel
+from rlhf_pipeline.reward import HEAD_FILE, RewardModel
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sampling import ResponseSampler
 
@@ -39,8 +39,9 @@ METRICS = "metrics/evaluate.json"
 
 def main(params: Params) -> None:
     cfg = params.evaluate
-    for path, stage in ((BASE, "base_model"), (REWARD, "normalize_reward"), (POLICY, "train_policy")):
-        require_dir(path, stage)
+    require_dir(BASE, "base_model")
+    require_dir(REWARD, "normalize_reward", HEAD_FILE)
+    require_dir(POLICY, "train_policy")
     tokenizer = load_tokenizer(BASE)
     base = load_causal_lm(BASE).eval()
     policy = load_causal_lm(POLICY).eval()

@@ -18,7 +18,7 @@ from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir, re
 from rlhf_pipeline.params import Params
 from rlhf_pipeline.ppo import Checkpointer, PolicyWithValue, PPOTrainer, fingerprint_of, save_policy
 from rlhf_pipeline.queries import load_queries
-from rlhf_pipeline.reward import RewardModel
+from rlhf_pipeline.reward import HEAD_FILE, RewardModel
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.stage_params import declared_code_hash
 
@@ -46,8 +46,9 @@ def gold_statistics(path: str) -> tuple[float, float]:
 def main(params: Params) -> None:
     cfg = params.ppo
     uses_reward_model = cfg.score_source == "reward_model" or cfg.value_model == "separate"
-    for path, stage in ((BASE, "base_model"), (REWARD, "normalize_reward"))[: 2 if uses_reward_model else 1]:
-        require_dir(path, stage)
+    require_dir(BASE, "base_model")
+    if uses_reward_model:
+        require_dir(REWARD, "normalize_reward", HEAD_FILE)
     plan = resolve_device(cfg.device)
     is_main = init_process_group(plan.device)  # a no-op unless `accelerate launch`/`torchrun` started several
     if cfg.deterministic:

@@ -233,7 +233,11 @@ def policy_project(tiny_base_dir, reward_model, queries, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("policy_project")
     shutil.copytree(tiny_base_dir, root / "models/base")
-    reward_model.save(root / "models/reward")
+    # the CPU default's reward layout: mean pooling, backbone in backbone/, no top-level config.json
+    mean_pooling = RewardModel(reward_model.backbone, reward_model.pad_token_id, "mean")
+    mean_pooling.head.load_state_dict(reward_model.head.state_dict())
+    mean_pooling.save(root / "models/reward")
+    assert not (root / "models/reward/config.json").exists()
     load_tokenizer(tiny_base_dir).save_pretrained(root / "models/reward")
     rows = {"query_ids": queries.tolist(), "query": ["q"] * len(queries)}
     DatasetDict({"train": Dataset.from_dict(rows), "test": Dataset.from_dict(rows)}).save_to_disk(
