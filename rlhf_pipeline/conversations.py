@@ -131,10 +131,45 @@ def checked_conversations(frame, where: str) -> list[tuple[list, list, list]]:
 def require_chat_template(tokenizer, where: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise PipelineError(
-            f"{where}: conversational data is rendered with the base model's chat template, and the tokenizer of "
-            "models/base has none. Use a chat model as base_model.source (e.g. an -Instruct model), or give the "
-            "preferences as plain-text pairwise rows (prompt, chosen, rejected strings)."
+            f"{where}: prompts are rendered with the base model's chat template, and the tokenizer of models/base "
+            "has none. Use a chat model as base_model.source (e.g. an -Instruct model); with a plain language "
+            "model, keep task.chat false and give preferences as plain-text pairwise rows."
         )
+
+
+def read_prompts(source: str, where: str) -> list[list[dict]]:
+    """Chat prompts of a .jsonl/.parquet file or hub dataset (its train split), each a message list
+    ending with the user's turn: a ``prompt`` column of message lists or of user texts, or, without
+    one, the shared prompt of ``chosen``/``rejected`` conversations. Refused naming row and field."""
+    from rlhf_pipeline.corpus import is_local_source, load_hub_dataset
+    from rlhf_pipeline.io import read_table
+
+    if is_local_source(source):
+        frame = read_table(source)
+    else:
+        frame = load_hub_dataset(source, None, where)["train"].to_pandas()
+    if "prompt" not in frame.columns:
+        if {"chosen", "rejected"} <= set(frame.columns) and is_conversational(frame):
+            return [prompt for prompt, _, _ in checked_conversations(frame, f"{where} ({source})")]
+        raise PipelineError(
+            f"{where} ({source}): no 'prompt' column (its columns are {list(map(str, frame.columns))}); give prompts "
+            "as a 'prompt' column of role/content message lists or of user texts."
+        )
+    prompts, problems = [], []
+    for index, value in enumerate(frame["prompt"].tolist()):
+        messages = [{"role": "user", "content": value}] if isinstance(value, str) else as_messages(value)
+        problem = "is not a text or a list of messages" if messages is None else None
+        problem = problem or ("is an empty list of messages" if not messages else _message_problem(messages))
+        if problem is None and messages[-1]["role"] != "user":
+            problem = f"ends with a {messages[-1]['role']} turn; a prompt must end with the user's"
+        if problem:
+            problems.append(f"row {index}, field prompt: {problem}")
+        else:
+            prompts.append(messages)
+    if problems:
+        listed = "\n".join(f"- {p}" for p in problems[:MAX_LISTED])
+        raise DataContractError(f"{where} ({source}): {len(problems)} of {len(frame)} prompt(s) are invalid:\n{listed}")
+    return prompts
 
 
 def render_prompt(tokenizer, messages: list) -> str:
@@ -164,6 +199,11 @@ def to_text_pairs(frame, where: str, tokenizer=None):
 
     if tokenizer is not None:
         require_chat_template(tokenizer, where)
+    if not is_conversational(frame):  # plain pairwise rows in chat mode: one user turn, one reply each
+        frame = frame.copy()
+        for column, role in (("prompt", "user"), ("chosen", "assistant"), ("rejected", "assistant")):
+            if column in frame.columns:
+                frame[column] = [[{"role": role, "content": v}] if isinstance(v, str) else v for v in frame[column]]
     rows = checked_conversations(frame, where)
     pairs = pd.DataFrame(
         {

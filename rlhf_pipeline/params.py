@@ -67,7 +67,13 @@ class CorpusParams(Strict):
 
 
 class QueriesParams(Strict):
-    query_length: int = Field(64, gt=0)
+    query_length: int = Field(64, gt=0, description="Query tokens; a longer chat prompt keeps its last ones.")
+    prompts: str | None = Field(
+        None,
+        description="task.chat only: a .jsonl/.parquet file (or hub dataset) whose 'prompt' column holds the PPO "
+        "prompts, as lists of role/content messages or as user texts; null: the prompts of the conversational "
+        "preference data (data.preferences.source).",
+    )
     start_text: str | None = Field(".", description="Keep tokens after its first occurrence; null disables.")
     end_text: str | None = Field(".", description="Cut after its last occurrence; null disables.")
     test_fraction: float = Field(0.1, gt=0.0, lt=1.0)
@@ -114,6 +120,12 @@ class DataParams(Strict):
 # task: shared by preference sampling, reward normalisation, PPO and evaluation
 # --------------------------------------------------------------------------------------------
 class TaskParams(Strict):
+    chat: bool = Field(
+        False,
+        description="Chat task: queries are prompts rendered with the base model's chat template and generation "
+        "prompt (data.queries.prompts), and responses stop at the template's end-of-turn token, which the reward "
+        "model scores; false: the OAI text-continuation task on the corpus (reference).",
+    )
     response_length: int = Field(24, gt=0)
     temperature: float = Field(0.7, gt=0.0)
     stop_at_eos: bool = Field(False, description="False: fixed-length sampling that ignores EOS (reference).")

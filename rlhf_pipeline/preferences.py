@@ -40,7 +40,7 @@ import torch
 
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.progress import Progress
-from rlhf_pipeline.queries import pad_tokens
+from rlhf_pipeline.queries import pad_tokens, tokenize_query
 
 PAIRWISE, BEST_OF_N, SIMULATED, CONVERSATIONAL = "pairwise", "best_of_n", "simulated", "conversational"
 PAIRED_FORMATS = (PAIRWISE, CONVERSATIONAL)  # one chosen against one rejected: best is 0 by construction
@@ -279,13 +279,6 @@ def display_names(fmt: str) -> dict[str, str]:
     return {}
 
 
-def tokenize_query(tokenizer, text: str, query_length: int) -> list[int]:
-    """The LAST ``query_length`` tokens of ``text`` (the end of a prompt is what the response
-    continues), left-padded to ``query_length`` like the queries of data/queries."""
-    ids = tokenizer.encode(text, add_special_tokens=False)[-query_length:]
-    return pad_tokens(ids, query_length, tokenizer.pad_token_id, "left")
-
-
 def tokenize_response(tokenizer, text: str, response_length: int) -> list[int]:
     """The FIRST ``response_length`` tokens of ``text``, right-padded."""
     ids = tokenizer.encode(text, add_special_tokens=False)[:response_length]
@@ -389,6 +382,24 @@ def refuse_overlong_texts(frame, max_chars: int, where: str) -> None:
                 "drop them "
                 "(nothing was tokenized or written)."
             )
+
+
+def chat_format(fmt: str, chat: bool, source: str) -> str:
+    """The format to read a user file in under ``task.chat``: chat mode reads plain pairwise
+    prompts as one user message each (rendered with the chat template like every chat query);
+    conversational data needs chat mode, and best-of-N rows have no chat form."""
+    if fmt == CONVERSATIONAL and not chat:
+        raise PipelineError(
+            f"data.preferences.source ({source}) holds conversational data, whose prompts are rendered with the chat "
+            "template, but task.chat is false, so PPO would sample from untemplated corpus queries. Set task.chat: "
+            "true (PPO then takes its prompts from this data or data.queries.prompts)."
+        )
+    if chat and fmt == BEST_OF_N:
+        raise PipelineError(
+            f"data.preferences.source ({source}): task.chat reads pairwise or conversational preference data "
+            "(prompt, chosen, rejected), not best-of-N rows."
+        )
+    return CONVERSATIONAL if chat else fmt
 
 
 def user_to_internal(

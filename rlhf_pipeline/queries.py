@@ -92,6 +92,13 @@ def pad_tokens(tokens: list[int], length: int, pad_token_id: int, side: str = "l
     return padding + list(tokens) if side == "left" else list(tokens) + padding
 
 
+def tokenize_query(tokenizer, text: str, query_length: int) -> list[int]:
+    """The LAST ``query_length`` tokens of ``text`` (the end of a prompt is what the response
+    continues: a chat prompt keeps its generation prompt), left-padded to ``query_length``."""
+    ids = tokenizer.encode(text, add_special_tokens=False)[-query_length:]
+    return pad_tokens(ids, query_length, tokenizer.pad_token_id, "left")
+
+
 def text_tokens(tokenizer, text: str | None, key: str) -> list[int] | None:
     """Token ids of a start/end text (no special tokens); None when the rule is disabled."""
     if text is None:
@@ -157,6 +164,38 @@ def build_queries(
             "query": tokenizer.batch_decode(rows, skip_special_tokens=False),
         }
         counts[name] = len(rows)
+    return splits, counts
+
+
+def build_chat_queries(
+    prompts: list[list[dict]], tokenizer, query_length: int, test_fraction: float, seed: int
+) -> tuple[dict[str, dict[str, list]], dict[str, int]]:
+    """Chat-mode queries: each prompt rendered with the chat template and its generation prompt,
+    its last ``query_length`` tokens left-padded (see :func:`tokenize_query`), repeated prompts
+    kept once, then split like :func:`build_queries` (same columns; counts ``prompts``, ``kept``,
+    ``duplicates``, ``truncated``, ``train``, ``test``)."""
+    from rlhf_pipeline.conversations import render_prompt
+
+    texts = list(dict.fromkeys(render_prompt(tokenizer, messages) for messages in prompts))
+    if len(texts) < 2:
+        raise PipelineError(
+            f"Only {len(texts)} distinct chat prompt(s) found; at least 2 are needed for a train/test split."
+        )
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    counts = {
+        "prompts": len(prompts),
+        "kept": len(texts),
+        "duplicates": len(prompts) - len(texts),
+        "truncated": sum(n > query_length for n in lengths),
+    }
+    train_idx, test_idx = split_indices(len(texts), test_fraction, seed)
+    splits = {}
+    for name, indices in (("train", train_idx), ("test", test_idx)):
+        splits[name] = {
+            "query_ids": [tokenize_query(tokenizer, texts[i], query_length) for i in indices],
+            "query": [texts[i] for i in indices],
+        }
+        counts[name] = len(indices)
     return splits, counts
 
 

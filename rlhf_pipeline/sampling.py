@@ -314,15 +314,20 @@ class ResponseSampler:
     pad_token_id: int
     eos_token_id: int | None
     truncate_token_id: int | None
+    stop_at_eos: bool | None = None  # None: task.stop_at_eos
 
     @classmethod
     def from_tokenizer(cls, task: TaskParams, tokenizer) -> ResponseSampler:
-        return cls(
-            task,
-            tokenizer.pad_token_id,
-            tokenizer.eos_token_id,
-            single_token_id(tokenizer, task.truncate_token, "task.truncate_token"),
-        )
+        """The task's sampler; in chat mode a response stops at the chat template's end-of-turn
+        token (which stays in the response, as in the preference data), not at the tokenizer's EOS."""
+        truncate_token_id = single_token_id(tokenizer, task.truncate_token, "task.truncate_token")
+        if not task.chat:
+            return cls(task, tokenizer.pad_token_id, tokenizer.eos_token_id, truncate_token_id)
+        from rlhf_pipeline.conversations import end_of_turn, require_chat_template
+
+        require_chat_template(tokenizer, "task.chat")
+        end = single_token_id(tokenizer, end_of_turn(tokenizer), "the chat template's end-of-turn text")
+        return cls(task, tokenizer.pad_token_id, end, truncate_token_id, stop_at_eos=True)
 
     def sample(
         self,
@@ -342,7 +347,7 @@ class ResponseSampler:
             self.pad_token_id,
             generator=generator,
             eos_token_id=self.eos_token_id,
-            stop_at_eos=self.task.stop_at_eos,
+            stop_at_eos=self.task.stop_at_eos if self.stop_at_eos is None else self.stop_at_eos,
             value_head=value_head,
             num_samples=num_samples,
             capture_layers=capture_layers,

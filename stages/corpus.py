@@ -28,7 +28,9 @@ BASE, OUT = "models/base", "data/corpus"
 
 def main(params: Params) -> None:
     cfg = params.data.corpus
-    if cfg.source == GENERATED:
+    if params.task.chat:  # chat queries come from prompts (stage queries), not from passages
+        texts = []
+    elif cfg.source == GENERATED:
         require_dir(BASE, "base_model")
         tokenizer = load_tokenizer(BASE)
         model = load_causal_lm(BASE).eval()
@@ -47,10 +49,15 @@ def main(params: Params) -> None:
         texts = load_local_passages(cfg.source, cfg.text_column)
     else:
         texts = load_hub_passages(cfg.source, cfg.split, cfg.text_column)
-    passages = clean_passages(texts, cfg.source)
+    passages = clean_passages(texts, cfg.source) if texts else []
     with atomic_dir(OUT) as tmp:
         Dataset.from_dict({"text": passages}).save_to_disk(str(tmp))
-    print(f"corpus: {len(passages)} passages from {cfg.source} -> {OUT} ({len(texts) - len(passages)} empty dropped)")
+    if params.task.chat:
+        print(f"corpus: task.chat is on, so no corpus is needed (the queries are chat prompts); empty {OUT}")
+    else:
+        print(
+            f"corpus: {len(passages)} passages from {cfg.source} -> {OUT} ({len(texts) - len(passages)} empty dropped)"
+        )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from rlhf_pipeline.params import Params
 from rlhf_pipeline.preferences import (
     SIMULATED,
     ceiling_accuracy,
+    chat_format,
     features,
     load_user_frames,
     refuse_overlong_texts,
@@ -92,6 +93,7 @@ def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
 def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
     cfg, q = params.data.preferences, params.data.queries
     frames, fmt = load_user_frames(cfg.source, cfg.split, q.test_fraction, params.seed)
+    fmt = chat_format(fmt, params.task.chat, cfg.source)
     for name, frame in frames.items():
         refuse_overlong_texts(frame, params.data.validation.max_text_chars, f"{cfg.source} ({name} split)")
     splits = {

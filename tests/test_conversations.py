@@ -151,6 +151,7 @@ def test_preferences_stage_reads_conversational_jsonl(project, tiny_chat_base_di
             "data.preferences.source": "data/labels/chat.jsonl",
             "data.validation.min_rows": 20,
             "task.response_length": 40,
+            "task.chat": True,
         }
     )
     assert run_stage_script("preferences") == 0
