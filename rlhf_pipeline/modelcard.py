@@ -129,6 +129,7 @@ def write_card(
     datasets: list[str] | None = None,
     extra_metadata: dict | None = None,
     reward_pooling: str | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """The card of a model trained from ``base_dir``: its base model and licence come from that
     model's card; ``target`` is where the model lands (not the temporary folder it is written to)."""
@@ -148,6 +149,9 @@ def write_card(
         if kind != "reward" or reward_pooling == "last"
         else None,
         "tags": ["rlhf-pipeline", *tags],
+        # task.chat: the prompts were rendered with this template (its hash: the template text is in the tokenizer)
+        "task_mode": "chat" if chat_template else "continuation",
+        "chat_template_sha256": hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None,
         "device": device,
         "lineage": {
             "git_commit": git["commit"],
@@ -160,6 +164,7 @@ def write_card(
     lineage = [
         f"- git commit: `{git['commit']}`" + (" (working tree dirty)" if git["dirty"] else ""),
         f"- device: {device}",
+        "- task: " + ("chat (prompts rendered with the tokenizer's chat template)" if chat_template else "continuation"),
     ]
     lineage += [f"- input `{p}`: sha256 `{h}`" for p, h in hashes.items()]
     evaluation = [f"- `{k}`: {v:.4f}" if isinstance(v, float) else f"- `{k}`: {v}" for k, v in metrics.items()]

@@ -125,6 +125,7 @@ def main(params: Params) -> None:
         write_card(
             tmp,
             target=OUT,
+            chat_template=tokenizer.chat_template if params.task.chat else None,
             kind="policy",
             title="PPO policy",
             summary=f"`{BASE}` fine-tuned with PPO (lm-human-preferences details) against `{REWARD}` for "

@@ -123,6 +123,7 @@ def main(params: Params) -> None:
         write_card(
             tmp,
             target=OUT,
+            chat_template=tokenizer.chat_template if params.task.chat else None,
             kind="reward",
             reward_pooling=model.pooling,
             title="Reward model (before normalisation)",

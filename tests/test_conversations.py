@@ -165,3 +165,56 @@ def test_preferences_stage_reads_conversational_jsonl(project, tiny_chat_base_di
     chosen = [t for t in row["sample_ids"][0] if t != tokenizer.pad_token_id]
     assert end in chosen and tokenizer.decode(chosen[: chosen.index(end)]) == row["samples"][0]
     assert read_json(project / "data" / "validation" / "summary.json")["success"] is True
+
+
+def test_chat_sampler_stops_at_the_template_s_end_of_turn(chat_tokenizer, tiny_tokenizer):
+    from rlhf_pipeline.params import TaskParams
+    from rlhf_pipeline.sampling import ResponseSampler
+
+    sampler = ResponseSampler.from_tokenizer(TaskParams(chat=True, truncate_token=None), chat_tokenizer)
+    assert sampler.eos_token_id == chat_tokenizer.convert_tokens_to_ids("<|im_end|>") != chat_tokenizer.eos_token_id
+    assert sampler.stop_at_eos is True
+    plain = ResponseSampler.from_tokenizer(TaskParams(), chat_tokenizer)
+    assert plain.eos_token_id == chat_tokenizer.eos_token_id and plain.stop_at_eos is None  # reference path as before
+    with pytest.raises(PipelineError, match="task.chat: prompts are rendered with the base model's chat template"):
+        ResponseSampler.from_tokenizer(TaskParams(chat=True), tiny_tokenizer)
+
+
+def test_queries_stage_in_chat_mode_renders_the_prompt_file(project, tiny_chat_base_dir):
+    from datasets import load_from_disk
+
+    (project / "models" / "base").unlink()
+    (project / "models" / "base").symlink_to(tiny_chat_base_dir, target_is_directory=True)
+    prompts = [{"prompt": f"Say something about day {i}."} for i in range(10)]  # texts: one user turn each
+    prompts += [{"prompt": [SYSTEM, user(f"Describe night {i}.")]} for i in range(10)]
+    prompts += prompts[:3]  # repeated prompts are kept once
+    (project / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    project.write_params(
+        **{"task.chat": True, "data.queries.prompts": "prompts.jsonl", "data.queries.query_length": 12}
+    )
+    assert run_stage_script("queries") == 0
+    queries = load_from_disk(str(project / "data" / "queries"))
+    tokenizer = load_tokenizer(tiny_chat_base_dir)
+    rows = list(queries["train"]) + list(queries["test"])
+    assert len(rows) == 20
+    generation_prompt = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    for row in rows:
+        assert len(row["query_ids"]) == 12 and row["query_ids"][-len(generation_prompt) :] == generation_prompt
+        assert row["query"].startswith("<|im_start|>")
+
+
+def test_chat_mode_without_prompts_or_template_is_refused(project, capsys, tiny_chat_base_dir):
+    project.write_params(**{"task.chat": True})  # preferences are simulated: no prompts anywhere
+    (project / "models" / "base").unlink()
+    (project / "models" / "base").symlink_to(tiny_chat_base_dir, target_is_directory=True)
+    assert run_stage_script("queries") == 1
+    assert "task.chat is on but there are no prompts" in capsys.readouterr().err
+
+
+def test_conversational_data_needs_chat_mode(project, tiny_chat_base_dir, capsys):
+    (project / "models" / "base").unlink()
+    (project / "models" / "base").symlink_to(tiny_chat_base_dir, target_is_directory=True)
+    (project / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in standard_rows(20)))
+    project.write_params(**{"data.preferences.source": "chat.jsonl"})
+    assert run_stage_script("preferences") == 1
+    assert "task.chat is false" in capsys.readouterr().err

@@ -18,7 +18,7 @@ VALIDATION_SUMMARY = "data/validation/summary.json"
 PREFERENCES_DIR = "data/preferences"
 BASE_MODEL_DIR = "models/base"
 BASE_MODEL_KEYS = ("source", "source_sha256", "source_file", "base_model", "revision")
-MODEL_CARD_KEYS = ("base_model", "library_name", "device", "license")
+MODEL_CARD_KEYS = ("base_model", "library_name", "device", "license", "task_mode", "chat_template_sha256")
 
 
 def card_metadata(root: str, path: str) -> tuple[str, dict] | None:
