@@ -164,7 +164,7 @@ def write_card(
     lineage = [
         f"- git commit: `{git['commit']}`" + (" (working tree dirty)" if git["dirty"] else ""),
         f"- device: {device}",
-        "- task: " + ("chat (prompts rendered with the tokenizer's chat template)" if chat_template else "continuation"),
+        "- task: " + ("chat (prompts in the tokenizer's chat template)" if chat_template else "continuation"),
     ]
     lineage += [f"- input `{p}`: sha256 `{h}`" for p, h in hashes.items()]
     evaluation = [f"- `{k}`: {v:.4f}" if isinstance(v, float) else f"- `{k}`: {v}" for k, v in metrics.items()]
