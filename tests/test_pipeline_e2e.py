@@ -257,6 +257,7 @@ def test_changing_a_normalisation_param_reruns_only_downstream(project, tmp_path
 READ_ON_OTHER_PATHS = {
     ("preferences", "data.queries.test_fraction"): "user labels without a split column",
     ("preferences", "data.validation.max_text_chars"): "user labels: over-long texts are refused before tokenization",
+    ("queries", "data.preferences.source"): "task.chat without data.queries.prompts: the preference data's prompts",
 }
 
 
