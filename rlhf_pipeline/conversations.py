@@ -48,8 +48,8 @@ def is_conversational(frame) -> bool:
     return False
 
 
-def _message_problem(messages: list, first_index: int = 0) -> str | None:
-    for i, message in enumerate(messages, start=first_index):
+def _message_problem(messages: list) -> str | None:
+    for i, message in enumerate(messages):
         if not isinstance(message, dict):
             return f"message {i} is a {type(message).__name__}, not a {{role, content}} object"
         for key in ("role", "content"):
@@ -62,6 +62,19 @@ def _message_problem(messages: list, first_index: int = 0) -> str | None:
         if message["role"] == "system" and i > 0:
             return f"message {i} is a system turn; a system turn may only open the conversation"
     return None
+
+
+def _prompt_end_problem(prompt: list) -> str | None:
+    """A prompt must end with the user's turn: that is what the reply answers."""
+    role = prompt[-1]["role"]
+    return None if role == "user" else f"the prompt ends with a {role} turn; it must end with the user's"
+
+
+def _refusal(header: str, problems: list[str]) -> DataContractError:
+    """One error listing the first :data:`MAX_LISTED` problems under ``header``."""
+    listed = "\n".join(f"- {p}" for p in problems[:MAX_LISTED])
+    more = f"\n- ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+    return DataContractError(f"{header}:\n{listed}{more}")
 
 
 def _reply_problem(reply: list) -> str | None:
@@ -97,9 +110,9 @@ def _row(row: dict, implicit: bool) -> tuple[list, list, list] | tuple[str, str]
         lists = {"prompt": prompt, "chosen": lists["chosen"][-1:], "rejected": lists["rejected"][-1:]}
     if not lists["prompt"]:
         return "chosen" if implicit else "prompt", "has no prompt before the assistant reply"
-    if lists["prompt"][-1]["role"] != "user":
-        field = "chosen" if implicit else "prompt"
-        return field, f"the prompt ends with a {lists['prompt'][-1]['role']} turn; it must end with the user's"
+    problem = _prompt_end_problem(lists["prompt"])
+    if problem:
+        return "chosen" if implicit else "prompt", problem
     for name in ("chosen", "rejected"):
         problem = _reply_problem(lists[name])
         if problem:
@@ -118,12 +131,11 @@ def checked_conversations(frame, where: str) -> list[tuple[list, list, list]]:
         else:
             rows.append(result)
     if problems:
-        listed = "\n".join(f"- {p}" for p in problems[:MAX_LISTED])
-        more = f"\n- ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
         layout = "implicit-prompt (chosen/rejected conversations)" if implicit else "standard (prompt/chosen/rejected)"
-        raise DataContractError(
+        raise _refusal(
             f"{where}: {len(problems)} of {len(frame)} row(s) are not valid {layout} conversations "
-            f"(messages are {{role, content}} objects, roles {', '.join(ROLES)}):\n{listed}{more}"
+            f"(messages are {{role, content}} objects, roles {', '.join(ROLES)})",
+            problems,
         )
     return rows
 
@@ -160,15 +172,13 @@ def read_prompts(source: str, where: str) -> list[list[dict]]:
         messages = [{"role": "user", "content": value}] if isinstance(value, str) else as_messages(value)
         problem = "is not a text or a list of messages" if messages is None else None
         problem = problem or ("is an empty list of messages" if not messages else _message_problem(messages))
-        if problem is None and messages[-1]["role"] != "user":
-            problem = f"ends with a {messages[-1]['role']} turn; a prompt must end with the user's"
+        problem = problem or _prompt_end_problem(messages)
         if problem:
             problems.append(f"row {index}, field prompt: {problem}")
         else:
             prompts.append(messages)
     if problems:
-        listed = "\n".join(f"- {p}" for p in problems[:MAX_LISTED])
-        raise DataContractError(f"{where} ({source}): {len(problems)} of {len(frame)} prompt(s) are invalid:\n{listed}")
+        raise _refusal(f"{where} ({source}): {len(problems)} of {len(frame)} prompt(s) are invalid", problems)
     return prompts
 
 

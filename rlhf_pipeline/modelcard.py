@@ -139,14 +139,15 @@ def write_card(
     git = git_state()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     hashes = {str(p): content_hash(p) for p in inputs if Path(p).exists()}
+    # a mean-pooling reward model has no transformers class (rlhf_pipeline.reward loads it)
+    transformers_class = kind != "reward" or reward_pooling == "last"
     metadata = {
         "base_model": hub_id(base.get("base_model")),
         "datasets": [d for d in map(hub_id, datasets or []) if d] or None,
         "license": base.get("license"),
-        # a mean-pooling reward model has no transformers class (rlhf_pipeline.reward loads it)
-        "library_name": None if kind == "reward" and reward_pooling != "last" else "transformers",
+        "library_name": "transformers" if transformers_class else None,
         "pipeline_tag": {"policy": "text-generation", "reward": "text-classification"}.get(kind)
-        if kind != "reward" or reward_pooling == "last"
+        if transformers_class
         else None,
         "tags": ["rlhf-pipeline", *tags],
         # task.chat: the prompts were rendered with this template (its hash: the template text is in the tokenizer)

@@ -218,3 +218,17 @@ def test_conversational_data_needs_chat_mode(project, tiny_chat_base_dir, capsys
     project.write_params(**{"data.preferences.source": "chat.jsonl"})
     assert run_stage_script("preferences") == 1
     assert "task.chat is false" in capsys.readouterr().err
+
+
+def test_a_bad_prompt_file_is_refused_naming_row_and_field(tmp_path):
+    from rlhf_pipeline.conversations import read_prompts
+
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "Hello there."}, {"prompt": [user("Hi"), assistant("Hello")]}, {"prompt": 7}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataContractError, match="2 of 3 prompt") as caught:
+        read_prompts(str(path), "data.queries.prompts")
+    assert "row 1, field prompt: the prompt ends with a assistant turn; it must end with the user's" in str(
+        caught.value
+    )
+    assert "row 2, field prompt: is not a text or a list of messages" in str(caught.value)
