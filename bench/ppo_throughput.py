@@ -86,7 +86,7 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
                 "microbatch_size": args.microbatch,
                 "ppo_epochs": 4,
                 "lr": args.lr,
-                "freeze_layers": 0,
+                "freeze_layers": args.freeze_layers,
                 "value_model": value_model,
                 "checkpoint_every": 10**6,
                 "device": args.device,
@@ -275,6 +275,13 @@ def main(argv=None) -> None:
     parser.add_argument("--response-tokens", type=int, default=24)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument(
+        "--freeze-layers",
+        type=int,
+        default=0,
+        help="ppo.freeze_layers of ours (0: full fine-tune; K > 0 runs the trunk split: the sampling pass's "
+        "activation entering block K feeds the reference forward and every PPO epoch); TRL always fine-tunes all",
+    )
+    parser.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
@@ -368,8 +375,13 @@ def main(argv=None) -> None:
     notes = [
         f"workload: {args.batch} episodes/update, query {args.query_tokens} tokens (fixed-seed random ids, no "
         f"padding), {args.response_tokens} sampled tokens "
-        f"(temperature 0.7, no stop token), 1 minibatch, microbatch {args.microbatch}, 4 PPO epochs, full "
-        f"fine-tune, lr {args.lr}; "
+        f"(temperature 0.7, no stop token), 1 minibatch, microbatch {args.microbatch}, 4 PPO epochs, "
+        + (
+            f"ours with the lowest {args.freeze_layers} blocks frozen (trunk split), TRL full fine-tune"
+            if args.freeze_layers
+            else "full fine-tune"
+        )
+        + f", lr {args.lr}; "
         f"1 warmup update + {args.updates} timed updates per side (mean of the timed updates).",
         "ours: task truncate_token '.' after 16 tokens (scoring only), KL adaptive init 0.15, whitened rewards, "
         "Adam eps 1e-5; no checkpointing; "

@@ -1,17 +1,25 @@
-"""Multi-process set-up, in one place: the process group that `accelerate launch` or `torchrun`
-describes in the environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``), and the few collective
-operations PPO needs. One process (the default) makes every function here a no-op.
+"""Several processes training one model, on ``accelerate``: the one place that knows about them.
 
-Not yet on ``accelerate.Accelerator``: a DeepSpeed or FSDP configuration given to `accelerate
-launch` is not honoured (plain DDP, full optimizer state on every rank).
+`accelerate launch` (or `torchrun`) starts the processes and describes them and the user's
+configuration (DDP, FSDP, DeepSpeed) in the environment; :func:`make_accelerator` turns that into
+an ``accelerate.Accelerator`` after refusing what the training code cannot honour. One process
+(the default) makes every helper here a plain local operation.
+
+Sizes stay global (as in lm-human-preference-details): every process works on its contiguous
+share of a batch, and :func:`gather_rows` reassembles the batch in its one-process order, so a
+run on N processes takes the same steps as one process over the same global batch.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from rlhf_pipeline.errors import LaunchConfigError, PipelineError
 
 
 def launched_world_size() -> int:
@@ -23,41 +31,197 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def init_process_group(device: torch.device) -> bool:
-    """Join the launcher's process group (nccl on CUDA, gloo on CPU); True if this is rank 0."""
-    if launched_world_size() > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return rank() == 0
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def deepspeed_zero_stage() -> int | None:
+    """The ZeRO stage of the DeepSpeed configuration `accelerate launch` passed on (None: no DeepSpeed)."""
+    if not _flag("ACCELERATE_USE_DEEPSPEED"):
+        return None
+    config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if config_file and Path(config_file).is_file():
+        stage = json.loads(Path(config_file).read_text()).get("zero_optimization", {}).get("stage", 0)
+        return int(stage)
+    return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
 
 
-def rank() -> int:
-    return dist.get_rank() if world_size() > 1 else 0
+def refuse_unsupported(device: torch.device, trunk_split: bool, stage: str) -> None:
+    """Stop before anything loads when the launcher's configuration cannot be honoured as asked
+    (:class:`LaunchConfigError`, exit code 2: retrying cannot fix it)."""
+    zero = deepspeed_zero_stage()
+    if zero is not None and device.type != "cuda":
+        raise LaunchConfigError(
+            f"{stage}: `accelerate launch` asked for DeepSpeed (ZeRO stage {zero}), but training runs on "
+            f"{device.type}: accelerate uses DeepSpeed only on GPUs and would otherwise run without it. Launch "
+            "without the DeepSpeed configuration (plain DDP, or --use_fsdp --fsdp_version 2) or on a GPU machine."
+        )
+    if zero == 3 and trunk_split:
+        raise LaunchConfigError(
+            f"{stage}: DeepSpeed ZeRO-3 cannot be combined with the trunk split (freeze_layers > 0 on a "
+            "supported architecture): the split runs the policy's frozen lower blocks only while sampling and "
+            "the upper blocks alone from their cached activation in training, outside the module order ZeRO-3 "
+            "gathers its partitioned weights in. Use ZeRO-2 or FSDP (--use_fsdp --fsdp_version 2), or set "
+            "freeze_layers: 0."
+        )
+    if _flag("ACCELERATE_USE_FSDP") and os.environ.get("FSDP_VERSION", "1") != "2":
+        raise LaunchConfigError(
+            f"{stage}: `accelerate launch --use_fsdp` chose FSDP version {os.environ.get('FSDP_VERSION', '1')}; "
+            "this project trains with part of the model frozen, which FSDP 1's flattened parameters cannot "
+            "hold in one unit, and is tested on FSDP 2 only. Add --fsdp_version 2 (or fsdp_version: 2 in the "
+            "accelerate config)."
+        )
 
 
-def barrier() -> None:
-    if world_size() > 1:
-        dist.barrier()
+def make_accelerator(device: torch.device, trunk_split: bool = False, stage: str = "training"):
+    """The ``Accelerator`` for the launcher's processes and configuration (one process: a plain one).
+
+    accelerate (1.15) turns FSDP on only for accelerator devices: on CPU processes an FSDP
+    configuration would silently give DDP. Here it is honoured on CPU too (gloo), which is how
+    the tests run FSDP on two CPU processes.
+    """
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    refuse_unsupported(device, trunk_split, stage)
+    accelerator = Accelerator(cpu=device.type == "cpu")
+    if _flag("ACCELERATE_USE_FSDP") and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # read from the launcher's environment
+        # both shared states: accelerate copies the process-level one into the other on every AcceleratorState()
+        PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
+    if launched_world_size() != accelerator.num_processes:
+        raise PipelineError(
+            f"{stage}: the launcher started {launched_world_size()} processes but they did not join one "
+            f"process group (accelerate sees {accelerator.num_processes}); each would train and write alone."
+        )
+    return accelerator
 
 
-def mean_over_processes(value: torch.Tensor) -> float:
-    """The mean of a scalar tensor over all processes (its value with one process)."""
-    if world_size() > 1:
-        value = value.detach().clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= world_size()
-    return value.item()
+def is_fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
 
 
-def data_parallel(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """``module`` wrapped for gradient all-reduce when several processes train it."""
-    if world_size() == 1:
-        return module
-    from torch.nn.parallel import DistributedDataParallel
+def share(accelerator, rows: int) -> slice:
+    """This process's contiguous share of ``rows`` batch rows (rows must split evenly)."""
+    size = rows // accelerator.num_processes
+    return slice(accelerator.process_index * size, (accelerator.process_index + 1) * size)
 
-    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+def gather_rows(accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """Every process's rows, concatenated in process order (the one-process batch, with :func:`share`)."""
+    if accelerator.num_processes == 1:
+        return tensor
+    if tensor.dtype == torch.bool:  # gloo cannot gather bools
+        return accelerator.gather(tensor.to(torch.uint8)).bool()
+    return accelerator.gather(tensor.contiguous())
+
+
+def sum_over_processes(accelerator, values: torch.Tensor) -> torch.Tensor:
+    """Element-wise sum of ``values`` over processes (``values`` with one process)."""
+    return values if accelerator.num_processes == 1 else accelerator.reduce(values.clone(), reduction="sum")
+
+
+@contextmanager
+def full_weights(accelerator, module: torch.nn.Module):
+    """Inside the block ``module``'s parameters are whole on every process (FSDP shards them
+    between forwards), so code that calls its submodules directly (the sampler) can run."""
+    if not is_fsdp(accelerator):
+        yield module
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    # FSDP finds its root on the root's first forward; before that, a block called directly (the
+    # sampler runs the blocks, not the root) would take itself for the root and break the next forward
+    units[0]._get_fsdp_state()._lazy_init()
+    for unit in units:
+        unit.unshard()
+    try:
+        yield module
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def whole_model(accelerator, module: torch.nn.Module, rebuild):
+    """``module`` with its whole trained weights on process 0, None on the others (every process must
+    call it). FSDP leaves each process a shard: the weights are gathered into ``rebuild()``, a fresh
+    module of the same structure; otherwise ``module`` itself already holds them."""
+    if not is_fsdp(accelerator):
+        return module if accelerator.is_main_process else None
+    state = full_state(module)
+    if not accelerator.is_main_process:
+        return None
+    fresh = rebuild()
+    fresh.load_state_dict(state)
+    return fresh.eval()
+
+
+def _options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def full_state(module: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """``module``'s whole (unsharded) state on CPU: on process 0; every process must call it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    names = {n for n, p in module.named_parameters() if p.requires_grad} if trainable_only else None
+    state = get_model_state_dict(module, options=_options(cpu_offload=True))
+    return {k: v.contiguous() for k, v in state.items() if names is None or k in names}
+
+
+def load_full_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a whole state (e.g. :func:`full_state`'s, on every process) into ``module``, sharded or not."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(module, state, options=_options(strict=False))
+
+
+def full_optimizer_state(module: torch.nn.Module, optimizer) -> dict:
+    """The optimizer's whole state keyed by parameter name: on process 0; every process must call it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=True))
+
+
+def load_full_optimizer_state(module: torch.nn.Module, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(module, optimizer, state, options=_options())
+
+
+def on_main_process(accelerator, action, what: str) -> None:
+    """Run ``action`` on process 0 only, the others waiting; if it fails every process raises, so
+    none is left waiting in a collective for a process that has stopped."""
+    error = None
+    if accelerator.is_main_process:
+        try:
+            action()
+        except Exception as caught:  # re-raised below, once the others know
+            error = caught
+    failed = sum_over_processes(accelerator, torch.tensor([float(error is not None)], device=accelerator.device))
+    if error is not None:
+        raise error
+    if failed.item():
+        raise PipelineError(f"Process 0 failed to {what} (its error is above); this process stops too.")
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor FSDP shards (the tensor itself otherwise)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def non_finite_gradients(accelerator, module: torch.nn.Module) -> list[str]:
+    """The parameters of ``module`` whose gradient is not finite here, ``["on another process"]`` when
+    only another process has one, ``[]`` when every process's gradient is finite (one all-reduce:
+    all processes get the same verdict, so they stop together)."""
+    from rlhf_pipeline.functional import non_finite_tensors
+
+    grads = {name: local_part(p.grad) for name, p in module.named_parameters() if p.grad is not None}
+    here = non_finite_tensors(grads)
+    anywhere = sum_over_processes(accelerator, torch.tensor([float(bool(here))], device=accelerator.device)).item()
+    return here or (["on another process"] if anywhere else [])

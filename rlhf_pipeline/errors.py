@@ -27,6 +27,13 @@ class ParamsError(PipelineError):
         super().__init__("\n".join(problems))
 
 
+class LaunchConfigError(PipelineError):
+    """The multi-process configuration `accelerate launch` passed cannot be honoured: refused before
+    training, with params.yaml's exit code (a configuration no retry can fix)."""
+
+    exit_code = ParamsError.exit_code
+
+
 class DataContractError(PipelineError):
     """Preference data failed the Great Expectations contract."""
 
@@ -66,7 +73,7 @@ NOT_RETRIED_EXIT_CODES = frozenset(
     }
 )
 EXIT_CODE_MEANINGS = {
-    ParamsError.exit_code: "params.yaml invalid",
+    ParamsError.exit_code: "params.yaml or launch configuration invalid",
     DataContractError.exit_code: "data-contract failure",
     NonFiniteError.exit_code: "non-finite training (NaN/inf)",
     StorageError.exit_code: "an output could not be written (disk full, read-only or no permission)",

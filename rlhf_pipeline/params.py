@@ -140,8 +140,17 @@ class TaskParams(Strict):
 class RewardTrainParams(Strict):
     lr: float = Field(5.0e-5, gt=0.0)
     epochs: int = Field(1, gt=0, description="Reference: one epoch, LR annealed linearly to 0.")
-    batch_size: int = Field(32, gt=0, description="Labels per optimizer step.")
-    microbatch_size: int = Field(32, gt=0, description="Labels per forward/backward (gradient accumulation).")
+    batch_size: int = Field(
+        32,
+        gt=0,
+        description="Labels per optimizer step, over all processes (global, as in the references): with N "
+        "processes each takes a contiguous batch_size/N of every batch, and the step equals the one-process step.",
+    )
+    microbatch_size: int = Field(
+        32,
+        gt=0,
+        description="Labels per forward/backward on one process (gradient accumulation); memory, not maths.",
+    )
     adam_eps: float = Field(1.0e-5, gt=0.0)
     tensorflow_adam: bool = Field(
         True,
@@ -214,10 +223,23 @@ class KLParams(Strict):
 
 
 class PPOParams(Strict):
-    total_episodes: int = Field(1_000_000, gt=0)
-    batch_size: int = Field(512, gt=0, description="Episodes per rollout/update.")
-    nminibatches: int = Field(1, gt=0)
-    microbatch_size: int = Field(512, gt=0, description="Episodes per forward/backward (gradient accumulation).")
+    total_episodes: int = Field(1_000_000, gt=0, description="Episodes over the whole run, all processes together.")
+    batch_size: int = Field(
+        512,
+        gt=0,
+        description="Episodes per rollout/update over all processes (global, as in lm-human-preference-details): "
+        "with N processes each samples and scores a contiguous batch_size/N, and the rollout is gathered, so "
+        "advantages, whitening and the KL controller see the whole batch and every step equals the one-process step.",
+    )
+    nminibatches: int = Field(
+        1, gt=0, description="Optimizer steps per PPO epoch; each minibatch (batch_size/nminibatches) is global too."
+    )
+    microbatch_size: int = Field(
+        512,
+        gt=0,
+        description="Episodes per forward/backward on one process (gradient accumulation); memory, not maths. "
+        "With N processes it must divide batch_size/nminibatches/N.",
+    )
     ppo_epochs: int = Field(4, gt=0)
     lr: float = Field(1.0e-5, gt=0.0)
     anneal_lr: bool = True

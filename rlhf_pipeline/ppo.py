@@ -235,8 +235,12 @@ class Checkpointer:
                 return f"{name} does not match the checksum in meta.json"
         return None
 
-    def save(self, update: int, model: nn.Module, optimizer, kl_ctl, stats_history: list[dict]) -> None:
-        weights = trainable_state(model)
+    def save(
+        self, update: int, weights: dict[str, Tensor], optimizer_state: dict, kl_state: dict, rng: list, history: list
+    ) -> None:
+        """Write the state of update ``update``: the trainable weights and the optimizer state (both
+        whole, keyed by parameter name, as :mod:`rlhf_pipeline.distributed` gathers them), the KL
+        controller, each process's random generators, and the statistics so far."""
         bad = F.non_finite_tensors(weights)
         if bad:  # never replace a good checkpoint with a broken one
             raise NonFiniteError(
@@ -247,8 +251,8 @@ class Checkpointer:
         with atomic_dir(self.state_dir) as tmp:
             save_file(weights, str(tmp / "trainable.safetensors"))
             with open(tmp / "training_state.pt", "wb") as handle:  # a handle: a full disk then surfaces as an OSError
-                torch.save({"optimizer": optimizer.state_dict(), "kl": kl_ctl.state_dict(), "rng": rng_state()}, handle)
-            (tmp / "history.json").write_text(json.dumps(stats_history))
+                torch.save({"optimizer": optimizer_state, "kl": kl_state, "rng": rng}, handle)
+            (tmp / "history.json").write_text(json.dumps(history))
             checksums = {name: sha256_file(tmp / name) for name in self.STATE_FILES}
             (tmp / "meta.json").write_text(
                 json.dumps({"fingerprint": self.fingerprint, "update": update, "sha256": checksums})
@@ -265,24 +269,19 @@ class Checkpointer:
             )
         return "Nothing was written, and no checkpoint exists yet: the next run starts from update 0."
 
-    def load(self, model: nn.Module, optimizer, kl_ctl) -> tuple[int, list[dict]]:
+    def read(self, trainable_names: set[str]) -> dict:
+        """What :meth:`save` wrote: weights, optimizer, kl, rng, update, history."""
         weights = load_file(str(self.state_dir / "trainable.safetensors"))
-        missing = set(trainable_state(model)) - set(weights)
+        missing = trainable_names - set(weights)
         if missing:
             raise PipelineError(
                 f"Checkpoint {self.state_dir} lacks weights {sorted(missing)[:3]}...; delete {self.directory} to "
                 "start over."
             )
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                params[name].copy_(tensor)
         state = torch.load(self.state_dir / "training_state.pt", weights_only=True)
-        optimizer.load_state_dict(state["optimizer"])
-        kl_ctl.load_state_dict(state["kl"])
-        set_rng_state(state["rng"])
         meta = json.loads((self.state_dir / "meta.json").read_text())
-        return meta["update"], json.loads((self.state_dir / "history.json").read_text())
+        history = json.loads((self.state_dir / "history.json").read_text())
+        return {"weights": weights, **state, "update": meta["update"], "history": history}
 
 
 def fingerprint_of(*parts) -> str:
@@ -309,6 +308,7 @@ class PPOTrainer:
         log=None,
         autocast=None,
         gold_standardization: tuple[float, float] | None = None,
+        accelerator=None,
     ):
         self.policy, self.ref_model, self.reward_model = policy, ref_model, reward_model
         self.queries, self.task, self.cfg, self.tokenizer = queries, task, cfg, tokenizer
@@ -323,19 +323,17 @@ class PPOTrainer:
             )
         self.autocast = autocast
         self.pad_id = tokenizer.pad_token_id
-        # Data parallel (torchrun / `accelerate launch`): each rank rolls out batch_size/world
-        # episodes and DDP averages gradients; statistics that steer training (KL) are averaged.
-        self.world_size, self.rank = distributed.world_size(), distributed.rank()
-        if cfg.batch_size % self.world_size or (cfg.batch_size // self.world_size) % cfg.nminibatches:
+        # Several processes (`accelerate launch`): each samples, scores and trains on its share of
+        # the global batch; the rollout is gathered, so advantages, whitening and the KL controller
+        # see the whole batch, and the gradient is the one-process gradient (sizes stay global).
+        self.accelerator = accelerator or distributed.make_accelerator(device, cfg.freeze_layers > 0, "train_policy")
+        self.world_size, self.rank = self.accelerator.num_processes, self.accelerator.process_index
+        self.minibatch_share = cfg.batch_size // cfg.nminibatches // self.world_size
+        if cfg.batch_size % (cfg.nminibatches * self.world_size) or self.minibatch_share % cfg.microbatch_size:
             raise PipelineError(
-                f"ppo.batch_size ({cfg.batch_size}) must split evenly over {self.world_size} processes and then "
-                f"into ppo.nminibatches ({cfg.nminibatches})."
-            )
-        self.local_batch = cfg.batch_size // self.world_size
-        if (self.local_batch // cfg.nminibatches) % cfg.microbatch_size:
-            raise PipelineError(
-                f"ppo.microbatch_size ({cfg.microbatch_size}) must divide the per-process minibatch "
-                f"({self.local_batch // cfg.nminibatches})."
+                f"ppo.batch_size ({cfg.batch_size}) must split into ppo.nminibatches ({cfg.nminibatches}) minibatches, "
+                f"each shared evenly by the {self.world_size} process(es) in shares that ppo.microbatch_size "
+                f"({cfg.microbatch_size}) divides."
             )
         self.sampler = ResponseSampler.from_tokenizer(task, tokenizer)
         self.query_length = queries.shape[1]
@@ -347,13 +345,14 @@ class PPOTrainer:
         freeze_lower_layers(backbone_of(policy.lm), self.freeze)
         # lm_head is tied to the (frozen) input embeddings in most small LMs; untied heads train.
         self.use_trunk = self.freeze > 0 and supports_trunk_split(policy.lm) and supports_trunk_split(ref_model)
-        self.train_module = distributed.data_parallel(policy, device)
-        self.optimizer = adam(
+        optimizer = adam(
             (p for p in policy.parameters() if p.requires_grad),
             lr=cfg.lr,
             eps=cfg.adam_eps,
             tensorflow=cfg.tensorflow_adam,
         )
+        # DDP wraps the policy, FSDP shards it in place (self.policy stays the module to read)
+        self.train_module, self.optimizer = self.accelerator.prepare(policy, optimizer)
         self.kl_ctl = (
             F.AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon)
             if cfg.kl.adaptive
@@ -381,16 +380,16 @@ class PPOTrainer:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
             take = min(self.cfg.batch_size - len(rows), n - offset)
             rows.extend(order[offset : offset + take].tolist())
-        return self.queries[rows[self.rank :: self.world_size]].to(self.device)
+        return self.queries[rows[distributed.share(self.accelerator, len(rows))]].to(self.device)
 
     # ---- 1-3: rollout -----------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, update: int) -> Rollout:
         t0 = time.perf_counter()
         queries = self.batch_queries(update)
-        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + update * 1_009 + self.rank)
+        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + update * 1_009)
         self.policy.eval()
-        with self._ctx():
+        with self._ctx(), distributed.full_weights(self.accelerator, self.policy):
             # with the trunk split, the sampling pass also yields the activation entering block
             # `freeze` (the policy's frozen lower blocks are the reference's), so neither the
             # reference forward nor any PPO epoch runs those blocks again
@@ -400,12 +399,15 @@ class PPOTrainer:
                 generator,
                 value_head=self.policy.value_head if self.policy.shared else None,
                 capture_layers=(self.freeze,) if self.use_trunk else (),
+                process_share=(self.rank, self.world_size),
             )
-        responses = sampled.responses
-        mask = sampled.mask
-        query_responses = torch.cat([queries, responses], 1)
-        attn = query_responses != self.pad_id
-        # In stop-at-eos mode positions after the eos are pad; keep query-side mask semantics.
+            query_responses = torch.cat([queries, sampled.responses], 1)
+            attn = query_responses != self.pad_id
+            values = (
+                sampled.values
+                if self.policy.shared
+                else self.policy.values_of(query_responses, attn, self.query_length)
+            )
         t1 = time.perf_counter()
         self._offload(self.ref_model, True)
         with self._ctx():
@@ -421,10 +423,6 @@ class PPOTrainer:
                 trunk,
             ).logprobs
         self._offload(self.ref_model, False)
-        values = sampled.values
-        if not self.policy.shared:
-            with self._ctx():
-                values = self.policy.values_of(query_responses, attn, self.query_length)
         t2 = time.perf_counter()
         gold = None
         if self.gold_labeler is not None:
@@ -443,11 +441,13 @@ class PPOTrainer:
         scores = F.apply_penalty(raw_scores, valid, self.task.penalty_reward)
         t3 = time.perf_counter()
         stats = {"time/generation": t1 - t0, "time/reference": t2 - t1, "time/scoring": t3 - t2}
+        # every process's share, in batch order: the rest of the update sees the whole batch
+        whole = [queries, sampled.responses, truncated, valid, sampled.logprobs, ref_logprobs, values, scores]
+        whole = [distributed.gather_rows(self.accelerator, t) for t in [*whole, sampled.mask]]
+        trunk = distributed.gather_rows(self.accelerator, trunk) if trunk is not None else None
         if gold is not None:
-            stats["objective/gold"] = gold.mean().item()
-        return Rollout(
-            queries, responses, truncated, valid, sampled.logprobs, ref_logprobs, values, scores, mask, trunk, stats
-        )
+            stats["objective/gold"] = distributed.gather_rows(self.accelerator, gold.to(self.device)).mean().item()
+        return Rollout(*whole, trunk, stats)
 
     # ---- 4: rewards and advantages ----------------------------------------------------------
     @torch.no_grad()
@@ -464,6 +464,11 @@ class PPOTrainer:
 
     # ---- 5: PPO epochs ----------------------------------------------------------------------
     def optimize(self, ro: Rollout, advantages: Tensor, returns: Tensor, update: int) -> dict:
+        """``ppo_epochs`` passes of shuffled minibatches over the whole batch, one optimizer step each.
+
+        Each process takes its contiguous share of every minibatch, in microbatches; their gradients
+        are summed (accumulated locally, then averaged over processes by DDP/FSDP), so the step is
+        the one-process step on the same minibatch."""
         cfg = self.cfg
         lr = F.linear_anneal(update, self.num_updates, cfg.lr) if cfg.anneal_lr else cfg.lr
         for group in self.optimizer.param_groups:
@@ -471,44 +476,43 @@ class PPOTrainer:
         query_responses = ro.query_responses
         attn = query_responses != self.pad_id
         generator = torch.Generator().manual_seed(self.seed * 7_919 + update)
-        minibatch_size = self.local_batch // cfg.nminibatches
         sums: dict[str, float] = {}
         count = 0
         self.policy.train()
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         for _ in range(cfg.ppo_epochs):
-            for minibatch in F.minibatch_indices(self.local_batch, cfg.nminibatches, cfg.microbatch_size, generator):
+            # each minibatch cut into one share per process, each share into microbatches
+            for shares in F.minibatch_indices(cfg.batch_size, cfg.nminibatches, self.minibatch_share, generator):
+                micros = shares[self.rank].split(cfg.microbatch_size)
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro in minibatch:
+                bad_loss = None
+                for i, micro in enumerate(micros):
                     micro = micro.to(self.device)
-                    with self._ctx():
-                        logprobs, entropy, vpred = self.train_module(
-                            query_responses[micro],
-                            attn[micro],
-                            self.query_length,
-                            self.task.temperature,
-                            self.pad_id,
-                            self.freeze if self.use_trunk else 0,
-                            ro.trunk[micro] if self.use_trunk else None,
+                    # gradients are averaged over processes once, after the share's last microbatch
+                    last = i == len(micros) - 1
+                    with nullcontext() if last else self.accelerator.no_sync(self.train_module):
+                        with self._ctx():
+                            logprobs, entropy, vpred = self.train_module(
+                                query_responses[micro],
+                                attn[micro],
+                                self.query_length,
+                                self.task.temperature,
+                                self.pad_id,
+                                self.freeze if self.use_trunk else 0,
+                                ro.trunk[micro] if self.use_trunk else None,
+                            )
+                        mask = ro.mask[micro]
+                        pg_loss, pg_stats = F.policy_loss(
+                            logprobs.float(), ro.logprobs[micro], advantages[micro], cfg.cliprange, mask
                         )
-                    mask = ro.mask[micro]
-                    pg_loss, pg_stats = F.policy_loss(
-                        logprobs.float(), ro.logprobs[micro], advantages[micro], cfg.cliprange, mask
-                    )
-                    vf_loss, vf_stats = F.value_loss(
-                        vpred.float(), ro.values[micro], returns[micro], cfg.cliprange_value, mask
-                    )
-                    entropy_mean = F.masked_mean(entropy, mask)
-                    loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy_mean
-                    if not torch.isfinite(loss):
-                        raise NonFiniteError(
-                            f"PPO loss became non-finite at update {update} (policy {pg_loss.item()}, value "
-                            f"{vf_loss.item()}). "
-                            f"{self.last_good()} Likely causes: a learning rate too high for this model (ppo.lr), "
-                            "fp16/bf16 "
-                            "overflow (run in fp32), or non-finite rewards; ppo.max_grad_norm bounds the step."
+                        vf_loss, vf_stats = F.value_loss(
+                            vpred.float(), ro.values[micro], returns[micro], cfg.cliprange_value, mask
                         )
-                    (loss * len(micro) / minibatch_size).backward()
+                        entropy_mean = F.masked_mean(entropy, mask)
+                        loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy_mean
+                        if bad_loss is None and not torch.isfinite(loss):
+                            bad_loss = (pg_loss.item(), vf_loss.item())
+                        self.accelerator.backward(loss * len(micro) / self.minibatch_share)
                     record = {
                         "loss/policy": pg_loss.item(),
                         "loss/value": vf_loss.item(),
@@ -523,26 +527,44 @@ class PPOTrainer:
                         sums[key] = sums.get(key, 0.0) + value
                     sums["policy/ratio_max"] = max(sums.get("policy/ratio_max", 0.0), pg_stats["ratio_max"].item())
                     count += 1
-                # a finite loss can still give a non-finite gradient (an fp16/bf16 overflow in the
-                # backward pass); one step with it would put NaN into every trainable weight
-                bad = F.non_finite_tensors(
-                    {name: p.grad for name, p in self.policy.named_parameters() if p.requires_grad}
-                )
-                if bad:
-                    raise NonFiniteError(
-                        f"Non-finite gradient at update {update} ({', '.join(bad[:3])}...). {self.last_good()} "
-                        "Likely causes: fp16/bf16 overflow (run in fp32) or a learning rate too high (ppo.lr)."
-                    )
-                if cfg.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-                self.optimizer.step()
+                self.step_if_finite(trainable, bad_loss, update)
         self.policy.eval()
-        stats = {k: (v if k == "policy/ratio_max" else v / count) for k, v in sums.items()}
+        # every process's microbatches: the statistics of the one-process run
+        keys = sorted(sums)
+        local = torch.tensor([[sums[k] for k in keys] + [count]], dtype=torch.float64, device=self.device)
+        every = distributed.gather_rows(self.accelerator, local)
+        stats = {
+            key: every[:, i].max().item()
+            if key == "policy/ratio_max"
+            else (every[:, i].sum() / every[:, -1].sum()).item()
+            for i, key in enumerate(keys)
+        }
         stats["lr"] = lr
         return stats
 
-    def all_mean(self, value: Tensor) -> float:
-        return distributed.mean_over_processes(value)
+    def step_if_finite(self, trainable: list[Tensor], bad_loss: tuple[float, float] | None, update: int) -> None:
+        """Clip (``ppo.max_grad_norm``) and step, unless a loss or the gradient of any process is not
+        finite: then every process raises, before the step, so no NaN reaches a weight."""
+        flag = torch.tensor([float(bad_loss is not None)], device=self.device)
+        bad = distributed.sum_over_processes(self.accelerator, flag)
+        if bad.item():
+            where = f"policy {bad_loss[0]}, value {bad_loss[1]}" if bad_loss else "on another process"
+            raise NonFiniteError(
+                f"PPO loss became non-finite at update {update} ({where}). {self.last_good()} "
+                "Likely causes: a learning rate too high for this model (ppo.lr), fp16/bf16 overflow (run in "
+                "fp32), or non-finite rewards; ppo.max_grad_norm bounds the step."
+            )
+        # a finite loss can still give a non-finite gradient (an fp16/bf16 overflow in the
+        # backward pass); one step with it would put NaN into every trainable weight
+        bad = distributed.non_finite_gradients(self.accelerator, self.policy)
+        if bad:
+            raise NonFiniteError(
+                f"Non-finite gradient at update {update} ({', '.join(bad[:3])}...). {self.last_good()} "
+                "Likely causes: fp16/bf16 overflow (run in fp32) or a learning rate too high (ppo.lr)."
+            )
+        if self.cfg.max_grad_norm is not None:  # the norm over every process's gradient, sharded or not
+            self.accelerator.clip_grad_norm_(trainable, self.cfg.max_grad_norm)
+        self.optimizer.step()
 
     def last_good(self) -> str:
         return (
@@ -555,12 +577,34 @@ class PPOTrainer:
     def resume_if_possible(self) -> None:
         if self.checkpointer is None:
             return
-        if self.rank == 0:
-            self.checkpointer.prepare()  # drops a checkpoint of other params/inputs
-        distributed.barrier()
-        if (self.checkpointer.state_dir / "meta.json").is_file():
-            self.start_update, self.history = self.checkpointer.load(self.policy, self.optimizer, self.kl_ctl)
+        # process 0 drops a checkpoint of other params/inputs; then every process reads the same one
+        distributed.on_main_process(self.accelerator, self.checkpointer.prepare, "check the checkpoint")
+        if not (self.checkpointer.state_dir / "meta.json").is_file():
+            return
+        trainable = {name for name, p in self.policy.named_parameters() if p.requires_grad}
+        state = self.checkpointer.read(trainable)
+        distributed.load_full_state(self.policy, state["weights"])
+        distributed.load_full_optimizer_state(self.policy, self.optimizer, state["optimizer"])
+        self.kl_ctl.load_state_dict(state["kl"])
+        set_rng_state(state["rng"][self.rank if self.rank < len(state["rng"]) else 0])
+        self.start_update, self.history = state["update"], state["history"]
+        if self.accelerator.is_main_process:
             print(f"train_policy: resuming from update {self.start_update} ({self.checkpointer.state_dir})")
+
+    def save_checkpoint(self, update: int) -> None:
+        """Every process hands in its part (weights and optimizer state gathered whole, its random
+        generators); process 0 writes them."""
+        from accelerate.utils import gather_object
+
+        weights = distributed.full_state(self.policy, trainable_only=True)
+        optimizer_state = distributed.full_optimizer_state(self.policy, self.optimizer)
+        rng = gather_object([rng_state()])
+        kl_state, history = self.kl_ctl.state_dict(), self.history
+
+        def write() -> None:
+            self.checkpointer.save(update, weights, optimizer_state, kl_state, rng, history)
+
+        distributed.on_main_process(self.accelerator, write, "write the checkpoint")
 
     def train(self, progress: bool = True) -> list[dict]:
         from tqdm import tqdm
@@ -581,7 +625,7 @@ class PPOTrainer:
             t_train = time.perf_counter()
             opt_stats = self.optimize(ro, advantages, returns, update)
             kl_per_seq = (F.kl_penalty(ro.logprobs, ro.ref_logprobs, self.cfg.kl.estimator) * ro.mask).sum(-1)
-            mean_kl = self.all_mean(kl_per_seq.mean())
+            mean_kl = kl_per_seq.mean().item()
             kl_coef = self.kl_ctl.value
             self.kl_ctl.update(mean_kl, self.cfg.batch_size)
             elapsed = time.perf_counter() - started
@@ -612,9 +656,7 @@ class PPOTrainer:
             bar.set_postfix(score=f"{record['objective/score']:.3f}", kl=f"{mean_kl:.2f}")
             done = update + 1
             if self.checkpointer is not None and (done % self.cfg.checkpoint_every == 0 or done == self.num_updates):
-                if self.rank == 0:
-                    self.checkpointer.save(done, self.policy, self.optimizer, self.kl_ctl, self.history)
-                distributed.barrier()
+                self.save_checkpoint(done)
         bar.close()
         return self.history
 

@@ -60,8 +60,9 @@ class RewardModel(nn.Module):
         init_reward_head(self.head)
         # Parameters, as in both references: normalisation sets them, and reward training also
         # trains them (reward.train.train_gain_bias); they travel with the weights.
-        self.gain = nn.Parameter(torch.tensor(1.0))
-        self.bias = nn.Parameter(torch.tensor(0.0))
+        # one-element vectors, not scalars: FSDP shards no 0-d parameter
+        self.gain = nn.Parameter(torch.ones(1))
+        self.bias = nn.Parameter(torch.zeros(1))
 
     # ----------------------------------------------------------------------------------------
     def normalize(self, raw: Tensor) -> Tensor:
@@ -401,6 +402,17 @@ def best_of_n_accuracy(model: RewardModel, queries: Tensor, samples: Tensor, bes
     return correct / max(len(queries), 1)
 
 
+class BestOfNScorer(nn.Module):
+    """:meth:`RewardModel.score_best_of_n` as a module's forward: the call DDP and FSDP wrap."""
+
+    def __init__(self, model: RewardModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, queries: Tensor, samples: Tensor) -> Tensor:
+        return self.model.score_best_of_n(queries, samples)
+
+
 def train_reward_model(
     model: RewardModel,
     queries: Tensor,
@@ -417,6 +429,7 @@ def train_reward_model(
     log=None,
     tensorflow_adam: bool = True,
     train_gain_bias: bool = True,
+    accelerator=None,
 ) -> list[dict]:
     """OAI reward training: ``epochs`` passes (reference: 1) over shuffled labels, LR annealed
     linearly from ``lr`` to 0 by label index, Adam (TensorFlow-style epsilon), gradient
@@ -424,23 +437,41 @@ def train_reward_model(
     ``train_gain_bias`` is false (the softmax loss is invariant to the bias, so only the gain,
     a temperature of the N-way choice, actually moves).
 
+    Several processes (``accelerator``, from :func:`rlhf_pipeline.distributed.make_accelerator`):
+    ``batch_size`` stays the global batch; each process takes its contiguous share of every batch
+    and the gradients are averaged, so every step is the one-process step. With FSDP ``model`` is
+    left sharded: read it inside :func:`rlhf_pipeline.distributed.full_weights`.
+
     Returns one record per optimizer step (loss, accuracy, lr); ``log(record)`` is called too.
     """
+    from contextlib import nullcontext
+
     from tqdm import tqdm
 
-    from rlhf_pipeline.functional import best_of_n_loss, linear_anneal, non_finite_tensors
+    from rlhf_pipeline import distributed
+    from rlhf_pipeline.functional import best_of_n_loss, linear_anneal
     from rlhf_pipeline.optim import adam
 
+    accelerator = accelerator or distributed.make_accelerator(torch.device("cpu"), stage="train_reward")
+    if batch_size % accelerator.num_processes:
+        raise PipelineError(
+            f"reward.train.batch_size ({batch_size}) must split evenly over the {accelerator.num_processes} processes."
+        )
     model.gain.requires_grad_(train_gain_bias)
     model.bias.requires_grad_(train_gain_bias)
+    optimizer = adam(
+        [p for p in model.parameters() if p.requires_grad], lr=lr, eps=adam_eps, tensorflow=tensorflow_adam
+    )
+    scorer, optimizer = accelerator.prepare(BestOfNScorer(model), optimizer)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = adam(params, lr=lr, eps=adam_eps, tensorflow=tensorflow_adam)
     num_labels = len(best)
     total = num_labels * epochs
     steps_per_epoch = num_labels // batch_size
     history = []
     model.train()
-    bar = tqdm(total=steps_per_epoch * epochs, desc="train_reward", unit="step")
+    bar = tqdm(
+        total=steps_per_epoch * epochs, desc="train_reward", unit="step", disable=not accelerator.is_main_process
+    )
     for epoch in range(epochs):
         order = torch.randperm(num_labels, generator=generator)
         for step_in_epoch in range(steps_per_epoch):
@@ -450,27 +481,31 @@ def train_reward_model(
                 group["lr"] = step_lr
             optimizer.zero_grad(set_to_none=True)
             batch = order[start : start + batch_size]
-            loss_sum, correct = 0.0, 0
-            for micro in batch.split(microbatch_size):
-                rewards = model.score_best_of_n(queries[micro], samples[micro])
-                micro_margin = margin[micro] if margin is not None else None
-                loss, accuracy = best_of_n_loss(rewards, best[micro], micro_margin)
-                (loss * len(micro) / len(batch)).backward()
-                loss_sum += loss.item() * len(micro)
-                correct += accuracy.item() * len(micro)
+            share = batch[distributed.share(accelerator, len(batch))]
+            sums = torch.zeros(2, dtype=torch.float64)  # loss and correct choices over this process's rows
+            micros = share.split(microbatch_size)
+            for i, micro in enumerate(micros):
+                # gradients are averaged over processes once, after the share's last microbatch
+                with nullcontext() if i == len(micros) - 1 else accelerator.no_sync(scorer):
+                    rewards = scorer(queries[micro], samples[micro])
+                    micro_margin = margin[micro] if margin is not None else None
+                    loss, accuracy = best_of_n_loss(rewards, best[micro], micro_margin)
+                    accelerator.backward(loss * len(micro) / len(share))
+                sums += torch.tensor([loss.item(), accuracy.item()], dtype=torch.float64) * len(micro)
+            loss_sum, correct = distributed.sum_over_processes(accelerator, sums).tolist()
             if not math.isfinite(loss_sum):
                 raise NonFiniteError(
                     f"Reward-model loss became non-finite at step {len(history)}; nothing was written. Likely causes: "
                     "reward.train.lr too high, or extreme values in the preference data's margin column."
                 )
-            bad = non_finite_tensors({name: p.grad for name, p in model.named_parameters()})
+            bad = distributed.non_finite_gradients(accelerator, model)
             if bad:  # a finite loss with a non-finite gradient (fp16/bf16 overflow) would poison every weight
                 raise NonFiniteError(
                     f"Reward-model gradient became non-finite at step {len(history)} ({', '.join(bad[:3])}...); "
                     "nothing was written. Likely causes: fp16/bf16 overflow (run in fp32) or reward.train.lr too high."
                 )
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            if max_grad_norm is not None:  # the norm over every process's gradient, sharded or not
+                accelerator.clip_grad_norm_(params, max_grad_norm)
             optimizer.step()
             record = {
                 "step": len(history),

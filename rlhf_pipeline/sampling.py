@@ -49,7 +49,10 @@ def never_pad(logits: Tensor, pad_token_id: int, inplace: bool = False) -> Tenso
 
 
 def sample_from_logits(
-    logits: Tensor, generator: torch.Generator | None = None, block_size: int = 256
+    logits: Tensor,
+    generator: torch.Generator | None = None,
+    block_size: int = 256,
+    process_share: tuple[int, int] = (0, 1),
 ) -> tuple[Tensor, Tensor]:
     """One token per row of ``logits`` (B, V) drawn from softmax(logits), and its log-probability.
 
@@ -62,6 +65,10 @@ def sample_from_logits(
     is slow on CPU too (sequential), so the search runs in two levels: the vocabulary is cut into
     blocks of ``block_size``, the uniform picks a block from the cumulative block sums, then a token
     inside that block. Sums are accumulated in float64 so that tail tokens keep their mass.
+
+    ``process_share = (i, n)``: these rows are share ``i`` of a batch split evenly over ``n``
+    processes; the uniforms are drawn for the whole batch and this share's taken, so every row
+    gets the draw it gets when one process samples the whole batch.
     """
     batch, vocab = logits.shape
     peak = logits.amax(-1, keepdim=True)
@@ -71,7 +78,9 @@ def sample_from_logits(
     block_sums = blocks.sum(-1, dtype=torch.float64)
     block_cdf = block_sums.cumsum(-1)
     total = block_cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=logits.device)
+    index, count = process_share
+    u = torch.rand((batch * count, 1), generator=generator, dtype=torch.float64, device=logits.device)
+    u = u[index * batch : (index + 1) * batch]
     # u * total may round up to total itself; the largest float below it keeps the draw in the support
     target = torch.minimum(u * total, _just_below(total))
     block = torch.searchsorted(block_cdf, target, right=True)  # (B, 1): a block with positive mass
@@ -109,6 +118,7 @@ def sample_responses(
     value_head: nn.Module | None = None,
     num_samples: int = 1,
     capture_layers: Sequence[int] = (),
+    process_share: tuple[int, int] = (0, 1),
 ) -> SampleOutput:
     """Sample ``num_samples`` responses per query (rows repeat each query ``num_samples`` times).
 
@@ -120,6 +130,8 @@ def sample_responses(
     them (the model is causal, so they are also those of any truncation of the response). They come
     from the sampling forwards themselves, plus one step that feeds the last sampled token, so a
     frozen lower part of the model never has to run again on these tokens.
+
+    ``process_share``: see :func:`sample_from_logits` (the queries are that share of a batch).
     """
     from transformers import DynamicCache
 
@@ -156,7 +168,7 @@ def sample_responses(
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     for t in range(response_length):
         logits = never_pad(lm_head(hidden).float(), pad_token_id, inplace=True).div_(temperature)
-        token, logprob = sample_from_logits(logits, generator)
+        token, logprob = sample_from_logits(logits, generator, process_share=process_share)
         if values is not None:
             values[:, t] = value_head(hidden).squeeze(-1).float()
         token = torch.where(alive, token, torch.full_like(token, pad_token_id))
@@ -337,6 +349,7 @@ class ResponseSampler:
         value_head: nn.Module | None = None,
         num_samples: int = 1,
         capture_layers: tuple[int, ...] = (),
+        process_share: tuple[int, int] = (0, 1),
     ):
         out = sample_responses(
             model,
@@ -351,6 +364,7 @@ class ResponseSampler:
             value_head=value_head,
             num_samples=num_samples,
             capture_layers=capture_layers,
+            process_share=process_share,
         )
         truncated, valid = self.truncate(out.responses)
         return out, truncated, valid

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 
 import torch
 
-from rlhf_pipeline.distributed import init_process_group
+from rlhf_pipeline.distributed import make_accelerator, whole_model
 from rlhf_pipeline.env import project_root
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import get_labeler
@@ -50,7 +50,9 @@ def main(params: Params) -> None:
     if uses_reward_model:
         require_dir(REWARD, "normalize_reward", HEAD_FILE)
     plan = resolve_device(cfg.device)
-    is_main = init_process_group(plan.device)  # a no-op unless `accelerate launch`/`torchrun` started several
+    # one process unless `accelerate launch` started several; refuses what it cannot honour, before loading
+    accelerator = make_accelerator(plan.device, cfg.freeze_layers > 0, "train_policy")
+    is_main = accelerator.is_main_process
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=plan.device.type == "cuda")
     tokenizer = load_tokenizer(BASE)
@@ -99,8 +101,10 @@ def main(params: Params) -> None:
             log=log,
             autocast=plan.autocast if plan.autocast_dtype else None,
             gold_standardization=gold_standardization,
+            accelerator=accelerator,
         )
         history = trainer.train(progress=is_main)
+    policy = whole_model(accelerator, policy, lambda: build_policy(cfg, "cpu"))
     if not is_main:
         return
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
+from contextlib import nullcontext
+
 import torch
 from datasets import load_from_disk
 
+from rlhf_pipeline.distributed import make_accelerator, whole_model
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import atomic_dir, read_json, write_json
 from rlhf_pipeline.logging import open_live
@@ -29,6 +32,11 @@ BASE, PREFS, QUERIES, VALIDATION = "models/base", "data/preferences", "data/quer
 OUT, METRICS = "models/reward_unnormalized", "metrics/reward_train.json"
 
 
+def build(params: Params, tokenizer, generator: torch.Generator | None = None) -> RewardModel:
+    cfg = params.reward.train
+    return RewardModel.from_base(BASE, tokenizer.pad_token_id, cfg.dropout, generator, cfg.pooling, cfg.num_layers)
+
+
 def main(params: Params) -> None:
     cfg = params.reward.train
     require_dir(BASE, "base_model")
@@ -36,18 +44,22 @@ def main(params: Params) -> None:
         raise PipelineError(
             f"{VALIDATION} says the preference data failed its contract; fix the data and rerun `dvc repro`."
         )
+    # one process unless `accelerate launch` started several (each then trains on its share of every batch)
+    accelerator = make_accelerator(torch.device("cpu"), stage="train_reward")
+    is_main = accelerator.is_main_process
     tokenizer = load_tokenizer(BASE)
     prefs = load_from_disk(PREFS)
     generator = torch.Generator().manual_seed(params.seed)
     if params.reward.pretrained:  # adopt an existing reward model: measured on the test labels, not trained
         model, trainable = RewardModel.from_sequence_classifier(params.reward.pretrained, tokenizer), 0
     else:
-        model = RewardModel.from_base(BASE, tokenizer.pad_token_id, cfg.dropout, generator, cfg.pooling, cfg.num_layers)
+        model = build(params, tokenizer, generator)
         trainable = freeze_lower_layers(model.backbone, cfg.freeze_layers)
 
     normalize_before = {}
     if cfg.normalize_before and not params.reward.pretrained:
-        # OAI target_mean_std: start training from rewards already on the target scale.
+        # OAI target_mean_std: start training from rewards already on the target scale (every process
+        # computes the same fit from the same seed)
         base = load_causal_lm(BASE).eval()
         queries = load_queries(QUERIES, "train", tokenizer.pad_token_id, cfg.normalize_before_samples)
         sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
@@ -70,9 +82,11 @@ def main(params: Params) -> None:
 
     train = preference_tensors(prefs["train"])
     test = preference_tensors(prefs["test"])
-    with open_live("dvclive/train_reward") as live:
+    with open_live("dvclive/train_reward") if is_main else nullcontext() as live:
 
         def log(record: dict) -> None:
+            if live is None:
+                return
             for key in ("loss", "accuracy", "lr"):
                 live.log_metric(f"train/{key}", record[key])
             live.next_step()
@@ -93,8 +107,12 @@ def main(params: Params) -> None:
                 log=log,
                 tensorflow_adam=cfg.tensorflow_adam,
                 train_gain_bias=cfg.train_gain_bias,
+                accelerator=accelerator,
             )
         )
+    model = whole_model(accelerator, model, lambda: build(params, tokenizer))
+    if not is_main:
+        return
     test_accuracy = best_of_n_accuracy(model, test[0], test[1], test[2], params.reward.normalize.batch_size)
     metrics = {
         "test/accuracy": test_accuracy,
@@ -142,7 +160,8 @@ def main(params: Params) -> None:
             inputs=[BASE, PREFS],
         )
     write_json(METRICS, metrics)
-    print(f"train_reward: test accuracy {test_accuracy:.3f} on {len(test[2])} held-out rows; saved {OUT}")
+    accuracy, rows = metrics["test/accuracy"], metrics["test/rows"]
+    print(f"train_reward: test accuracy {accuracy:.3f} on {rows} held-out rows; saved {OUT}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,221 @@
+"""Two CPU processes (gloo) started by `accelerate launch`, with DDP and with FSDP 2, against one
+process over the same global batch: same trained weights, one set of outputs, exact resume after a
+``kill -9`` of one process, and configurations the code cannot honour refused before training."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from test_ppo import policy_project, queries, reward_model  # noqa: F401  (the tiny PPO project fixtures)
+
+from rlhf_pipeline.distributed import refuse_unsupported
+from rlhf_pipeline.errors import PipelineError
+
+REPO = Path(__file__).resolve().parents[1]
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+# accelerate's flags; on a machine without GPUs --multi_gpu starts the processes on gloo (CPU)
+LAUNCH = {
+    "ddp": ["--multi_gpu"],
+    "fsdp": [
+        "--use_fsdp",
+        "--fsdp_version",
+        "2",
+        "--fsdp_auto_wrap_policy",
+        "TRANSFORMER_BASED_WRAP",
+        "--fsdp_transformer_layer_cls_to_wrap",
+        "LlamaDecoderLayer",
+    ],
+}
+PORTS = {"ddp": 29611, "fsdp": 29623}
+# 6 updates of 16 episodes; each process's share of a minibatch (16 / 2 / 2) is one microbatch of 4;
+# the lowest block frozen, so the trunk split runs too
+PPO_RUN = {"total_episodes": 96, "checkpoint_every": 1, "freeze_layers": 1}
+
+
+def launch(kind: str | None, script: str, *args: str, cwd: Path, popen: bool = False):
+    """``script`` as one plain process (kind None) or two through `accelerate launch`."""
+    env = {**os.environ, "RLHF_PROJECT_ROOT": str(cwd), "GIT_DIR": "/nonexistent", "OMP_NUM_THREADS": "1"}
+    if kind is None:
+        command = [sys.executable, script, *args]
+    else:
+        fixed = ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        command = [ACCELERATE, "launch", *fixed, "--main_process_port", str(PORTS[kind]), *LAUNCH[kind], script, *args]
+    if popen:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def weights_close(a: Path, b: Path, files: list[str]) -> None:
+    for name in files:
+        one, other = load_file(str(a / name)), load_file(str(b / name))
+        assert one.keys() == other.keys(), name
+        for key in one:
+            torch.testing.assert_close(other[key], one[key], rtol=1e-4, atol=1e-5, msg=f"{name}:{key}")
+
+
+# --------------------------------------------------------------------------------------------
+# reward-model training (the library function the train_reward stage calls)
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reward_runs(tiny_base_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("reward_runs")
+    script = str(REPO / "tests/distributed_reward_run.py")
+    results = {}
+    for kind in (None, "ddp", "fsdp"):
+        out = root / (kind or "one")
+        results[kind] = launch(kind, script, str(tiny_base_dir), str(out), cwd=root)
+        assert results[kind].returncode == 0, results[kind].stdout[-3000:] + results[kind].stderr[-3000:]
+    return root, results
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_reward_training_on_two_processes_gives_the_one_process_weights(reward_runs, tiny_base_dir, kind):
+    root, _ = reward_runs
+    files = ["reward_head.safetensors", "backbone/model.safetensors"]
+    weights_close(root / "one", root / kind, files)
+    # the per-step loss and accuracy are the global batch's, as on one process
+    one, two = (json.loads((root / run / "history.json").read_text()) for run in ("one", kind))
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert b["accuracy"] == a["accuracy"] and b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    # and training moved the weights: the comparison is not of two untouched copies
+    trained = load_file(str(root / kind / "backbone/model.safetensors"))
+    base = load_file(str(tiny_base_dir / "model.safetensors"))
+    assert not torch.allclose(trained["layers.1.mlp.up_proj.weight"], base["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(trained["layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])  # frozen
+
+
+# --------------------------------------------------------------------------------------------
+# PPO: the train_policy stage
+# --------------------------------------------------------------------------------------------
+def policy_copy(project: Path, out: Path, **ppo) -> Path:
+    for item in ("models", "data", "params.yaml", "dvc.yaml"):
+        (shutil.copytree if (project / item).is_dir() else shutil.copy)(project / item, out / item)
+    params = yaml.safe_load((out / "params.yaml").read_text())
+    params["ppo"].update(PPO_RUN, **ppo)
+    (out / "params.yaml").write_text(yaml.safe_dump(params))
+    return out
+
+
+def files_under(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def policy_runs(policy_project, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("policy_runs")
+    results = {}
+    for kind in (None, "ddp", "fsdp"):
+        out = policy_copy(policy_project, root / (kind or "one"))
+        results[kind] = launch(kind, str(REPO / "stages/train_policy.py"), cwd=out)
+        assert results[kind].returncode == 0, results[kind].stdout[-3000:] + results[kind].stderr[-3000:]
+    return root, results
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_ppo_on_two_processes_gives_the_one_process_policy_and_writes_once(policy_runs, kind):
+    root, results = policy_runs
+    weights_close(
+        root / "one", root / kind, ["models/policy/model.safetensors", "models/policy/value_head.safetensors"]
+    )
+    one, two = (json.loads((root / run / "metrics/policy.json").read_text()) for run in ("one", kind))
+    assert two["updates"] == one["updates"] == 6
+    for key in ("score/first_quarter", "score/last_quarter", "kl/last_quarter", "kl_coef/final"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+    # only process 0 wrote: the same files as the one-process run, one final line, one DVCLive row per update
+    assert files_under(root / kind) == files_under(root / "one")
+    assert results[kind].stdout.count("train_policy: 96 episodes") == 1
+    rows = (root / kind / "dvclive/train_policy/plots/metrics/objective/score.tsv").read_text().splitlines()
+    assert len(rows) == 1 + 6
+
+
+def worker_pid(project: Path, rank: int) -> int | None:
+    """The pid of the training process of ``rank`` working in ``project`` (from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RLHF_PROJECT_ROOT={project}".encode() in environ and f"RANK={rank}".encode() in environ:
+            if b"train_policy.py" in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+    return None
+
+
+def test_a_process_killed_mid_run_resumes_from_the_checkpoint_to_the_same_policy(policy_runs, policy_project):  # noqa: F811
+    """FSDP (the state is gathered from the shards and scattered back): ``kill -9`` of process 1
+    between checkpoints; the launcher stops the other; a new launch resumes and ends where the
+    uninterrupted two-process run ended."""
+    root, _ = policy_runs
+    out = policy_copy(policy_project, root / "killed")
+    victim = launch("fsdp", str(REPO / "stages/train_policy.py"), cwd=out, popen=True)
+    meta = out / "checkpoints/policy/state/meta.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (meta.exists() and json.loads(meta.read_text() or "{}").get("update", 0) >= 2):
+        time.sleep(0.02)
+    pid = worker_pid(out, 1)
+    assert pid is not None and not (out / "models/policy").exists(), "the run ended before it could be killed"
+    os.kill(pid, signal.SIGKILL)
+    output, _ = victim.communicate(timeout=300)
+    assert victim.returncode != 0, output[-2000:]
+    assert not (out / "models/policy").exists()
+    killed_at = json.loads(meta.read_text())["update"]
+    assert 2 <= killed_at < 6
+
+    rerun = launch("fsdp", str(REPO / "stages/train_policy.py"), cwd=out)
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"resuming from update {killed_at}" in rerun.stdout + rerun.stderr
+    weights_close(root / "fsdp", out, ["models/policy/model.safetensors", "models/policy/value_head.safetensors"])
+
+
+# --------------------------------------------------------------------------------------------
+# refused before anything trains
+# --------------------------------------------------------------------------------------------
+def test_zero3_with_the_trunk_split_is_refused(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with pytest.raises(PipelineError, match="ZeRO-3 cannot be combined with the trunk split"):
+        refuse_unsupported(torch.device("cuda", 0), trunk_split=True, stage="train_policy")
+    refuse_unsupported(torch.device("cuda", 0), trunk_split=False, stage="train_policy")  # ZeRO-3 alone passes
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    refuse_unsupported(torch.device("cuda", 0), trunk_split=True, stage="train_policy")  # ZeRO-2 keeps the split
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
+            "accelerate uses DeepSpeed only on GPUs",
+        ),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "Add --fsdp_version 2"),
+    ],
+)
+def test_the_stage_refuses_what_it_cannot_honour_before_training(policy_project, tmp_path, env, message):  # noqa: F811
+    """The launcher's configuration arrives in the environment; the stage stops with exit code 2
+    and its reason before loading a model, and writes nothing."""
+    out = policy_copy(policy_project, tmp_path / "refused")
+    result = subprocess.run(
+        [sys.executable, str(REPO / "stages/train_policy.py")],
+        cwd=out,
+        env={**os.environ, "RLHF_PROJECT_ROOT": str(out), "GIT_DIR": "/nonexistent", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert message in result.stderr
+    assert not (out / "checkpoints").exists() and not (out / "models/policy").exists()
