@@ -123,6 +123,12 @@ def sum_over_processes(accelerator, values: torch.Tensor) -> torch.Tensor:
     return values if accelerator.num_processes == 1 else accelerator.reduce(values.clone(), reduction="sum")
 
 
+def any_process(accelerator, flag: bool) -> bool:
+    """True on every process when ``flag`` is true on any: the processes decide together, so none
+    is left waiting in a collective for one that stopped."""
+    return bool(sum_over_processes(accelerator, torch.tensor([float(flag)], device=accelerator.device)).item())
+
+
 @contextmanager
 def full_weights(accelerator, module: torch.nn.Module):
     """Inside the block ``module``'s parameters are whole on every process (FSDP shards them
@@ -203,10 +209,10 @@ def on_main_process(accelerator, action, what: str) -> None:
             action()
         except Exception as caught:  # re-raised below, once the others know
             error = caught
-    failed = sum_over_processes(accelerator, torch.tensor([float(error is not None)], device=accelerator.device))
+    failed = any_process(accelerator, error is not None)
     if error is not None:
         raise error
-    if failed.item():
+    if failed:
         raise PipelineError(f"Process 0 failed to {what} (its error is above); this process stops too.")
 
 
@@ -223,5 +229,4 @@ def non_finite_gradients(accelerator, module: torch.nn.Module) -> list[str]:
 
     grads = {name: local_part(p.grad) for name, p in module.named_parameters() if p.grad is not None}
     here = non_finite_tensors(grads)
-    anywhere = sum_over_processes(accelerator, torch.tensor([float(bool(here))], device=accelerator.device)).item()
-    return here or (["on another process"] if anywhere else [])
+    return here or (["on another process"] if any_process(accelerator, bool(here)) else [])

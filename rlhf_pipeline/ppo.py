@@ -545,9 +545,7 @@ class PPOTrainer:
     def step_if_finite(self, trainable: list[Tensor], bad_loss: tuple[float, float] | None, update: int) -> None:
         """Clip (``ppo.max_grad_norm``) and step, unless a loss or the gradient of any process is not
         finite: then every process raises, before the step, so no NaN reaches a weight."""
-        flag = torch.tensor([float(bad_loss is not None)], device=self.device)
-        bad = distributed.sum_over_processes(self.accelerator, flag)
-        if bad.item():
+        if distributed.any_process(self.accelerator, bad_loss is not None):
             where = f"policy {bad_loss[0]}, value {bad_loss[1]}" if bad_loss else "on another process"
             raise NonFiniteError(
                 f"PPO loss became non-finite at update {update} ({where}). {self.last_good()} "

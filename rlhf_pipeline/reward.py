@@ -440,7 +440,7 @@ def train_reward_model(
     Several processes (``accelerator``, from :func:`rlhf_pipeline.distributed.make_accelerator`):
     ``batch_size`` stays the global batch; each process takes its contiguous share of every batch
     and the gradients are averaged, so every step is the one-process step. With FSDP ``model`` is
-    left sharded: read it inside :func:`rlhf_pipeline.distributed.full_weights`.
+    left sharded: :func:`rlhf_pipeline.distributed.whole_model` gathers it.
 
     Returns one record per optimizer step (loss, accuracy, lr); ``log(record)`` is called too.
     """
@@ -463,7 +463,7 @@ def train_reward_model(
         [p for p in model.parameters() if p.requires_grad], lr=lr, eps=adam_eps, tensorflow=tensorflow_adam
     )
     scorer, optimizer = accelerator.prepare(BestOfNScorer(model), optimizer)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]  # again: FSDP has replaced them with its shards
     num_labels = len(best)
     total = num_labels * epochs
     steps_per_epoch = num_labels // batch_size

@@ -160,8 +160,7 @@ def main(params: Params) -> None:
             inputs=[BASE, PREFS],
         )
     write_json(METRICS, metrics)
-    accuracy, rows = metrics["test/accuracy"], metrics["test/rows"]
-    print(f"train_reward: test accuracy {accuracy:.3f} on {rows} held-out rows; saved {OUT}")
+    print(f"train_reward: test accuracy {test_accuracy:.3f} on {len(test[2])} held-out rows; saved {OUT}")
 
 
 if __name__ == "__main__":
