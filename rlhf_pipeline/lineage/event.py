@@ -24,13 +24,98 @@ STANDARD_FACETS = "https://openlineage.io/spec/facets/{version}/{name}.json#/$de
 CUSTOM_FACETS = PRODUCER + "/blob/main/rlhf_pipeline/lineage/schema.json#/$defs/{name}"
 
 
-def facet(name: str, standard: bool = False, **fields: Any) -> dict[str, Any]:
-    """A facet object: the spec's two base fields, then ``fields``."""
-    if standard:
-        schema = STANDARD_FACETS.format(version=STANDARD_FACET_VERSIONS[name], name=name)
-    else:
-        schema = CUSTOM_FACETS.format(name=name)
+def facet(name: str, **fields: Any) -> dict[str, Any]:
+    """A facet object: the spec's two base fields (a standard facet's schema, or ours), then ``fields``."""
+    version = STANDARD_FACET_VERSIONS.get(name)
+    schema = STANDARD_FACETS.format(version=version, name=name) if version else CUSTOM_FACETS.format(name=name)
     return {"_producer": PRODUCER, "_schemaURL": schema, **fields}
+
+
+def build_lineage(path: str | os.PathLike) -> dict[str, Any]:
+    """The OpenLineage RunEvent for the stage run that produced ``path``."""
+    from dvc.lock import LockError
+
+    repo, rel = record.open_repo(path)
+    if not list(repo.index.stages):
+        raise PipelineError(
+            f"{path} has no recorded lineage: there is no dvc.lock (nor any .dvc file) in {repo.root_dir}. "
+            "Run `dvc repro` first so DVC records which stage produced what."
+        )
+    found = record.producer_of(repo, rel)
+    if found is None:
+        raise PipelineError(record.not_produced_message(repo, str(path), rel))
+    try:
+        with repo.lock:  # DVC's stage status needs it; held only while reading
+            return _event(repo, *found, rel)
+    except LockError as error:
+        raise PipelineError(
+            f"{path}: DVC's lock is held by another dvc command ({error}); run `rlhf lineage` again when it finishes."
+        ) from None
+
+
+def _event(repo, stage, out, rel: str) -> dict[str, Any]:
+    name, namespace = record.stage_name(stage), f"dvc://{os.path.basename(repo.root_dir)}"
+    recorded_in = record.record_file(stage)
+    order = record.upstream_stages(repo, stage)
+    params_files = sorted({record.repo_path(repo, d) for s in order for d in record.params_deps(s)})
+    git = record.git_facts(repo.root_dir, recorded_in, params_files)
+    # the spec wants a URI in url (an scp-style remote such as git@host:org/repo goes in repoUrl)
+    remote = git.get("url") or ""
+    location = {"url": remote if "://" in remote else Path(repo.root_dir).resolve().as_uri(), "path": recorded_in}
+    location |= ({"repoUrl": remote} if remote else {}) | ({"version": git["commit"]} if git.get("commit") else {})
+    outputs = [_dataset(repo, o, stage, namespace, producedBy=name, metric=bool(o.metric)) for o in stage.outs]
+    command = record.command(stage) or f"dvc add {record.repo_path(repo, out)}"
+    locked_outs = sorted(
+        f"{record.repo_path(repo, o)}={o.hash_info.value if o.hash_info else None}" for o in stage.outs
+    )
+    return {
+        "eventType": "COMPLETE",
+        "eventTime": dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z"),
+        "producer": PRODUCER,
+        "schemaURL": RUN_EVENT_SCHEMA,
+        "job": {
+            "namespace": namespace,
+            "name": name,
+            "facets": {
+                "sourceCode": facet("SourceCodeJobFacet", language="shell", sourceCode=command),
+                "sourceCodeLocation": facet("SourceCodeLocationJobFacet", type="git", **location),
+            },
+        },
+        "run": {
+            # deterministic: the same stage run (the same locked outputs) always gets the same id
+            "runId": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{namespace}/{name}?outs={','.join(locked_outs)}")),
+            "facets": _run_facets(repo, stage, order, _artifact(repo, out, rel), git),
+        },
+        "inputs": _inputs(repo, order, namespace),
+        "outputs": outputs,
+    }
+
+
+def _run_facets(repo, stage, order: list, artifact: dict, git: dict) -> dict[str, Any]:
+    reports = [_stage_report(repo, s) for s in order]
+    reasons = [f"{r['name']}: {reason}" for r in reports for reason in r["reasons"]]
+    changed: dict[str, dict[str, Any]] = {}
+    for item in order:
+        for key, change in record.params_changed(repo, item).items():
+            changed.setdefault(key, {**change, "stages": []})["stages"].append(record.stage_name(item))
+    modified = artifact["status"] != "ok"
+    metrics = [record.repo_path(repo, o) for o in stage.outs if o.metric]
+    upstream = [record.repo_path(repo, o) for s in order[1:] for o in s.outs if o.metric]
+    card_paths = [artifact["path"], artifact["output"], *(record.repo_path(repo, o) for o in stage.outs)]
+    return {
+        "artifact": facet("ArtifactRunFacet", **artifact),
+        "parameters": facet("ParametersRunFacet", values=reports[0]["parameters"]),
+        "upstreamParameters": facet(
+            "UpstreamParametersRunFacet", stages={r["name"]: r["parameters"] for r in reports[1:] if r["parameters"]}
+        ),
+        "paramsDiff": facet("ParamsDiffRunFacet", changes=changed),
+        "git": facet("GitRunFacet", **git),
+        "environment": facet("EnvironmentRunFacet", **facts.environment(repo.root_dir, card_paths)),
+        "metrics": facet("MetricsRunFacet", files=facts.read_metrics(repo, metrics)),
+        "upstreamMetrics": facet("MetricsRunFacet", files=facts.read_metrics(repo, upstream)),
+        "stale": facet("StaleRunFacet", stale=modified or bool(reasons), artifactModified=modified, reasons=reasons),
+        "dvcStages": facet("DvcStagesRunFacet", stages=reports),
+    }
 
 
 def _stage_report(repo, stage) -> dict[str, Any]:
@@ -56,20 +141,7 @@ def _artifact(repo, out, rel: str) -> dict[str, Any]:
     return {"path": rel, "output": output, **hashes, **({"files": check["files"]} if check.get("files") else {})}
 
 
-def _dataset(repo, entry, producer, **dvc_fields: Any) -> dict[str, Any]:
-    """An input or output: DVC's record of it, and what it says about itself."""
-    path = record.repo_path(repo, entry)
-    check = record.entry_check(repo, entry)
-    meta = {"size": entry.meta.size, "nfiles": entry.meta.nfiles} if entry.meta else {"size": None, "nfiles": None}
-    state = {"status": check["status"], "stale": check["status"] in ("modified", "missing")}
-    files = {"files": check["files"]} if check.get("files") else {}
-    dvc = facet("DvcEntryDatasetFacet", hash=check["locked"], **meta, **state, **dvc_fields, **files)
-    notes = facts.annotate(repo, path, producer)
-    notes = {name: facet(f"{name[0].upper()}{name[1:]}DatasetFacet", **value) for name, value in notes.items()}
-    return {"namespace": f"dvc://{os.path.basename(repo.root_dir)}", "name": path, "facets": {"dvc": dvc, **notes}}
-
-
-def _inputs(repo, order: list) -> list[dict[str, Any]]:
+def _inputs(repo, order: list, namespace: str) -> list[dict[str, Any]]:
     """Every file dep of the stages in ``order``, with who produced and who read it."""
     readers: dict[str, tuple[Any, list[str]]] = {}
     for stage in order:
@@ -81,107 +153,19 @@ def _inputs(repo, order: list) -> list[dict[str, Any]]:
         producer = found[0] if found and not found[0].is_data_source else None
         tracker = {"trackedBy": record.stage_name(found[0])} if found and found[0].is_data_source else {}
         produced_by = record.stage_name(producer) if producer else None
-        datasets.append(
-            _dataset(repo, dep, producer, producedBy=produced_by, consumedBy=names, source=not produced_by, **tracker)
-        )
+        fields = {"producedBy": produced_by, "consumedBy": names, "source": not produced_by, **tracker}
+        datasets.append(_dataset(repo, dep, producer, namespace, **fields))
     return datasets
 
 
-def _run_id(repo, stage) -> str:
-    """Deterministic: the same stage run (same locked outputs) always gets the same id."""
-    outs = ",".join(
-        sorted(f"{record.repo_path(repo, o)}={o.hash_info.value if o.hash_info else None}" for o in stage.outs)
-    )
-    namespace = f"dvc://{os.path.basename(repo.root_dir)}"
-    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{namespace}/{record.stage_name(stage)}?outs={outs}"))
-
-
-def _run_facets(repo, stage, order: list, artifact: dict, git: dict, card_paths: list[str]) -> dict[str, Any]:
-    reports = [_stage_report(repo, s) for s in order]
-    reasons = [f"{r['name']}: {reason}" for r in reports for reason in r["reasons"]]
-    changed: dict[str, dict[str, Any]] = {}
-    for item in order:
-        for key, change in record.params_changed(repo, item).items():
-            changed.setdefault(key, {**change, "stages": []})["stages"].append(record.stage_name(item))
-    modified = artifact["status"] != "ok"
-    metrics = [record.repo_path(repo, o) for o in stage.outs if o.metric]
-    upstream = [record.repo_path(repo, o) for s in order[1:] for o in s.outs if o.metric]
-    return {
-        "artifact": facet("ArtifactRunFacet", **artifact),
-        "parameters": facet("ParametersRunFacet", values=record.params_used(repo, stage)),
-        "upstreamParameters": facet(
-            "UpstreamParametersRunFacet", stages={r["name"]: r["parameters"] for r in reports[1:] if r["parameters"]}
-        ),
-        "paramsDiff": facet("ParamsDiffRunFacet", changes=changed),
-        "git": facet("GitRunFacet", **git),
-        "environment": facet("EnvironmentRunFacet", **facts.environment(repo.root_dir, card_paths)),
-        "metrics": facet("MetricsRunFacet", files=facts.read_metrics(repo, metrics)),
-        "upstreamMetrics": facet("MetricsRunFacet", files=facts.read_metrics(repo, upstream)),
-        "stale": facet("StaleRunFacet", stale=modified or bool(reasons), artifactModified=modified, reasons=reasons),
-        "dvcStages": facet("DvcStagesRunFacet", stages=reports),
+def _dataset(repo, entry, producer, namespace: str, **dvc_fields: Any) -> dict[str, Any]:
+    """An input or output: DVC's record of it, and what it says about itself."""
+    path, check = record.repo_path(repo, entry), record.entry_check(repo, entry)
+    meta = {"size": entry.meta.size, "nfiles": entry.meta.nfiles} if entry.meta else {"size": None, "nfiles": None}
+    state = {"status": check["status"], "stale": check["status"] in ("modified", "missing")}
+    files = {"files": check["files"]} if check.get("files") else {}
+    dvc = facet("DvcEntryDatasetFacet", hash=check["locked"], **meta, **state, **dvc_fields, **files)
+    notes = {
+        k: facet(f"{k[0].upper()}{k[1:]}DatasetFacet", **v) for k, v in facts.annotate(repo, path, producer).items()
     }
-
-
-def build_lineage(path: str | os.PathLike) -> dict[str, Any]:
-    """The OpenLineage RunEvent for the stage run that produced ``path``."""
-    from dvc.lock import LockError
-
-    repo, rel = record.open_repo(path)
-    if not list(repo.index.stages):
-        raise PipelineError(
-            f"{path} has no recorded lineage: there is no dvc.lock (nor any .dvc file) in {repo.root_dir}. "
-            "Run `dvc repro` first so DVC records which stage produced what."
-        )
-    found = record.producer_of(repo, rel)
-    if found is None:
-        raise PipelineError(record.not_produced_message(repo, str(path), rel))
-    stage, out = found
-    try:
-        with repo.lock:  # DVC's stage status needs it; held only while reading
-            return _event(repo, stage, out, rel)
-    except LockError as error:
-        raise PipelineError(
-            f"{path}: DVC's lock is held by another dvc command ({error}); run `rlhf lineage` again when it finishes."
-        ) from None
-
-
-def _event(repo, stage, out, rel: str) -> dict[str, Any]:
-    order = record.upstream_stages(repo, stage)
-    artifact = _artifact(repo, out, rel)
-    output = record.repo_path(repo, out)
-    card_paths = [rel, output, *(record.repo_path(repo, o) for o in stage.outs)]
-    params_files = sorted({record.repo_path(repo, d) for s in order for d in record.params_deps(s)})
-    git = record.git_facts(repo.root_dir, record.record_file(stage), params_files)
-    # the spec wants a URI in url (an scp-style remote such as git@host:org/repo goes in repoUrl)
-    remote = git.get("url") or ""
-    url = remote if "://" in remote else Path(repo.root_dir).resolve().as_uri()
-    where = {"repoUrl": remote} if remote else {}
-    version = {"version": git["commit"]} if git.get("commit") else {}
-    location = facet(
-        "SourceCodeLocationJobFacet",
-        standard=True,
-        type="git",
-        url=url,
-        path=record.record_file(stage),
-        **where,
-        **version,
-    )
-    code = facet(
-        "SourceCodeJobFacet", standard=True, language="shell", sourceCode=record.command(stage) or f"dvc add {output}"
-    )
-    name = record.stage_name(stage)
-    outputs = [_dataset(repo, o, stage, producedBy=name, metric=bool(o.metric)) for o in stage.outs]
-    return {
-        "eventType": "COMPLETE",
-        "eventTime": dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z"),
-        "producer": PRODUCER,
-        "schemaURL": RUN_EVENT_SCHEMA,
-        "job": {
-            "namespace": outputs[0]["namespace"],
-            "name": name,
-            "facets": {"sourceCode": code, "sourceCodeLocation": location},
-        },
-        "run": {"runId": _run_id(repo, stage), "facets": _run_facets(repo, stage, order, artifact, git, card_paths)},
-        "inputs": _inputs(repo, order),
-        "outputs": outputs,
-    }
+    return {"namespace": namespace, "name": path, "facets": {"dvc": dvc, **notes}}

@@ -4,6 +4,7 @@ file) compares with the workspace."""
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import subprocess
@@ -61,10 +62,9 @@ def producer_of(repo, rel: str):
 def upstream_stages(repo, stage) -> list:
     """``stage``, then every pipeline stage it depends on, breadth first through DVC's stage graph
     (``.dvc`` files are sources: the inputs they track name them)."""
-    graph = repo.index.graph
     order, queue = [stage], deque([stage])
     while queue:
-        for dependency in graph.successors(queue.popleft()):
+        for dependency in repo.index.graph.successors(queue.popleft()):
             if dependency not in order and not dependency.is_data_source:
                 order.append(dependency)
                 queue.append(dependency)
@@ -81,11 +81,8 @@ def stage_name(stage) -> str:
 
 def record_file(stage) -> str:
     """The file that records a stage's hashes: the ``dvc.lock`` beside its ``dvc.yaml``, or its ``.dvc`` file."""
-    return (
-        stage.path_in_repo
-        if stage.is_data_source
-        else posixpath.join(posixpath.dirname(stage.path_in_repo), "dvc.lock")
-    )
+    directory = posixpath.dirname(stage.path_in_repo)
+    return stage.path_in_repo if stage.is_data_source else posixpath.join(directory, "dvc.lock")
 
 
 def command(stage) -> str | None:
@@ -99,13 +96,8 @@ def params_deps(stage) -> list:
 
 
 def file_deps(stage) -> list:
-    from dvc.dependency.param import ParamsDependency
-
-    return [dep for dep in stage.deps if not isinstance(dep, ParamsDependency)]
-
-
-def _param_label(params_file: str, key: str) -> str:
-    return key if params_file == "params.yaml" else f"{params_file}:{key}"
+    params = params_deps(stage)
+    return [dep for dep in stage.deps if not any(dep is p for p in params)]
 
 
 def params_used(repo, stage) -> dict[str, Any]:
@@ -126,26 +118,37 @@ def params_changed(repo, stage) -> dict[str, dict[str, Any]]:
     changes = {}
     for dep in params_deps(stage):
         name = repo_path(repo, dep)
-        current = dep.read_params() if Path(dep.fs_path).is_file() else {}
-        for key, change in (
-            diff({name: {"data": dep.hash_info.value or {}}}, {name: {"data": current}}).get(name, {}).items()
-        ):
+        current = {"data": dep.read_params() if Path(dep.fs_path).is_file() else {}}
+        for key, change in diff({name: {"data": dep.hash_info.value or {}}}, {name: current}).get(name, {}).items():
             changes[_param_label(name, key)] = {"old": change["old"], "new": change["new"]}
     return changes
 
 
-def changed_files(repo, entry) -> dict[str, list[str]] | None:
+def _param_label(params_file: str, key: str) -> str:
+    return key if params_file == "params.yaml" else f"{params_file}:{key}"
+
+
+def _recorded_tree(out):
+    """The directory tree DVC cached for ``out`` (None for a file, or when the tree is not in the cache)."""
+    return out.get_obj() if out.hash_info and out.hash_info.isdir else None
+
+
+def _workspace_tree(out, fs_path: str):
+    """DVC's hash object for what is at ``fs_path`` now, hashed as DVC hashes it (None when nothing is there)."""
+    from dvc_data.hashfile.build import build
+
+    return build(out.cache, fs_path, out.fs, out.hash_name, ignore=out.dvcignore)[2] if Path(fs_path).exists() else None
+
+
+def changed_files(repo, out) -> dict[str, list[str]] | None:
     """For a directory that differs from its lock: the files modified, added and deleted against the
     tree DVC cached for it (None when that tree is not in the cache)."""
-    from dvc_data.hashfile.build import build
     from dvc_data.hashfile.diff import diff
 
-    recorded = entry.get_obj() if entry.hash_info and entry.hash_info.isdir else None
-    if recorded is None or not Path(entry.fs_path).is_dir():
+    recorded = _recorded_tree(out)
+    if recorded is None or not Path(out.fs_path).is_dir():
         return None
-    _, _, current = build(entry.cache, entry.fs_path, entry.fs, entry.hash_name, ignore=entry.dvcignore)
-    changes = diff(recorded, current, entry.cache)
-    base = repo_path(repo, entry)
+    changes, base = diff(recorded, _workspace_tree(out, out.fs_path), out.cache), repo_path(repo, out)
 
     def paths(items, side):
         return sorted(posixpath.join(base, *getattr(c, side).key) for c in items if any(getattr(c, side).key))
@@ -165,28 +168,22 @@ def entry_check(repo, entry) -> dict[str, Any]:
         result.update(workspace=None, status="missing")
     elif not locked:
         result.update(workspace=entry.get_hash().value, status="unknown")
-    elif entry.status():
-        status = next(iter(entry.status().values()))
-        result["status"] = STATUS_WORDS.get(status, status)
+    elif status := entry.status():
+        result["status"] = STATUS_WORDS.get(word := next(iter(status.values())), word)
         if result["status"] == "modified":
-            result["workspace"] = entry.get_hash().value
-            result["files"] = changed_files(repo, entry)
+            result.update(workspace=entry.get_hash().value, files=changed_files(repo, entry))
     return result
 
 
 def inner_file_check(repo, out, rel: str) -> dict[str, Any]:
     """The check of ``rel``, a file or folder inside the directory output ``out``."""
-    from dvc_data.hashfile.build import build
-
-    recorded = out.get_obj() if out.hash_info and out.hash_info.isdir else None
-    key = tuple(Path(rel).relative_to(repo_path(repo, out)).parts)
-    locked = None
+    recorded, locked = _recorded_tree(out), None
     if recorded is not None:
+        key = tuple(Path(rel).relative_to(repo_path(repo, out)).parts)
         found = recorded.get(key)  # a file; a folder is a subtree, hashed as DVC hashes directories
         subtree = None if found else recorded.get_obj(out.cache, key)
         locked = found[1].value if found else subtree.hash_info.value if subtree else None
-    target = Path(repo.root_dir, rel)
-    current = build(out.cache, str(target), out.fs, out.hash_name, ignore=out.dvcignore)[2] if target.exists() else None
+    current = _workspace_tree(out, str(Path(repo.root_dir, rel)))
     current = current.hash_info.value if current is not None else None
     if recorded is None:
         status = entry_check(repo, out)["status"]
@@ -199,22 +196,19 @@ def inner_file_check(repo, out, rel: str) -> dict[str, Any]:
 
 def stage_reasons(repo, stage) -> list[str]:
     """Why ``dvc repro`` would run the stage again, from DVC's own stage status."""
-    changed = params_changed(repo, stage)
     reasons = []
     for item in next(iter(stage.status().values()), []):
         if isinstance(item, str):
             reasons.append(item.replace("changed command", "command changed in dvc.yaml"))
             continue
         for kind, entries in item.items():
-            word = "dep" if kind == "changed deps" else "out"
             for path, status in entries.items():
                 if isinstance(status, dict):  # a params file: one reason per changed value
-                    reasons += [
-                        f"param {key} changed: {show(c['old'])} -> {show(c['new'])}" for key, c in changed.items()
-                    ]
+                    changed = params_changed(repo, stage)
+                    reasons += [f"param {k} changed: {show(c['old'])} -> {show(c['new'])}" for k, c in changed.items()]
                     continue
-                entry = next(e for e in [*stage.deps, *stage.outs] if e.def_path == path)
-                check = entry_check(repo, entry)
+                check = entry_check(repo, next(e for e in [*stage.deps, *stage.outs] if e.def_path == path))
+                word = "dep" if kind == "changed deps" else "out"
                 reasons.append(f"{word} {check['path']} {check['status']}{files_note(check)}")
     return reasons
 
@@ -229,8 +223,6 @@ def files_note(check: dict) -> str:
 
 
 def show(value: Any) -> str:
-    import json
-
     return "(unset)" if value is None else value if isinstance(value, str) else json.dumps(value, default=str)
 
 
@@ -262,29 +254,31 @@ def git_facts(root: str, recorded_in: str, params_files: list[str]) -> dict[str,
     changed += [
         f for f in params_files if f not in changed and git(root, "cat-file", "-e", f"{facts['commit']}:{f}") is None
     ]
-    facts["changedSinceCommit"] = sorted(changed)
-    facts["dirty"] = bool(changed or facts["dirtyFiles"])
-    return facts
+    return {**facts, "changedSinceCommit": sorted(changed), "dirty": bool(changed or facts["dirtyFiles"])}
 
 
 def not_produced_message(repo, path: str, rel: str) -> str:
     """Why ``path`` has no lineage, and what to ask for instead."""
-    outs = [(stage, repo_path(repo, out)) for stage in repo.index.stages for out in stage.outs]
-    inside = sorted({f"{out} ({stage_name(stage)})" for stage, out in outs if is_under(out, rel) and out != rel})
+    inside = sorted(
+        f"{repo_path(repo, out)} ({stage_name(stage)})"
+        for stage in repo.index.stages
+        for out in stage.outs
+        if is_under(repo_path(repo, out), rel) and repo_path(repo, out) != rel
+    )
+    readers = [stage_name(s) for s in repo.index.stages if any(is_under(rel, repo_path(repo, d)) for d in file_deps(s))]
     if inside and rel not in ("", "."):
         return (
-            f"{path} is not itself an output of any DVC stage, but it contains outputs: {', '.join(inside[:8])}"
-            f"{' ...' if len(inside) > 8 else ''}. Run `rlhf lineage` on one of those."
+            f"{path} is not itself an output of any DVC stage, but it contains outputs: "
+            f"{', '.join(inside[:8])}{' ...' if len(inside) > 8 else ''}. Run `rlhf lineage` on one of those."
         )
-    readers = [stage_name(s) for s in repo.index.stages if any(is_under(rel, repo_path(repo, d)) for d in file_deps(s))]
     if readers:
         return (
-            f"{path} is not produced by any DVC stage (nor tracked by a .dvc file): it is a plain source that "
-            f"stage(s) {', '.join(readers)} read. Ask for the lineage of one of their outputs instead, "
-            f"or track it with `dvc add {rel}`."
+            f"{path} is not produced by any DVC stage (nor tracked by a .dvc file): it is a plain source that stage(s) "
+            f"{', '.join(readers)} read. Ask for the lineage of one of their outputs instead, or track it with "
+            f"`dvc add {rel}`."
         )
     return (
-        f"{path} is not produced by any DVC stage: no output in dvc.lock (nor any .dvc file) is or contains it. "
-        "Check the path (it is resolved from the current directory), or run `dvc repro` if the stage that "
-        "should write it has not run yet."
+        f"{path} is not produced by any DVC stage: no output in dvc.lock (nor any .dvc file) is or contains it. Check "
+        "the path (it is resolved from the current directory), or run `dvc repro` if the stage that should write it "
+        "has not run yet."
     )

@@ -11,6 +11,10 @@ from rlhf_pipeline.lineage.record import files_note, show
 STATUS_WORDS = {"ok": "up to date", "modified": "MODIFIED", "missing": "MISSING", "unknown": "not hashed"}
 
 
+def _status(entry: dict) -> str:
+    return STATUS_WORDS.get(entry["status"], entry["status"].upper()) + files_note(entry)
+
+
 def _size(dvc: dict) -> str:
     from dvc.utils.humanize import naturalsize
 
@@ -19,19 +23,14 @@ def _size(dvc: dict) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _status(status: str) -> str:
-    return STATUS_WORDS.get(status, status.upper())
-
-
 def _git_line(git: dict) -> str:
     if not git.get("commit"):
         return f"  git          not recorded ({git.get('note', 'unknown')})"
-    bits = []
-    if git.get("changedSinceCommit"):
-        bits.append(f"{', '.join(git['changedSinceCommit'])} changed since that commit")
-    if git.get("dirtyFiles"):
-        dirty = git["dirtyFiles"]
-        bits.append(f"uncommitted changes: {', '.join(dirty[:6])}{' ...' if len(dirty) > 6 else ''}")
+    bits = (
+        [f"{', '.join(git['changedSinceCommit'])} changed since that commit"] if git.get("changedSinceCommit") else []
+    )
+    dirty = git.get("dirtyFiles") or []
+    bits += [f"uncommitted changes: {', '.join(dirty[:6])}{' ...' if len(dirty) > 6 else ''}"] if dirty else []
     return f"  git          {git['commit']}  ({'DIRTY: ' + '; '.join(bits) if git.get('dirty') else 'clean'})"
 
 
@@ -47,7 +46,7 @@ def _summary(event: dict[str, Any]) -> list[str]:
     ]
     if artifact["path"] != artifact["output"]:
         lines.append(f"  file         {artifact['path']}  md5 {artifact.get('lockedHash')}")
-    workspace = _status(artifact["status"]) + files_note(artifact)
+    workspace = _status(artifact)
     if artifact["status"] == "modified" and artifact.get("workspaceHash"):
         workspace += f"; workspace md5 {artifact['workspaceHash']}"
     lines += [f"  workspace    {workspace}", f"  run id       {event['run']['runId']}", _git_line(run["git"])]
@@ -67,41 +66,32 @@ def _parameters(event: dict[str, Any]) -> list[str]:
     for stage, values in run["upstreamParameters"]["stages"].items():
         lines.append(f"  upstream {stage}: " + ", ".join(f"{k}={show(v)}" for k, v in values.items()))
     lines.append("Changed in the params files since that run")
-    changes = run["paramsDiff"]["changes"]
     lines += [
-        f"  {k}: {show(c['old'])} -> {show(c['new'])}  (stage {', '.join(c['stages'])})" for k, c in changes.items()
+        f"  {k}: {show(c['old'])} -> {show(c['new'])}  (stage {', '.join(c['stages'])})"
+        for k, c in run["paramsDiff"]["changes"].items()
     ] or ["  (none)"]
-    lines.append("")
-    lines.append("Stages (producing stage first, then upstream)")
+    lines += ["", "Stages (producing stage first, then upstream)"]
     for report in run["dvcStages"]["stages"]:
         lines.append(f"  {report['name']}: {report['cmd'] or '(dvc add)'}")
-        lines.append("      " + ("up to date" if not report["stale"] else "STALE: " + "; ".join(report["reasons"])))
+        lines.append("      " + ("STALE: " + "; ".join(report["reasons"]) if report["stale"] else "up to date"))
     return lines
 
 
 def _input_lines(dataset: dict[str, Any]) -> list[str]:
     facets = dataset["facets"]
     dvc = facets["dvc"]
-    produced = dvc["producedBy"]
-    origin = (
-        f"from {produced}"
-        if produced
-        else "source" + (f", tracked by {dvc['trackedBy']}" if dvc.get("trackedBy") else "")
-    )
+    tracked = f", tracked by {dvc['trackedBy']}" if dvc.get("trackedBy") else ""
+    origin = f"from {dvc['producedBy']}" if dvc["producedBy"] else f"source{tracked}"
     lines = [
         f"  {dataset['name']}",
-        f"      md5 {dvc['hash']}{_size(dvc)} · {origin} · read by {', '.join(dvc['consumedBy'])} · "
-        f"{_status(dvc['status'])}{files_note(dvc)}",
+        f"      md5 {dvc['hash']}{_size(dvc)} · {origin} · read by {', '.join(dvc['consumedBy'])} · {_status(dvc)}",
     ]
-    if "baseModel" in facets:
-        base = facets["baseModel"]
+    if base := facets.get("baseModel"):
         provenance = f"source={base.get('source', '?')} source_sha256={base.get('source_sha256', '?')}"
         lines.append(f"      base model: {provenance} ({base['card']})")
-    if "modelCard" in facets:
-        card = {k: v for k, v in facets["modelCard"].items() if not k.startswith("_")}
-        lines.append("      model card: " + ", ".join(f"{k}={v}" for k, v in card.items()))
-    if "preferenceData" in facets:
-        pref = facets["preferenceData"]
+    if card := facets.get("modelCard"):
+        lines.append("      model card: " + ", ".join(f"{k}={v}" for k, v in card.items() if not k.startswith("_")))
+    if pref := facets.get("preferenceData"):
         rows = f"{pref['rows']} rows ({pref['rowsSource']})" if pref["rows"] is not None else "row count unknown"
         verdict = {True: "passed", False: "FAILED"}.get(pref["validation"]["success"], "no verdict found")
         lines.append(f"      preference data: {rows}; Great Expectations: {verdict} ({pref['validation']['summary']})")
@@ -109,26 +99,22 @@ def _input_lines(dataset: dict[str, Any]) -> list[str]:
 
 
 def render_text(event: dict[str, Any]) -> str:
-    run = event["run"]["facets"]
+    run, env = event["run"]["facets"], event["run"]["facets"]["environment"]
     lines = [*_summary(event), "", *_parameters(event), "", "Inputs (walked back to the sources)"]
-    for dataset in event["inputs"]:
-        lines += _input_lines(dataset)
-    if not event["inputs"]:
-        lines.append("  (none)")
+    lines += [line for dataset in event["inputs"] for line in _input_lines(dataset)] or ["  (none)"]
     lines += ["", f"Metrics (stage {event['job']['name']})"]
-    lines += [
-        f"  {path}: {json.dumps(values, sort_keys=True, default=str)}"
-        for path, values in run["metrics"]["files"].items()
-    ] or ["  (none declared)"]
-    lines += [
-        f"  upstream {path}: {json.dumps(values, sort_keys=True, default=str)}"
-        for path, values in run["upstreamMetrics"]["files"].items()
-    ]
-    env = run["environment"]
-    lines += [
-        "",
-        "Environment",
-        "  " + ", ".join(f"{p} {env[p]}" for p in PACKAGES) + f", python {env['python']}",
-        f"  device {env['device']} ({env['deviceSource']})",
-    ]
-    return "\n".join(lines)
+    for label, facet in (("", run["metrics"]), ("upstream ", run["upstreamMetrics"])):
+        lines += [
+            f"  {label}{path}: {json.dumps(v, sort_keys=True, default=str)}" for path, v in facet["files"].items()
+        ]
+        if not label and not facet["files"]:
+            lines.append("  (none declared)")
+    return "\n".join(
+        [
+            *lines,
+            "",
+            "Environment",
+            "  " + ", ".join(f"{p} {env[p]}" for p in PACKAGES) + f", python {env['python']}",
+            f"  device {env['device']} ({env['deviceSource']})",
+        ]
+    )
