@@ -1,17 +1,10 @@
-"""``rlhf lineage PATH``: where a DVC-tracked artifact came from, read from the audit trail itself.
+"""``rlhf lineage PATH``: where a DVC-tracked artifact came from, read through DVC's Python API
+(``dvc.repo.Repo``) and git: the producing stage and its locked hashes, whether the workspace still
+matches, the params it ran with and how they changed since, its inputs walked back to the sources,
+the commit that recorded the lock, metrics, package versions and device.
 
-Everything comes from what DVC and git already record, read through DVC's Python API
-(``dvc.repo.Repo``): the stage that produced PATH and the hashes ``dvc.lock`` holds for it;
-whether the workspace still matches (DVC's own stage status, and for a directory the files that
-differ from the tree in the DVC cache); the params the stage ran with and how the params files
-differ since; its inputs, walked back through DVC's stage graph to the sources, with the base
-model's provenance and the preference data's size and validation verdict; the git commit that
-recorded the lock; the stage's metrics, package versions and device.
-
-- :mod:`.record`: the DVC repo, the producing stage and its upstream stages, per-entry status;
-- :mod:`.facts`: what the artifacts say about themselves (model cards, row counts, verdicts);
-- :mod:`.event`: one OpenLineage ``RunEvent`` (``--json``), custom facets included;
-- :mod:`.render`: the text report.
+:mod:`.record` reads DVC's record, :mod:`.facts` what the artifacts say about themselves,
+:mod:`.event` builds the OpenLineage ``RunEvent`` (``--json``) and :mod:`.render` the text report.
 """
 
 from __future__ import annotations

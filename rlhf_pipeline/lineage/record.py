@@ -8,7 +8,6 @@ import json
 import os
 import posixpath
 import subprocess
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +61,9 @@ def producer_of(repo, rel: str):
 def upstream_stages(repo, stage) -> list:
     """``stage``, then every pipeline stage it depends on, breadth first through DVC's stage graph
     (``.dvc`` files are sources: the inputs they track name them)."""
-    order, queue = [stage], deque([stage])
-    while queue:
-        for dependency in repo.index.graph.successors(queue.popleft()):
-            if dependency not in order and not dependency.is_data_source:
-                order.append(dependency)
-                queue.append(dependency)
-    return order
+    import networkx as nx
+
+    return [s for s in nx.bfs_tree(repo.index.graph, stage) if s is stage or not s.is_data_source]
 
 
 def stage_name(stage) -> str:
