@@ -254,26 +254,20 @@ def git_facts(root: str, recorded_in: str, params_files: list[str]) -> dict[str,
 
 def not_produced_message(repo, path: str, rel: str) -> str:
     """Why ``path`` has no lineage, and what to ask for instead."""
-    inside = sorted(
-        f"{repo_path(repo, out)} ({stage_name(stage)})"
-        for stage in repo.index.stages
-        for out in stage.outs
-        if is_under(repo_path(repo, out), rel) and repo_path(repo, out) != rel
-    )
+    outs = [(stage, repo_path(repo, out)) for stage in repo.index.stages for out in stage.outs]
+    inside = sorted(f"{out} ({stage_name(stage)})" for stage, out in outs if is_under(out, rel) and out != rel)
     readers = [stage_name(s) for s in repo.index.stages if any(is_under(rel, repo_path(repo, d)) for d in file_deps(s))]
     if inside and rel not in ("", "."):
-        return (
-            f"{path} is not itself an output of any DVC stage, but it contains outputs: "
-            f"{', '.join(inside[:8])}{' ...' if len(inside) > 8 else ''}. Run `rlhf lineage` on one of those."
+        listed = f"{', '.join(inside[:8])}{' ...' if len(inside) > 8 else ''}"
+        hint = f"it contains outputs: {listed}. Run `rlhf lineage` on one of those."
+    elif readers:
+        hint = (
+            f"it is a plain source that stage(s) {', '.join(readers)} read. Ask for the lineage of one of their "
+            f"outputs instead, or track it with `dvc add {rel}`."
         )
-    if readers:
-        return (
-            f"{path} is not produced by any DVC stage (nor tracked by a .dvc file): it is a plain source that stage(s) "
-            f"{', '.join(readers)} read. Ask for the lineage of one of their outputs instead, or track it with "
-            f"`dvc add {rel}`."
+    else:
+        hint = (
+            "no output in dvc.lock is or contains it. Check the path (it is resolved from the current directory), "
+            "or run `dvc repro` if the stage that should write it has not run yet."
         )
-    return (
-        f"{path} is not produced by any DVC stage: no output in dvc.lock (nor any .dvc file) is or contains it. Check "
-        "the path (it is resolved from the current directory), or run `dvc repro` if the stage that should write it "
-        "has not run yet."
-    )
+    return f"{path} is not produced by any DVC stage (nor tracked by a .dvc file): {hint}"
