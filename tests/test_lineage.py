@@ -286,6 +286,21 @@ def test_params_diff_after_editing_params(work, capsys):
     assert "DIRTY" in out
 
 
+def test_a_stage_with_two_changed_params_files_lists_each_value_once(work, capsys):
+    """Each changed value is one reason, under its own file: not every file's changes for every file."""
+    Path("extra.yaml").write_text("k: 1\n")
+    stage = ["-n", "two_files", "-p", "policy.lr", "-p", "extra.yaml:k", "-o", "two.txt", "echo x > two.txt"]
+    _run(work, DVC, "stage", "add", "-q", *stage)
+    _run(work, DVC, "repro", "-q", "two_files")
+    params = yaml.safe_load(Path("params.yaml").read_text())
+    params["policy"]["lr"] = 0.5
+    Path("params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    Path("extra.yaml").write_text("k: 2\n")
+
+    reasons = _lineage_json(capsys, "two.txt")["run"]["facets"]["dvcStages"]["stages"][0]["reasons"]
+    assert sorted(reasons) == ["param extra.yaml:k changed: 1 -> 2", "param policy.lr changed: 0.1 -> 0.5"]
+
+
 def test_corrupted_input_and_output_are_reported(work, capsys):
     (work / "models/base/weights.txt").write_text("corrupted\n")
     event = _lineage_json(capsys, "models/policy")

@@ -91,8 +91,9 @@ def params_deps(stage) -> list:
 
 
 def file_deps(stage) -> list:
-    params = params_deps(stage)
-    return [dep for dep in stage.deps if not any(dep is p for p in params)]
+    from dvc.dependency.param import ParamsDependency
+
+    return [dep for dep in stage.deps if not isinstance(dep, ParamsDependency)]
 
 
 def params_used(repo, stage) -> dict[str, Any]:
@@ -108,15 +109,17 @@ def params_used(repo, stage) -> dict[str, Any]:
 
 def params_changed(repo, stage) -> dict[str, dict[str, Any]]:
     """``{key: {"old", "new"}}`` for each recorded param whose value differs now (DVC's params diff)."""
+    return {key: change for dep in params_deps(stage) for key, change in file_params_changed(repo, dep).items()}
+
+
+def file_params_changed(repo, dep) -> dict[str, dict[str, Any]]:
+    """:func:`params_changed` for one params file (``dep``, a params dependency)."""
     from dvc.utils.diff import diff
 
-    changes = {}
-    for dep in params_deps(stage):
-        name = repo_path(repo, dep)
-        current = {"data": dep.read_params() if Path(dep.fs_path).is_file() else {}}
-        for key, change in diff({name: {"data": dep.hash_info.value or {}}}, {name: current}).get(name, {}).items():
-            changes[_param_label(name, key)] = {"old": change["old"], "new": change["new"]}
-    return changes
+    name = repo_path(repo, dep)
+    current = {"data": dep.read_params() if Path(dep.fs_path).is_file() else {}}
+    changes = diff({name: {"data": dep.hash_info.value or {}}}, {name: current}).get(name, {})
+    return {_param_label(name, key): {"old": c["old"], "new": c["new"]} for key, c in changes.items()}
 
 
 def _param_label(params_file: str, key: str) -> str:
@@ -198,11 +201,12 @@ def stage_reasons(repo, stage) -> list[str]:
             continue
         for kind, entries in item.items():
             for path, status in entries.items():
-                if isinstance(status, dict):  # a params file: one reason per changed value
-                    changed = params_changed(repo, stage)
+                entry = next(e for e in [*stage.deps, *stage.outs] if e.def_path == path)
+                if isinstance(status, dict):  # a params file: one reason per changed value in it
+                    changed = file_params_changed(repo, entry)
                     reasons += [f"param {k} changed: {show(c['old'])} -> {show(c['new'])}" for k, c in changed.items()]
                     continue
-                check = entry_check(repo, next(e for e in [*stage.deps, *stage.outs] if e.def_path == path))
+                check = entry_check(repo, entry)
                 word = "dep" if kind == "changed deps" else "out"
                 reasons.append(f"{word} {check['path']} {check['status']}{files_note(check)}")
     return reasons
