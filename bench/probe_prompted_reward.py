@@ -62,8 +62,7 @@ def answer_margin(model, tokenizer, texts: list[str]) -> torch.Tensor:
     positive, negative = (
         tokenizer(word, add_special_tokens=False)["input_ids"][0] for word in ("positive", "negative")
     )
-    tokenizer.padding_side = "left"
-    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     with torch.no_grad():
         last = model(**batch).logits[:, -1].log_softmax(-1)
     return last[:, positive] - last[:, negative]
