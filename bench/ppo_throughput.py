@@ -16,7 +16,7 @@ CPU. Each side runs 1 warmup update + ``--updates`` timed updates.
   ``num_mini_batches=1``, ``local_rollout_forward_batch_size=batch``, ``stop_token=None``,
   ``missing_eos_penalty=None``.
 
-Time breakdown: ours from the per-update stats the trainer records (time/generation,
+Time breakdown: ours from the per-update timings the trainer keeps (time/generation,
 time/reference (+ value forward when separate), time/scoring, time/training); TRL by wrapping
 ``batch_generation``, ``forward`` (no-grad = reference) and ``get_reward`` (value / reward model)
 in the ppo_trainer module namespace, and ``accelerator.backward`` / ``optimizer.step``.
@@ -64,9 +64,11 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
     ``profiler`` (a not-yet-started ``torch.profiler.profile``) is started after the warmup update
     and stopped at the end, so it sees the timed updates only.
     """
-    from rlhf_pipeline.models import load_causal_lm, resolve_device
-    from rlhf_pipeline.params import Params
-    from rlhf_pipeline.ppo import PolicyWithValue, PPOTrainer
+    from rlhf_pipeline.distributed import resolve_device
+    from rlhf_pipeline.models import load_causal_lm
+    from rlhf_pipeline.params.schema import Params
+    from rlhf_pipeline.ppo.policy import PolicyWithValue
+    from rlhf_pipeline.ppo.trainer import PPOTrainer
     from rlhf_pipeline.reward import RewardModel
 
     params = Params.model_validate(
@@ -125,11 +127,11 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
         log=log,
         autocast=plan.autocast if plan.autocast_dtype else None,
     )
-    history = trainer.train(progress=False)
+    trainer.train(progress=False)
     if profiler is not None:
         profiler.stop()
     out = []
-    for h in history:
+    for h in trainer.timings:  # seconds per phase, kept apart from the statistics the run records
         phases = {
             "generation": h["time/generation"],
             "ref_value": h["time/reference"],

@@ -49,7 +49,7 @@ def main() -> None:
     from rlhf_pipeline import corpus
     from rlhf_pipeline.labelers import get_labeler
     from rlhf_pipeline.models import load_causal_lm, load_tokenizer
-    from rlhf_pipeline.params import TaskParams
+    from rlhf_pipeline.params.task import TaskParams
     from rlhf_pipeline.queries import build_queries
     from rlhf_pipeline.sampling import ResponseSampler
 

@@ -33,7 +33,7 @@ POOLS = ("last", "mean", "sum")
 def sample_features(args) -> dict:
     from rlhf_pipeline.labelers import get_labeler
     from rlhf_pipeline.models import load_causal_lm, load_tokenizer
-    from rlhf_pipeline.params import load_params
+    from rlhf_pipeline.params.schema import load_params
     from rlhf_pipeline.preferences import pick_best
     from rlhf_pipeline.sampling import ResponseSampler
 

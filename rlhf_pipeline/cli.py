@@ -2,6 +2,9 @@
 
 Each subcommand is a ``cmd_*`` function set as its parser's default ``func``: it gets the parsed
 args and returns an exit code. User errors (:class:`PipelineError`) print one paragraph and exit non-zero, no traceback.
+
+Each command imports the modules it needs when it runs, not at start-up: ``rlhf check-params``
+and ``rlhf --version`` then start without torch, transformers, Great Expectations or DVC's repo.
 """
 
 from __future__ import annotations
@@ -9,18 +12,29 @@ from __future__ import annotations
 import rlhf_pipeline.offline  # noqa: F401  (first: the rlhf command runs offline and quiet)
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from rlhf_pipeline import __version__
-from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.runner import report_error, report_unexpected
+from rlhf_pipeline.errors import ParamsError, PipelineError
+from rlhf_pipeline.io import atomic_file
+from rlhf_pipeline.params import read_params_file
+from rlhf_pipeline.params.schema import parse_params
+from rlhf_pipeline.runner import declared_keys_by_stage, missing_key_problems, report_error, report_unexpected
+
+
+def check_params_file(path: str | os.PathLike, root: str | os.PathLike) -> None:
+    """Validate the whole params file at ``path`` against the schema, and check that it spells out
+    every key ``root``/dvc.yaml tracks (DVC does not know the schema's defaults); ParamsError otherwise."""
+    raw = read_params_file(path)
+    parse_params(raw, str(path))
+    problems = missing_key_problems(raw, declared_keys_by_stage(root))
+    if problems:
+        raise ParamsError(str(path), problems)
 
 
 def cmd_check_params(args) -> int:
-    from pathlib import Path
-
-    from rlhf_pipeline.stage_params import check_params_file
-
     check_params_file(args.path, Path(args.path).resolve().parent)  # against the dvc.yaml next to the file
     print("ok")
     return 0
@@ -28,11 +42,6 @@ def cmd_check_params(args) -> int:
 
 def cmd_profile(args) -> int:
     """Show the profiles in ``params/`` next to the params file, or make one the params file."""
-    from pathlib import Path
-
-    from rlhf_pipeline.io import atomic_file
-    from rlhf_pipeline.stage_params import check_params_file
-
     folder = Path(args.params).resolve().parent / "params"
     available = sorted(p.stem for p in folder.glob("*.yaml"))
     if args.name is None:
@@ -51,19 +60,22 @@ def cmd_profile(args) -> int:
 
 
 def cmd_validate_preferences(args) -> int:
-    from rlhf_pipeline.contract import validate_file_cli
+    from rlhf_pipeline.contract import validate_file_cli  # loads Great Expectations: only when this command runs
 
     return validate_file_cli(args.path, params_path=args.params, result_path=args.result)
 
 
 def cmd_lineage(args) -> int:
-    from rlhf_pipeline.lineage import lineage_cli
+    from rlhf_pipeline.lineage.render import lineage_cli  # loads DVC's repo: only when this command runs
+    from rlhf_pipeline.lineage.verify import verify_cli  # the same
 
+    if args.verify:
+        return verify_cli(args.path)
     return lineage_cli(args.path, as_json=args.json)
 
 
 def cmd_export_preferences(args) -> int:
-    from rlhf_pipeline.preferences import export_pairwise
+    from rlhf_pipeline.preferences import export_pairwise  # loads torch and datasets: only when this command runs
 
     count = export_pairwise(args.input, args.split, args.output)
     print(f"{args.output}: {count} pairs (prompt, chosen, rejected) from {args.input} [{args.split}]")
@@ -71,7 +83,7 @@ def cmd_export_preferences(args) -> int:
 
 
 def cmd_plots_page(args) -> int:
-    from rlhf_pipeline.plots_page import write_offline_page_template
+    from rlhf_pipeline.plots_page import write_offline_page_template  # loads vl-convert: only when this runs
 
     path = write_offline_page_template(args.root)
     print(f"{path}: `dvc plots show` and `dvc plots diff` now draw with no network (.dvc/config plots.html_template)")
@@ -109,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="emit an OpenLineage-shaped run event")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-hash every file of PATH (the project root: every output) from its bytes against dvc.lock and the "
+        "DVC cache, bypassing DVC's state db; exit 7 on any mismatch",
+    )
     p.set_defaults(func=cmd_lineage)
 
     p = sub.add_parser(

@@ -27,14 +27,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.io import replace_surrogates
+from rlhf_pipeline.errors import DataContractError, PipelineError
+from rlhf_pipeline.io import read_table, replace_surrogates, write_json
+from rlhf_pipeline.models import load_tokenizer
+from rlhf_pipeline.params import Strict, read_params_file, validate
+from rlhf_pipeline.params.data import DataParams, ValidationParams
 from rlhf_pipeline.preferences import (
     BAD_CHARACTERS,
     PAIRED_FORMATS,
     VISIBLE_CHARACTER,
+    detect_format,
     display_names,
     sample_columns,
+    split_by_column,
+    to_flat_frame,
 )
 
 INTEGER_TYPES = ["int", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "Int64", "Int32"]
@@ -336,11 +342,26 @@ def validate_dataframe(
     # reported in the order a reader fixes them: the table's shape, each text, then whole rows
     shape = [f for f in row_failures if f["expectation"] in TABLE_SHAPE_EXPECTATIONS]
     failures = shape + text_failures + [f for f in row_failures if f not in shape]
-    gx_json = rows.to_json_dict()
-    gx_json["success"] = bool(rows.success and texts.success)
-    gx_json["results"] = gx_json["results"] + texts.to_json_dict()["results"]
+    gx_json = combined_result(rows.to_json_dict(), texts.to_json_dict())
     notes = [] if tokenizer is not None else ["token lengths not checked (no tokenizer)"]
     return ContractResult(not failures, failures, gx_json, len(frame), len(gx_json["results"]), notes)
+
+
+def combined_result(rows: dict, texts: dict) -> dict:
+    """The two suites' GX results as one: every expectation listed and counted in ``statistics``,
+    and without the load time GX stamps on the batch, so the same data gives the same bytes (the
+    result is a cached output: a timestamp in it would make every rerun look like new data)."""
+    results = rows["results"] + texts["results"]
+    passed = sum(1 for result in results if result["success"])
+    combined = {**rows, "results": results, "success": passed == len(results)}
+    combined["statistics"] = {
+        "evaluated_expectations": len(results),
+        "successful_expectations": passed,
+        "unsuccessful_expectations": len(results) - passed,
+        "success_percent": 100.0 * passed / len(results) if results else None,
+    }
+    combined.get("meta", {}).get("batch_markers", {}).pop("ge_load_time", None)
+    return combined
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,21 +414,24 @@ def summary_payload(results: dict[str, ContractResult]) -> dict:
 # --------------------------------------------------------------------------------------------
 # rlhf validate-preferences FILE
 # --------------------------------------------------------------------------------------------
-def load_validation_params(params_path: str | Path):
-    """``data.validation`` from ``params_path``, or the schema defaults when the file is missing."""
-    from rlhf_pipeline.params import ValidationParams, load_params
+def load_validation_params(params_path: str | Path) -> ValidationParams:
+    """``data.validation`` from ``params_path`` (its ``data`` section validated, the rest of the file
+    left to ``rlhf check-params``), or the schema defaults when the file is missing."""
+    if not Path(params_path).is_file():
+        return ValidationParams()
+    raw = read_params_file(params_path)
+    section = {"data": raw["data"]} if isinstance(raw, dict) and "data" in raw else {}
+    return validate(_DataSection, section, str(params_path)).data.validation
 
-    if Path(params_path).is_file():
-        return load_params(params_path).data.validation
-    return ValidationParams()
+
+class _DataSection(Strict):
+    data: DataParams = DataParams()
 
 
 def optional_tokenizer(directory: str | Path = "models/base"):
     """The base model's tokenizer when ``directory`` holds one, else None."""
     if not (Path(directory) / "tokenizer_config.json").is_file():
         return None
-    from rlhf_pipeline.models import load_tokenizer
-
     return load_tokenizer(directory)
 
 
@@ -420,10 +444,6 @@ def validate_file_cli(
     ``result_path`` if given; returns 0 (passed) or 3 (refused).
     """
     import pandas as pd
-
-    from rlhf_pipeline.errors import DataContractError
-    from rlhf_pipeline.io import read_table, write_json
-    from rlhf_pipeline.preferences import detect_format, split_by_column, to_flat_frame
 
     validation = load_validation_params(params_path)
     frame = read_table(path)

@@ -22,6 +22,7 @@ import re
 from typing import Any
 
 from rlhf_pipeline.errors import DataContractError, PipelineError
+from rlhf_pipeline.io import is_local_source, load_hub_dataset, read_table
 
 ROLES = ("system", "user", "assistant")
 MAX_LISTED = 10
@@ -153,9 +154,6 @@ def read_prompts(source: str, where: str) -> list[list[dict]]:
     """Chat prompts of a .jsonl/.parquet file or hub dataset (its train split), each a message list
     ending with the user's turn: a ``prompt`` column of message lists or of user texts, or, without
     one, the shared prompt of ``chosen``/``rejected`` conversations. Refused naming row and field."""
-    from rlhf_pipeline.corpus import is_local_source, load_hub_dataset
-    from rlhf_pipeline.io import read_table
-
     if is_local_source(source):
         frame = read_table(source)
     else:

@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.io import read_table, read_txt_passages
+from rlhf_pipeline.io import load_hub_dataset, read_table, read_txt_passages
 from rlhf_pipeline.progress import Progress
 from rlhf_pipeline.sampling import iterate_batches, sample_responses
 
-GENERATED = "generated"
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 SUBJECTS = [
@@ -170,15 +169,6 @@ def generate_passages(
 # --------------------------------------------------------------------------------------------
 # local files and hub datasets
 # --------------------------------------------------------------------------------------------
-def is_local_source(source: str) -> bool:
-    """A path (existing, or named like a supported file) rather than a hub dataset id."""
-    return (
-        Path(source).exists()
-        or source.lower().endswith(LOCAL_SUFFIXES + (".json",))
-        or source.startswith(("/", "./", "../"))
-    )
-
-
 def column_texts(values, column: str, where: str) -> list[str]:
     """The string values of ``column``; non-strings (other than nulls) are refused."""
     texts = []
@@ -213,21 +203,6 @@ def load_local_passages(source: str, text_column: str) -> list[str]:
             f"{list(map(str, frame.columns))}. Set data.corpus.text_column to one of them."
         )
     return column_texts(frame[text_column].tolist(), text_column, source)
-
-
-def load_hub_dataset(source: str, split: str | None, key: str):
-    """``datasets.load_dataset(source, split=split)`` with offline failures turned into one clear error."""
-    import datasets
-
-    try:
-        return datasets.load_dataset(source, split=split)
-    except Exception as error:  # offline/connection/not-found errors come in many types
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise PipelineError(
-            f"{key}: could not load hub dataset {source!r} (split {split!r}): {first}. It is not a local file "
-            f"either. Hub downloads are off (HF_DATASETS_OFFLINE=1): pre-download it with network access, export "
-            f"HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0, or point {key} at a local file."
-        ) from None
 
 
 def load_hub_passages(source: str, split: str, text_column: str) -> list[str]:

@@ -59,6 +59,14 @@ class MissingPackageError(PipelineError):
     exit_code = 6
 
 
+class DamagedArtifactError(PipelineError):
+    """An artifact's bytes differ from the checksums recorded when it was written (a model's
+    SHA256SUMS, a checkpoint's meta, dvc.lock or the DVC cache): nothing is trained on or pushed
+    from it. Retrying reads the same bytes; restoring or rebuilding the artifact fixes it."""
+
+    exit_code = 7
+
+
 COMMAND_NOT_FOUND_EXIT_CODE = 127  # the shell's: a stage's command (e.g. `python`) is not on PATH
 
 # Exit codes of failures that are the same on every attempt: the retrain flow fails at once on these.
@@ -69,6 +77,7 @@ NOT_RETRIED_EXIT_CODES = frozenset(
         NonFiniteError.exit_code,
         StorageError.exit_code,
         MissingPackageError.exit_code,
+        DamagedArtifactError.exit_code,
         COMMAND_NOT_FOUND_EXIT_CODE,
     }
 )
@@ -78,6 +87,7 @@ EXIT_CODE_MEANINGS = {
     NonFiniteError.exit_code: "non-finite training (NaN/inf)",
     StorageError.exit_code: "an output could not be written (disk full, read-only or no permission)",
     MissingPackageError.exit_code: "a package is missing from the stage's interpreter",
+    DamagedArtifactError.exit_code: "an artifact's bytes differ from their recorded checksums",
     COMMAND_NOT_FOUND_EXIT_CODE: "the stage's command is not on PATH",
 }
 

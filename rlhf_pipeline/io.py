@@ -19,16 +19,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.errors import PipelineError, storage_error, storage_failure
+from rlhf_pipeline.errors import DamagedArtifactError, ParamsError, PipelineError, storage_error, storage_failure
+
+CHECKSUMS = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` format: "<hex>  <relative path>" per file, sorted
+LOCAL_MODELS = Path("data/models")  # declared in dvc.yaml as a dependency of the stages that read local models
 
 
 @contextlib.contextmanager
-def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(target: str | os.PathLike, checksums: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory that replaces ``target`` only if the block succeeds.
 
     The swap is two renames (target -> .old, tmp -> target); a kill between them is undone by
     :func:`recover_interrupted_write`, which runs first. A full disk or a read-only folder raises
-    :class:`StorageError` naming ``target``."""
+    :class:`StorageError` naming ``target``. ``checksums``: record every file's sha256 in
+    ``SHA256SUMS`` before the swap (:func:`verify_checksums` checks them when the folder is read)."""
     target = Path(target)
     with storage_errors_name(target):
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -37,6 +41,8 @@ def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; outputs are meant to be shared
             yield tmp
+            if checksums:
+                write_checksums(tmp)
             old = target.parent / f".{target.name}.old-{os.getpid()}"
             if target.exists():
                 os.replace(target, old)
@@ -114,6 +120,70 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def content_hash(path: str | os.PathLike) -> str:
+    """sha256 of a file, or over the sorted (relative path, file sha256) pairs of a directory."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(f"{file.relative_to(path).as_posix()}\0{sha256_file(file)}\n".encode())
+    return digest.hexdigest()
+
+
+def write_checksums(directory: str | os.PathLike) -> None:
+    """``SHA256SUMS`` in ``directory``: the sha256 of every other file in it, by relative path."""
+    directory = Path(directory)
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    lines = [f"{sha256_file(p)}  {p.relative_to(directory).as_posix()}\n" for p in files]
+    (directory / CHECKSUMS).write_text("".join(lines))
+
+
+def read_checksums(path: str | os.PathLike) -> dict[str, str]:
+    """``{relative path: sha256}`` of a ``SHA256SUMS`` file (an unreadable line is a damaged file)."""
+    recorded = {}
+    for number, line in enumerate(Path(path).read_text(errors="replace").splitlines(), 1):
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64:
+            raise DamagedArtifactError(
+                f"{path}: line {number} is not '<sha256>  <file>'; the checksum file is damaged."
+            )
+        recorded[name] = digest
+    return recorded
+
+
+def checksum_problems(directory: str | os.PathLike, recorded: dict[str, str]) -> list[str]:
+    """How the files of ``directory`` differ from ``recorded`` (``{relative path: sha256}``):
+    each file hashed from its bytes (no cached stat), one line per difference."""
+    directory = Path(directory)
+    problems = []
+    for name, digest in sorted(recorded.items()):
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif sha256_file(path) != digest:
+            problems.append(f"{name} does not match its recorded sha256")
+    return problems
+
+
+def verify_checksums(directory: str | os.PathLike, rebuild: str) -> None:
+    """Refuse ``directory`` (:class:`DamagedArtifactError`) unless every file its ``SHA256SUMS``
+    lists has those bytes; ``rebuild`` says how to get a good copy back."""
+    directory = Path(directory)
+    sums = directory / CHECKSUMS
+    if not sums.is_file():
+        raise DamagedArtifactError(
+            f"{directory} has no {CHECKSUMS}, so its files cannot be checked before use; {rebuild}."
+        )
+    problems = checksum_problems(directory, read_checksums(sums))
+    if problems:
+        listed = "; ".join(problems[:5]) + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise DamagedArtifactError(
+            f"{directory} is damaged: {listed} (checked against {sums}). Nothing was trained on it. `rlhf lineage "
+            f"--verify {directory}` shows which copy (workspace or DVC cache) is bad; {rebuild}."
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # user files
 # --------------------------------------------------------------------------------------------
@@ -166,6 +236,52 @@ def read_table(path: str | Path):
         except Exception as error:  # pyarrow raises several unrelated types
             raise PipelineError(f"{path} is not a readable Parquet file: {error}") from None
     raise PipelineError(f"{path}: unsupported file type {suffix!r}; use .jsonl or .parquet.")
+
+
+def is_local_source(source: str) -> bool:
+    """A path (existing, or named like a supported file) rather than a hub dataset id."""
+    return (
+        Path(source).exists()
+        or source.lower().endswith((".txt", ".jsonl", ".parquet", ".json"))
+        or source.startswith(("/", "./", "../"))
+    )
+
+
+def load_hub_dataset(source: str, split: str | None, key: str):
+    """``datasets.load_dataset(source, split=split)`` with offline failures turned into one clear error."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(source, split=split)
+    except Exception as error:  # offline/connection/not-found errors come in many types
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PipelineError(
+            f"{key}: could not load hub dataset {source!r} (split {split!r}): {first}. It is not a local file "
+            f"either. Hub downloads are off (HF_DATASETS_OFFLINE=1): pre-download it with network access, export "
+            f"HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0, or point {key} at a local file."
+        ) from None
+
+
+def local_model_dir(source: str, key: str) -> Path | None:
+    """``source`` as a local model folder (None when it names none: a hub id), refused unless it
+    lies inside ``data/models/``, where dvc.yaml tracks every file of it for the stages that read it."""
+    path = Path(source)
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        raise PipelineError(f"{key} '{source}' is a file; give a model directory or a hub id.")
+    inside = Path(os.path.abspath(path)).is_relative_to(os.path.abspath(LOCAL_MODELS))
+    if not inside:
+        raise ParamsError(
+            "params.yaml",
+            [
+                f"{key}: the local model folder {source} is outside {LOCAL_MODELS}/, so DVC cannot see its files "
+                f"change and would keep reusing results built from an older copy. Move or copy it into "
+                f"{LOCAL_MODELS}/ (e.g. {LOCAL_MODELS}/{path.name}; `dvc add` it to version it) and set {key} to "
+                "that path"
+            ],
+        )
+    return path
 
 
 def read_txt_passages(path: Path) -> list[str]:

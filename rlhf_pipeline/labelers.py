@@ -5,7 +5,7 @@ lm-human-preferences asked humans which of four continuations was best. Without 
 those scores. The labeler is the *gold* reward; the reward model only ever sees its choices.
 
 Add a labeler by subclassing :class:`Labeler` and registering it in ``LABELERS`` (and in the
-``Literal`` of ``data.preferences.labeler`` in ``params.py``).
+``Literal`` of ``data.preferences.labeler`` in ``rlhf_pipeline/params/data.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.params.data import SIMULATED
 
 
 class Labeler(ABC):
@@ -53,3 +54,9 @@ def get_labeler(name: str) -> Labeler:
             f"data.preferences.labeler: unknown labeler {name!r}; known: {', '.join(sorted(LABELERS))}."
         ) from None
     return factory()
+
+
+def gold_labeler(source: str, name: str) -> Labeler | None:
+    """The gold score of the run: the labeler ``name`` when the labels are simulated
+    (``data.preferences.source``), None for user labels, which come with no gold score."""
+    return get_labeler(name) if source == SIMULATED else None

@@ -3,9 +3,13 @@
 
 The metadata names ``base_model`` and ``datasets`` in hub form only where the pipeline knows a hub
 id (the embedded SmolLM2 comes from ``HuggingFaceTB/SmolLM2-135M-Instruct``; a hub source is its
-own id); everything else (local folders, the content hash of each input, the git commit) is the
-card's ``lineage`` key and its Lineage section. ``rlhf lineage`` cross-checks the same facts later
-from ``dvc.lock``.
+own id); everything else (local folders, the content hash of each input) is the card's
+``lineage`` key and its Lineage section.
+
+A card holds only what follows from the stage's inputs and params: no git commit, dirty flag,
+timestamp, run time or machine path, so the same inputs write the same card bytes and a commit
+or a rerun does not make the stages downstream stale. Which commit recorded a model, and when,
+is git's and ``dvc.lock``'s to say: ``rlhf lineage`` reads them there.
 """
 
 from __future__ import annotations
@@ -13,13 +17,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from rlhf_pipeline.io import atomic_file, sha256_file
+from rlhf_pipeline.io import atomic_file, content_hash
 
 CARD = "README.md"
 # owner/name as the Hub spells repository ids (a local path that happens to match is not one)
@@ -52,29 +55,6 @@ def save_card(directory: str | os.PathLike, metadata: dict[str, Any], body: str)
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.strip()}\n")
     with atomic_file(Path(directory, CARD)) as handle:
         handle.write(str(card))
-
-
-def git_state() -> dict:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    sha = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if sha else None
-    return {"commit": sha or "unknown", "dirty": dirty}
-
-
-def content_hash(path: str | os.PathLike) -> str:
-    """sha256 over the sorted (relative path, file sha256) pairs of a file or directory."""
-    path = Path(path)
-    if path.is_file():
-        return sha256_file(path)
-    digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        digest.update(f"{file.relative_to(path)}\0{sha256_file(file)}\n".encode())
-    return digest.hexdigest()
 
 
 def usage_snippet(target: str, kind: str, reward_pooling: str | None = None) -> str:
@@ -136,7 +116,6 @@ def write_card(
     import torch
 
     base = read_card(base_dir)
-    git = git_state()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     hashes = {str(p): content_hash(p) for p in inputs if Path(p).exists()}
     # a mean-pooling reward model has no transformers class (rlhf_pipeline.reward loads it)
@@ -155,15 +134,12 @@ def write_card(
         "chat_template_sha256": hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None,
         "device": device,
         "lineage": {
-            "git_commit": git["commit"],
-            "git_dirty": git["dirty"],
             "base_model_dir": base_dir,
             "inputs": hashes,
         },
         **(extra_metadata or {}),
     }
     lineage = [
-        f"- git commit: `{git['commit']}`" + (" (working tree dirty)" if git["dirty"] else ""),
         f"- device: {device}",
         "- task: " + ("chat (prompts in the tokenizer's chat template)" if chat_template else "continuation"),
     ]

@@ -38,11 +38,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.conversations import content_length, end_of_turn, is_conversational, to_text_pairs
+from rlhf_pipeline.errors import DataContractError, PipelineError
+from rlhf_pipeline.io import atomic_file, is_local_source, load_hub_dataset, read_table
 from rlhf_pipeline.progress import Progress
-from rlhf_pipeline.queries import pad_tokens, tokenize_query
+from rlhf_pipeline.queries import pad_tokens, split_indices, tokenize_query
 
-PAIRWISE, BEST_OF_N, SIMULATED, CONVERSATIONAL = "pairwise", "best_of_n", "simulated", "conversational"
+PAIRWISE, BEST_OF_N, CONVERSATIONAL = "pairwise", "best_of_n", "conversational"
 PAIRED_FORMATS = (PAIRWISE, CONVERSATIONAL)  # one chosen against one rejected: best is 0 by construction
 PAIRWISE_COLUMNS = ("prompt", "chosen", "rejected")
 SAMPLE_COLUMN = re.compile(r"^sample(\d+)$")
@@ -238,8 +240,6 @@ def sample_columns(columns) -> list[str]:
 def detect_format(frame, where: str) -> str:
     """``pairwise``, ``conversational`` or ``best_of_n`` from the columns (and, for the first two, the
     kind of value in ``chosen``); PipelineError naming the columns if none fits."""
-    from rlhf_pipeline.conversations import is_conversational
-
     columns = [str(c) for c in frame.columns]
     if any(c in columns for c in PAIRWISE_COLUMNS):
         return CONVERSATIONAL if is_conversational(frame) else PAIRWISE
@@ -261,8 +261,6 @@ def to_flat_frame(frame, fmt: str, tokenizer=None, where: str = "preferences"):
     with ``tokenizer``'s chat template, or as ``role: content`` lines without one).
     """
     if fmt == CONVERSATIONAL:
-        from rlhf_pipeline.conversations import to_text_pairs
-
         frame, fmt = to_text_pairs(frame, where, tokenizer), PAIRWISE
     flat = frame.copy()
     if fmt == PAIRWISE:
@@ -341,8 +339,6 @@ def conversational_to_internal(
 ) -> dict[str, list]:
     """Conversational rows -> internal columns: the prompt rendered with the chat template (its
     last ``query_length`` tokens, left-padded), each reply ending with the template's end of turn."""
-    from rlhf_pipeline.conversations import end_of_turn, to_text_pairs
-
     pairs = to_text_pairs(frame, where, tokenizer)
     return pairwise_to_internal(pairs, tokenizer, query_length, response_length, where, end_of_turn(tokenizer))
 
@@ -369,9 +365,6 @@ def best_of_n_to_internal(
 def refuse_overlong_texts(frame, max_chars: int, where: str) -> None:
     """Refuse a text over ``max_chars`` before anything tokenizes it: a tokenizer given a 50 MB
     row takes minutes and gigabytes, and the contract would refuse the row anyway."""
-    from rlhf_pipeline.conversations import content_length
-    from rlhf_pipeline.errors import DataContractError
-
     for column in frame.columns:
         lengths = [content_length(v) for v in frame[column].tolist()]
         over = [row for row, n in enumerate(lengths) if n > max_chars]
@@ -428,8 +421,6 @@ def internal_to_flat(columns) -> pd.DataFrame:  # noqa: F821
 
 def split_by_column(frame, source: str) -> dict[str, pd.DataFrame]:  # noqa: F821
     """The train and test rows of a file with a ``split`` column, which must hold both and nothing else."""
-    from rlhf_pipeline.errors import DataContractError
-
     values = set(map(str, frame["split"].unique()))
     if not values <= {"train", "test"} or "train" not in values or "test" not in values:
         raise DataContractError(
@@ -448,10 +439,6 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
     A ``split`` column (train/test) or the hub dataset's ``test`` split is used when present;
     otherwise a seeded ``test_fraction`` of the rows is held out.
     """
-    from rlhf_pipeline.corpus import is_local_source, load_hub_dataset
-    from rlhf_pipeline.io import read_table
-    from rlhf_pipeline.queries import split_indices
-
     if is_local_source(source):
         frame = read_table(source)
         frames = {"all": frame}
@@ -506,8 +493,6 @@ def export_pairwise(source: str, split: str, target: str) -> int:
     """Write split ``split`` of the preference dataset at ``source`` to ``target`` (.jsonl or
     .parquet) in TRL's pairwise format; returns the number of pairs."""
     from datasets import load_from_disk
-
-    from rlhf_pipeline.io import atomic_file
 
     suffix = Path(target).suffix.lower()
     if suffix not in (".jsonl", ".parquet"):

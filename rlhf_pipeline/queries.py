@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rlhf_pipeline.conversations import render_prompt
 from rlhf_pipeline.errors import PipelineError
 
 # Drop reasons, in the order the rules are applied; the stage's metrics count each one.
@@ -174,8 +175,6 @@ def build_chat_queries(
     its last ``query_length`` tokens left-padded (see :func:`tokenize_query`), repeated prompts
     kept once, then split like :func:`build_queries` (same columns; counts ``prompts``, ``kept``,
     ``duplicates``, ``truncated``, ``train``, ``test``)."""
-    from rlhf_pipeline.conversations import render_prompt
-
     texts = list(dict.fromkeys(render_prompt(tokenizer, messages) for messages in prompts))
     if len(texts) < 2:
         raise PipelineError(

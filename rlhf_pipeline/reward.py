@@ -19,18 +19,27 @@ project's speed over a trainer that concatenates the query to every response com
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+from contextlib import nullcontext
 from pathlib import Path
 from typing import get_args
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from tqdm import tqdm
 
+from rlhf_pipeline import distributed
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
-from rlhf_pipeline.params import RewardPooling
-from rlhf_pipeline.sampling import position_ids_from_mask
+from rlhf_pipeline.functional import linear_anneal
+from rlhf_pipeline.io import LOCAL_MODELS, local_model_dir
+from rlhf_pipeline.models import set_dropout, transformer_layers
+from rlhf_pipeline.optim import adam
+from rlhf_pipeline.params.reward import RewardPooling
+from rlhf_pipeline.sampling import iterate_batches, position_ids_from_mask
 
 HEAD_FILE = "reward_head.safetensors"
 POOLINGS = get_args(RewardPooling)
@@ -182,8 +191,6 @@ class RewardModel(nn.Module):
         the constant cannot be folded into the weights. Inputs must not be left-padded: the stock
         class numbers positions from the first column, this model from the first real token.
         """
-        import copy
-
         from transformers import AutoModelForSequenceClassification
 
         if self.pooling != "last":
@@ -211,8 +218,6 @@ class RewardModel(nn.Module):
         the head then reads the final norm of the state after block ``num_layers``."""
         from transformers import AutoModel
 
-        from rlhf_pipeline.models import set_dropout, transformer_layers
-
         backbone = AutoModel.from_pretrained(str(base_dir), dtype=torch.float32)
         if num_layers is not None:
             layers = transformer_layers(backbone)
@@ -239,14 +244,15 @@ class RewardModel(nn.Module):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         where = f"reward.pretrained ({source!r})"
+        local_model_dir(source, "reward.pretrained")  # a local folder must be one DVC tracks
         try:
             stock = AutoModelForSequenceClassification.from_pretrained(source, dtype=torch.float32)
             theirs = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as error:
             raise PipelineError(
                 f"{where} could not be loaded as a sequence-classification model with its tokenizer: {error}. "
-                "Give a local directory or a hub id already in the local Hugging Face cache (the pipeline runs "
-                "offline) holding config.json, the weights and the tokenizer files."
+                f"Give a local directory in {LOCAL_MODELS}/ or a hub id already in the local Hugging Face cache (the "
+                "pipeline runs offline) holding config.json, the weights and the tokenizer files."
             ) from None
         if stock.config.num_labels != 1:
             raise PipelineError(f"{where} has {stock.config.num_labels} labels; a reward model has one (a scalar).")
@@ -346,6 +352,72 @@ def set_gain_bias(model: RewardModel, gain: float, bias: float) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# the loss and the normalisation, as pure functions
+# --------------------------------------------------------------------------------------------
+def best_of_n_loss(rewards: Tensor, best: Tensor, margin: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Reward-model loss for "which of N responses is best" labels (OAI's ``best`` label).
+
+    .. math::
+        z_{b,i} = r_{b,i} - m_b\\,[i = y_b],\\qquad
+        L = -\\frac1B \\sum_b \\log \\mathrm{softmax}(z_b)_{y_b}
+
+    Why: Ziegler et al. train the reward model as the logits of a softmax over the ``N``
+    candidates, so the labelled response gets the highest reward. For ``N = 2`` this is the
+    Bradley-Terry loss ``-log sigmoid(r_c - r_r - m)`` (``pairwise_loss``). The optional margin
+    (Llama-2 style) asks the chosen reward to win by at least ``m``.
+
+    Returns:
+        ``(loss, accuracy)``; accuracy is ``mean(argmax_i r_{b,i} == y_b)`` on the raw rewards,
+        detached.
+    """
+    best = best.long()
+    logits = rewards
+    if margin is not None:
+        one_hot = F.one_hot(best, num_classes=rewards.size(-1)).to(rewards.dtype)
+        logits = rewards - margin.to(rewards.dtype).unsqueeze(-1) * one_hot
+    loss = F.cross_entropy(logits, best)
+    accuracy = (rewards.detach().argmax(dim=-1) == best).to(rewards.dtype).mean()
+    return loss, accuracy
+
+
+def pairwise_loss(chosen: Tensor, rejected: Tensor, margin: Tensor | None = None) -> Tensor:
+    """Bradley-Terry pairwise loss, mean over the batch.
+
+    .. math:: L = -\\frac1B\\sum_b \\log\\sigma(r^c_b - r^r_b - m_b)
+
+    Why: the two-candidate case of ``best_of_n_loss`` (softmax over two logits is the
+    sigmoid of their difference), written directly with ``logsigmoid`` for stability.
+    """
+    diff = chosen - rejected
+    if margin is not None:
+        diff = diff - margin.to(diff.dtype)
+    return -F.logsigmoid(diff).mean()
+
+
+def normalization_gain_bias(
+    mean: float | Tensor,
+    std: float | Tensor,
+    target_mean: float = 0.0,
+    target_std: float = 1.0,
+) -> tuple[float, float]:
+    """Gain and bias that map rewards with ``(mean, std)`` to ``(target_mean, target_std)``.
+
+    .. math:: g = \\sigma_T / \\sigma_D,\\qquad b = \\mu_T - g\\,\\mu_D
+
+    Why: OAI normalises the reward model before and after training so that ``g r + b`` has
+    mean 0 and std 1 on responses sampled from the reference policy, which keeps the reward
+    scale (and so the meaning of the KL coefficient) fixed.
+    """
+    mean = float(mean)
+    std = float(std)
+    if not std > 0:
+        raise ValueError(f"normalization_gain_bias: std must be positive, got {std}")
+    gain = float(target_std) / std
+    bias = float(target_mean) - gain * mean
+    return gain, bias
+
+
+# --------------------------------------------------------------------------------------------
 # scoring, normalisation and training
 # --------------------------------------------------------------------------------------------
 @torch.no_grad()
@@ -353,8 +425,6 @@ def score_query_responses(
     model: RewardModel, queries: Tensor, responses: Tensor, batch_size: int, normalized: bool = True
 ) -> Tensor:
     """Rewards of single responses (B, R) to queries (B, Q), batched: (B,)."""
-    from rlhf_pipeline.sampling import iterate_batches
-
     scores = [
         model.score_best_of_n(queries[rows], responses[rows, None, :], normalized)[:, 0]
         for rows in iterate_batches(len(queries), batch_size)
@@ -366,8 +436,6 @@ def fit_normalization(
     model: RewardModel, raw_scores: Tensor, target_mean: float, target_std: float
 ) -> tuple[float, float]:
     """Set gain/bias so that ``gain * raw + bias`` has the target mean and std on ``raw_scores``."""
-    from rlhf_pipeline.functional import normalization_gain_bias
-
     mean, std = raw_scores.mean().item(), raw_scores.std(unbiased=False).item()
     if not math.isfinite(std) or std == 0.0:
         raise PipelineError(
@@ -393,8 +461,6 @@ def preference_tensors(split, device: torch.device | str = "cpu") -> tuple[Tenso
 
 @torch.no_grad()
 def best_of_n_accuracy(model: RewardModel, queries: Tensor, samples: Tensor, best: Tensor, batch_size: int) -> float:
-    from rlhf_pipeline.sampling import iterate_batches
-
     correct = 0
     for rows in iterate_batches(len(queries), batch_size):
         rewards = model.score_best_of_n(queries[rows], samples[rows])
@@ -444,14 +510,6 @@ def train_reward_model(
 
     Returns one record per optimizer step (loss, accuracy, lr); ``log(record)`` is called too.
     """
-    from contextlib import nullcontext
-
-    from tqdm import tqdm
-
-    from rlhf_pipeline import distributed
-    from rlhf_pipeline.functional import best_of_n_loss, linear_anneal
-    from rlhf_pipeline.optim import adam
-
     accelerator = accelerator or distributed.make_accelerator(torch.device("cpu"), stage="train_reward")
     if batch_size % accelerator.num_processes:
         raise PipelineError(

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from rlhf_pipeline.conversations import end_of_turn, require_chat_template
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.functional import logprobs_and_entropy, logprobs_from_logits, truncate_response
 from rlhf_pipeline.models import backbone_of, transformer_layers
-from rlhf_pipeline.params import TaskParams
+from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.progress import Progress
 
 
@@ -335,8 +336,6 @@ class ResponseSampler:
         truncate_token_id = single_token_id(tokenizer, task.truncate_token, "task.truncate_token")
         if not task.chat:
             return cls(task, tokenizer.pad_token_id, tokenizer.eos_token_id, truncate_token_id)
-        from rlhf_pipeline.conversations import end_of_turn, require_chat_template
-
         require_chat_template(tokenizer, "task.chat")
         end = single_token_id(tokenizer, end_of_turn(tokenizer), "the chat template's end-of-turn text")
         return cls(task, tokenizer.pad_token_id, end, truncate_token_id, stop_at_eos=True)

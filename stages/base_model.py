@@ -6,11 +6,17 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 
 from rlhf_pipeline.io import atomic_dir
 from rlhf_pipeline.modelcard import hub_id, save_card, usage_snippet
-from rlhf_pipeline.models import add_dedicated_pad_token, count_parameters, load_source_model, set_dropout
-from rlhf_pipeline.params import Params
+from rlhf_pipeline.models import count_parameters, save_tokenizer, set_dropout
+from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.base_model import BaseModelParams
 from rlhf_pipeline.runner import run_stage
+from rlhf_pipeline.sources import add_dedicated_pad_token, load_source_model
 
 OUT = "models/base"
+
+
+class Params(StageParams):
+    base_model: BaseModelParams = BaseModelParams()
 
 
 def main(params: Params) -> None:
@@ -20,9 +26,9 @@ def main(params: Params) -> None:
     set_dropout(model, cfg.dropout)
     model.eval()
     n_params = count_parameters(model)
-    with atomic_dir(OUT) as tmp:
+    with atomic_dir(OUT, checksums=True) as tmp:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
         upstream = provenance.get("upstream")
         metadata = {
             "base_model": hub_id(upstream),
@@ -50,7 +56,7 @@ Materialised by the `base_model` stage from `{cfg.source}` as fp32 safetensors.
 - Dedicated pad token `{cfg.pad_token}` (id {pad_id}), distinct from eos (id {tokenizer.eos_token_id}),
   as lm-human-preferences requires.
 - Dropout: {cfg.dropout} (the reference trains with dropout off).
-- Source file sha256: `{provenance.get("source_sha256")}`
+- Source sha256: `{provenance.get("source_sha256")}` (a local folder: over every file in it)
 
 This is the frozen reference policy for PPO and the initialisation of the reward model and policy.
 
@@ -63,4 +69,4 @@ This is the frozen reference policy for PPO and the initialisation of the reward
 
 
 if __name__ == "__main__":
-    run_stage("base_model", main)
+    run_stage("base_model", main, Params)

@@ -10,20 +10,20 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 
 from datasets import Dataset
 
-from rlhf_pipeline.corpus import (
-    GENERATED,
-    clean_passages,
-    generate_passages,
-    is_local_source,
-    load_hub_passages,
-    load_local_passages,
-)
-from rlhf_pipeline.io import atomic_dir
+from rlhf_pipeline.corpus import clean_passages, generate_passages, load_hub_passages, load_local_passages
+from rlhf_pipeline.io import atomic_dir, is_local_source
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
-from rlhf_pipeline.params import Params
+from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.data import GENERATED, DataParams
+from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.runner import run_stage
 
 BASE, OUT = "models/base", "data/corpus"
+
+
+class Params(StageParams):
+    data: DataParams = DataParams()
+    task: TaskParams = TaskParams()
 
 
 def main(params: Params) -> None:
@@ -61,4 +61,4 @@ def main(params: Params) -> None:
 
 
 if __name__ == "__main__":
-    run_stage("corpus", main)
+    run_stage("corpus", main, Params)

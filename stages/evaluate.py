@@ -18,9 +18,13 @@ from rlhf_pipeline.evaluation import (
     summarize,
 )
 from rlhf_pipeline.io import atomic_file, write_json
-from rlhf_pipeline.labelers import get_labeler
+from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
-from rlhf_pipeline.params import Params
+from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.data import DataParams
+from rlhf_pipeline.params.evaluate import EvaluateParams
+from rlhf_pipeline.params.task import TaskParams
+from rlhf_pipeline.ppo.checkpoint import verified_snapshots
 from rlhf_pipeline.queries import load_queries
 from rlhf_pipeline.reward import HEAD_FILE, RewardModel
 from rlhf_pipeline.runner import run_stage
@@ -37,17 +41,24 @@ OUT = Path("evaluation")
 METRICS = "metrics/evaluate.json"
 
 
+class Params(StageParams):
+    data: DataParams = DataParams()
+    task: TaskParams = TaskParams()
+    evaluate: EvaluateParams = EvaluateParams()
+
+
 def main(params: Params) -> None:
     cfg = params.evaluate
     require_dir(BASE, "base_model")
     require_dir(REWARD, "normalize_reward", HEAD_FILE)
     require_dir(POLICY, "train_policy")
+    snapshots = verified_snapshots(SNAPSHOTS)  # a damaged snapshot stops the stage before anything is sampled
     tokenizer = load_tokenizer(BASE)
     base = load_causal_lm(BASE).eval()
     policy = load_causal_lm(POLICY).eval()
     reward_model = RewardModel.load(REWARD)
     sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
-    labeler = get_labeler(params.data.preferences.labeler) if params.data.preferences.source == "simulated" else None
+    labeler = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
     queries = load_queries(QUERIES, "test", tokenizer.pad_token_id, cfg.num_queries)
     seed = params.seed + 2  # same stream for base and policy, distinct from training streams
 
@@ -63,7 +74,6 @@ def main(params: Params) -> None:
 
     # Over-optimisation curve: the base model at KL 0, every PPO snapshot; the last snapshot holds
     # the shipped policy's weights, so its sample set is the policy's.
-    snapshots = sorted(Path(SNAPSHOTS).glob("update_*.safetensors"))
     shipped_update = (
         int(snapshots[-1].stem.split("_")[1]) if snapshots and snapshot_matches(policy, snapshots[-1]) else None
     )
@@ -170,4 +180,4 @@ def render_report(metrics: dict, points: list[dict], best: dict, rows: list[dict
 
 
 if __name__ == "__main__":
-    run_stage("evaluate", main)
+    run_stage("evaluate", main, Params)

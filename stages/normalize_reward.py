@@ -15,12 +15,15 @@ import torch
 from scipy.stats import spearmanr
 
 from rlhf_pipeline.io import atomic_dir, write_json
-from rlhf_pipeline.labelers import get_labeler
+from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.modelcard import write_card
-from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
-from rlhf_pipeline.params import Params
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir, save_tokenizer
+from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.data import DataParams
+from rlhf_pipeline.params.reward import RewardParams
+from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.queries import draw_queries, load_queries
-from rlhf_pipeline.reward import RewardModel, fit_normalization, score_query_responses, set_gain_bias
+from rlhf_pipeline.reward import HEAD_FILE, RewardModel, fit_normalization, score_query_responses, set_gain_bias
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sampling import ResponseSampler
 
@@ -28,9 +31,16 @@ BASE, TRAINED, QUERIES = "models/base", "models/reward_unnormalized", "data/quer
 OUT, METRICS = "models/reward", "metrics/reward.json"
 
 
+class Params(StageParams):
+    data: DataParams = DataParams()
+    task: TaskParams = TaskParams()
+    reward: RewardParams = RewardParams()
+
+
 def main(params: Params) -> None:
     cfg = params.reward.normalize
     require_dir(BASE, "base_model")
+    require_dir(TRAINED, "train_reward", HEAD_FILE)
     tokenizer = load_tokenizer(BASE)
     model = RewardModel.load(TRAINED)
     base = load_causal_lm(BASE).eval()
@@ -65,14 +75,15 @@ def main(params: Params) -> None:
         "normalized/mean_stderr": fresh.std().item() / len(fresh) ** 0.5,
         "normalized/samples": len(fresh),
     }
-    if params.data.preferences.source == "simulated":
+    labeler = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
+    if labeler is not None:
         texts = tokenizer.batch_decode(eval_responses, skip_special_tokens=True)
-        gold = get_labeler(params.data.preferences.labeler).score(texts)
+        gold = labeler.score(texts)
         metrics["gold_correlation"] = float(spearmanr(fresh.numpy(), gold).statistic)
 
-    with atomic_dir(OUT) as tmp:
+    with atomic_dir(OUT, checksums=True) as tmp:
         model.save(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
         write_card(
             tmp,
             target=OUT,
@@ -102,4 +113,4 @@ def main(params: Params) -> None:
 
 
 if __name__ == "__main__":
-    run_stage("normalize_reward", main)
+    run_stage("normalize_reward", main, Params)

@@ -17,9 +17,10 @@ from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
-from rlhf_pipeline.params import Params
+from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.data import SIMULATED, DataParams
+from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.preferences import (
-    SIMULATED,
     ceiling_accuracy,
     chat_format,
     features,
@@ -32,6 +33,11 @@ from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sampling import ResponseSampler
 
 BASE, QUERIES, OUT, METRICS = "models/base", "data/queries", "data/preferences", "metrics/preferences.json"
+
+
+class Params(StageParams):
+    data: DataParams = DataParams()
+    task: TaskParams = TaskParams()
 
 
 def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
@@ -129,4 +135,4 @@ def main(params: Params) -> None:
 
 
 if __name__ == "__main__":
-    run_stage("preferences", main)
+    run_stage("preferences", main, Params)

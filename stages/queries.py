@@ -11,13 +11,19 @@ from rlhf_pipeline.conversations import read_prompts, require_chat_template
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.models import load_tokenizer, require_dir
-from rlhf_pipeline.params import Params
-from rlhf_pipeline.preferences import SIMULATED
+from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.data import SIMULATED, DataParams
+from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.queries import build_chat_queries, build_queries
 from rlhf_pipeline.runner import run_stage
 
 BASE, CORPUS, OUT, METRICS = "models/base", "data/corpus", "data/queries", "metrics/queries.json"
 FEATURES = Features({"query_ids": List(Value("int64")), "query": Value("string")})
+
+
+class Params(StageParams):
+    data: DataParams = DataParams()
+    task: TaskParams = TaskParams()
 
 
 def chat_prompts(params: Params) -> list[list[dict]]:
@@ -63,4 +69,4 @@ def main(params: Params) -> None:
 
 
 if __name__ == "__main__":
-    run_stage("queries", main)
+    run_stage("queries", main, Params)

@@ -8,22 +8,31 @@ from contextlib import nullcontext
 
 import torch
 
-from rlhf_pipeline.distributed import make_accelerator, whole_model
-from rlhf_pipeline.env import project_root
-from rlhf_pipeline.io import atomic_dir, write_json
-from rlhf_pipeline.labelers import get_labeler
+from rlhf_pipeline.distributed import make_accelerator, resolve_device, whole_model
+from rlhf_pipeline.io import atomic_dir, content_hash, write_json
+from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.logging import open_live
-from rlhf_pipeline.modelcard import content_hash, write_card
-from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir, resolve_device
-from rlhf_pipeline.params import Params
-from rlhf_pipeline.ppo import Checkpointer, PolicyWithValue, PPOTrainer, fingerprint_of, save_policy
+from rlhf_pipeline.modelcard import write_card
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
+from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.data import DataParams
+from rlhf_pipeline.params.ppo import PPOParams
+from rlhf_pipeline.params.task import TaskParams
+from rlhf_pipeline.ppo.checkpoint import Checkpointer, fingerprint_of
+from rlhf_pipeline.ppo.policy import PolicyWithValue, save_policy
+from rlhf_pipeline.ppo.trainer import PPOTrainer
 from rlhf_pipeline.queries import load_queries
 from rlhf_pipeline.reward import HEAD_FILE, RewardModel
-from rlhf_pipeline.runner import run_stage
-from rlhf_pipeline.stage_params import declared_code_hash
+from rlhf_pipeline.runner import declared_code_hash, project_root, run_stage
 
 BASE, REWARD, QUERIES, PREFS = "models/base", "models/reward", "data/queries", "data/preferences"
 OUT, CHECKPOINTS, METRICS, LIVE = "models/policy", "checkpoints/policy", "metrics/policy.json", "dvclive/train_policy"
+
+
+class Params(StageParams):
+    data: DataParams = DataParams()
+    task: TaskParams = TaskParams()
+    ppo: PPOParams = PPOParams()
 
 
 def build_policy(cfg, device) -> PolicyWithValue:
@@ -61,7 +70,7 @@ def main(params: Params) -> None:
     ref_model = load_causal_lm(BASE, frozen_device)
     reward_model = RewardModel.load(REWARD, frozen_device) if cfg.score_source == "reward_model" else None
     policy = build_policy(cfg, plan.device)
-    gold = get_labeler(params.data.preferences.labeler) if params.data.preferences.source == "simulated" else None
+    gold = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
     gold_standardization = gold_statistics(PREFS) if cfg.score_source == "gold" and gold is not None else None
     reward_hash = content_hash(f"{REWARD}/reward_head.safetensors") if uses_reward_model else None
     # params, inputs and code: a checkpoint of another version of any of them is not resumed
@@ -104,6 +113,7 @@ def main(params: Params) -> None:
             accelerator=accelerator,
         )
         history = trainer.train(progress=is_main)
+    timings = trainer.timings
     policy = whole_model(accelerator, policy, lambda: build_policy(cfg, "cpu"))
     if not is_main:
         return
@@ -119,12 +129,14 @@ def main(params: Params) -> None:
         "score/last_quarter": mean(last, "objective/score"),
         "kl/last_quarter": mean(last, "objective/kl"),
         "kl_coef/final": history[-1]["objective/kl_coef"],
-        "episodes_per_second": mean(history, "episodes_per_second"),
     }
     if gold is not None:
         metrics["gold/first_quarter"] = mean(first, "objective/gold")
         metrics["gold/last_quarter"] = mean(last, "objective/gold")
-    with atomic_dir(OUT) as tmp:
+    # how long the updates this process ran took: in the metrics file only (no cached output
+    # holds a timing, so a rerun writes the same bytes); none when it resumed at the last update
+    speed = {"episodes_per_second": mean(timings, "episodes_per_second")} if timings else {}
+    with atomic_dir(OUT, checksums=True) as tmp:
         save_policy(policy, tokenizer, tmp, params.task.temperature, params.task.response_length)
         write_card(
             tmp,
@@ -143,7 +155,7 @@ def main(params: Params) -> None:
             inputs=[BASE, REWARD, QUERIES],
             extra_metadata={"device": plan.describe()},
         )
-    write_json(METRICS, metrics)
+    write_json(METRICS, {**metrics, **speed})
     print(
         f"train_policy: {metrics['episodes']} episodes, score {metrics['score/first_quarter']:.3f} -> "
         f"{metrics['score/last_quarter']:.3f}, KL {metrics['kl/last_quarter']:.2f}"
@@ -151,4 +163,4 @@ def main(params: Params) -> None:
 
 
 if __name__ == "__main__":
-    run_stage("train_policy", main)
+    run_stage("train_policy", main, Params)

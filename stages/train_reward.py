@@ -14,8 +14,11 @@ from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import atomic_dir, read_json, write_json
 from rlhf_pipeline.logging import open_live
 from rlhf_pipeline.modelcard import write_card
-from rlhf_pipeline.models import freeze_lower_layers, load_causal_lm, load_tokenizer, require_dir
-from rlhf_pipeline.params import Params
+from rlhf_pipeline.models import freeze_lower_layers, load_causal_lm, load_tokenizer, require_dir, save_tokenizer
+from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.data import DataParams
+from rlhf_pipeline.params.reward import RewardParams
+from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.queries import load_queries
 from rlhf_pipeline.reward import (
     RewardModel,
@@ -30,6 +33,12 @@ from rlhf_pipeline.sampling import ResponseSampler
 
 BASE, PREFS, QUERIES, VALIDATION = "models/base", "data/preferences", "data/queries", "data/validation/summary.json"
 OUT, METRICS = "models/reward_unnormalized", "metrics/reward_train.json"
+
+
+class Params(StageParams):
+    data: DataParams = DataParams()
+    task: TaskParams = TaskParams()
+    reward: RewardParams = RewardParams()
 
 
 def build(params: Params, tokenizer, generator: torch.Generator | None = None) -> RewardModel:
@@ -135,9 +144,9 @@ def main(params: Params) -> None:
             f"{train[1].shape[1]} labels with softmax cross-entropy (lm-human-preferences). "
             "Gain/bias here are from `normalize_before`; "
         )
-    with atomic_dir(OUT) as tmp:
+    with atomic_dir(OUT, checksums=True) as tmp:
         model.save(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
         write_card(
             tmp,
             target=OUT,
@@ -164,4 +173,4 @@ def main(params: Params) -> None:
 
 
 if __name__ == "__main__":
-    run_stage("train_reward", main)
+    run_stage("train_reward", main, Params)

@@ -16,11 +16,16 @@ from datasets import load_from_disk
 from rlhf_pipeline.contract import format_summary, optional_tokenizer, summary_payload, validate_dataframe
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import atomic_dir, read_json, write_json
-from rlhf_pipeline.params import Params
+from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.preferences import PAIRED_FORMATS, display_names, internal_to_flat
 from rlhf_pipeline.runner import run_stage
 
 BASE, PREFS, OUT = "models/base", "data/preferences", "data/validation"
+
+
+class Params(StageParams):
+    data: DataParams = DataParams()
 
 
 def main(params: Params) -> None:
@@ -55,4 +60,4 @@ def main(params: Params) -> None:
 
 
 if __name__ == "__main__":
-    run_stage("validate_preferences", main)
+    run_stage("validate_preferences", main, Params)

@@ -22,20 +22,24 @@ PAD_TOKEN = "<|pad|>"
 
 
 def materialize_tiny_base(directory: str | os.PathLike, warm_up: bool = True) -> Path:
-    """models/base for the tiny model: build_tiny_model, load it the way the base_model stage
-    loads a local source, (warm it up), add the dedicated pad token, save."""
-    from rlhf_pipeline.models import add_dedicated_pad_token, load_source_model
-    from rlhf_pipeline.tiny import build_tiny_model, warm_up
+    """models/base for the tiny model: build_tiny_model, load it as the base_model stage loads a
+    local source, (warm it up), add the dedicated pad token, save with its SHA256SUMS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_pipeline.io import write_checksums
+    from rlhf_pipeline.sources import add_dedicated_pad_token, build_tiny_model, warm_up
 
     directory = Path(directory)
     source = build_tiny_model(directory.parent / f"{directory.name}-source")
-    model, tokenizer, _ = load_source_model(str(source))
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source)
     if warm_up:
         warm_up(model, tokenizer)
     add_dedicated_pad_token(model, tokenizer, PAD_TOKEN)
     model.eval()
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    write_checksums(directory)
     return directory
 
 
@@ -68,6 +72,7 @@ CHATML = (
 def tiny_chat_base_dir(tiny_base_dir, tmp_path_factory) -> Path:
     """The tiny base model with a chat template: ChatML's two markers added as special tokens
     (embedding rows appended) and the template saved with the tokenizer."""
+    from rlhf_pipeline.io import write_checksums
     from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 
     directory = tmp_path_factory.mktemp("tiny_chat") / "base"
@@ -77,6 +82,7 @@ def tiny_chat_base_dir(tiny_base_dir, tmp_path_factory) -> Path:
     tokenizer.chat_template = CHATML
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    write_checksums(directory)
     return directory
 
 
@@ -125,7 +131,7 @@ def tiny_params(**overrides) -> dict:
 def full_params(partial: dict) -> dict:
     """``partial`` with every other key at its schema default, spelled out: DVC (and so the stage
     runner) reads each tracked key from the file itself."""
-    from rlhf_pipeline.params import parse_params
+    from rlhf_pipeline.params.schema import parse_params
 
     return parse_params(partial).model_dump(mode="json")
 

@@ -113,6 +113,18 @@ def stage_script(stage) -> str:
     return scripts[0]
 
 
+def stage_schema(stage):
+    """The params schema the stage's script hands the runner (its module-level ``Params``)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"stage_{stage.name}", REPO / stage_script(stage))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pydantic resolves the schema's annotations through it
+    spec.loader.exec_module(module)
+    return module.Params
+
+
 def stage_importers(module: str) -> set[str]:
     """The stages whose script imports ``module`` (a path like rlhf_pipeline/models.py)."""
     return {stage.name for stage in pipeline_stages() if module in project_files(REPO / stage_script(stage))}

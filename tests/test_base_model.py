@@ -11,9 +11,10 @@ import pytest
 import yaml
 from conftest import add_pipeline_definition, full_params
 
+from rlhf_pipeline.io import content_hash
 from rlhf_pipeline.modelcard import read_card as read_model_card
 from rlhf_pipeline.models import load_tokenizer
-from rlhf_pipeline.tiny import build_tiny_model
+from rlhf_pipeline.sources import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,11 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def stage_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("base_stage")
-    build_tiny_model(root / "tiny_src")
+    build_tiny_model(root / "data/models/tiny")
     # the source's own card says where it came from: the base model's card carries that on, in hub form
-    (root / "tiny_src/README.md").write_text("---\nbase_model: example-org/tiny-llama\nlicense: mit\n---\n\n# Tiny\n")
+    (root / "data/models/tiny/README.md").write_text(
+        "---\nbase_model: example-org/tiny-llama\nlicense: mit\n---\n\n# Tiny\n"
+    )
     (root / "params.yaml").write_text(
-        yaml.safe_dump(full_params({"base_model": {"source": str(root / "tiny_src"), "dropout": 0.0}}))
+        yaml.safe_dump(full_params({"base_model": {"source": "data/models/tiny", "dropout": 0.0}}))
     )
     add_pipeline_definition(root)
     result = subprocess.run(
@@ -44,16 +47,18 @@ def test_stage_adds_a_dedicated_pad_token(stage_run):
     assert config["vocab_size"] >= tokenizer.pad_token_id + 1
     assert "quantization_config" not in config
     assert (root / "models/base/model.safetensors").is_file()
+    # every file's sha256, in the format `sha256sum -c` checks (what later stages verify before loading)
+    check = subprocess.run(["sha256sum", "--check", "--strict", "SHA256SUMS"], cwd=root / "models/base", text=True)
+    assert check.returncode == 0
+    listed = {line.split("  ", 1)[1] for line in (root / "models/base/SHA256SUMS").read_text().splitlines()}
+    assert listed == {p.name for p in (root / "models/base").iterdir()} - {"SHA256SUMS"}
 
 
 def test_model_card_front_matter(stage_run):
     root, _ = stage_run
     card = read_model_card(root / "models/base")
-    source_weights = root / "tiny_src/model.safetensors"
-    import hashlib
-
-    assert card["source"] == str(root / "tiny_src")
-    assert card["source_sha256"] == hashlib.sha256(source_weights.read_bytes()).hexdigest()
+    assert card["source"] == "data/models/tiny"
+    assert card["source_sha256"] == content_hash(root / "data/models/tiny")  # every file of the folder
     assert card["parameters"] > 10_000
     assert card["base_model"] == "example-org/tiny-llama" and card["license"] == "mit"  # from the source's card
     assert card["pipeline_tag"] == "text-generation" and "tmp-" not in (root / "models/base/README.md").read_text()
@@ -75,10 +80,25 @@ def test_missing_local_source_fails_fast_with_a_clear_message(tmp_path):
     assert not (tmp_path / "models").exists()
 
 
-def test_dropout_param_is_applied(tmp_path):
-    build_tiny_model(tmp_path / "src")
+def test_a_local_source_outside_data_models_is_refused(tmp_path):
+    """DVC tracks data/models/ for the stage: a folder elsewhere could change unseen."""
+    build_tiny_model(tmp_path / "elsewhere")
     (tmp_path / "params.yaml").write_text(
-        yaml.safe_dump(full_params({"base_model": {"source": str(tmp_path / "src"), "dropout": 0.25}}))
+        yaml.safe_dump(full_params({"base_model": {"source": str(tmp_path / "elsewhere")}}))
+    )
+    add_pipeline_definition(tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "stages/base_model.py")], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2, result.stderr
+    assert "base_model.source" in result.stderr and "outside data/models/" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "models").exists()
+
+
+def test_dropout_param_is_applied(tmp_path):
+    build_tiny_model(tmp_path / "data/models/src")
+    (tmp_path / "params.yaml").write_text(
+        yaml.safe_dump(full_params({"base_model": {"source": "data/models/src", "dropout": 0.25}}))
     )
     add_pipeline_definition(tmp_path)
     result = subprocess.run(
@@ -86,3 +106,22 @@ def test_dropout_param_is_applied(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "models/base/config.json").read_text())["attention_dropout"] == 0.25
+
+
+def test_a_saved_tokenizer_pads_as_asked_and_forgets_how_it_was_loaded(tmp_path):
+    """The embedded GGUF's tokenizer (the CPU default's): transformers keeps `local_files_only` and
+    `is_local` among its init arguments and saves a padding side only if it was one; the saved
+    policy tokenizer must pad on the left and carry no flag of this machine."""
+    from transformers import AutoTokenizer
+
+    from rlhf_pipeline.models import save_tokenizer
+    from rlhf_pipeline.sources import embedded_gguf_path
+
+    gguf = embedded_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    assert tokenizer.init_kwargs.get("local_files_only") and tokenizer.padding_side == "right"
+    save_tokenizer(tokenizer, tmp_path, padding_side="left")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["padding_side"] == "left" and not {"local_files_only", "is_local"} & set(config)
+    assert AutoTokenizer.from_pretrained(tmp_path).padding_side == "left"
+    assert tokenizer.padding_side == "right" and tokenizer.init_kwargs.get("local_files_only")  # the caller's as it was

@@ -12,7 +12,7 @@ import yaml
 from test_pipeline_e2e import REPO, TINY_PARAMS, sh
 
 from rlhf_pipeline.modelcard import read_card
-from rlhf_pipeline.params import parse_params
+from rlhf_pipeline.params.schema import parse_params
 
 pytestmark = pytest.mark.e2e
 
@@ -56,16 +56,16 @@ def chat_project(tmp_path_factory, tiny_chat_base_dir):
     (root / "data/labels/prompts.jsonl").write_text(
         "".join(json.dumps({"prompt": r["chosen"][:-1]}) + "\n" for r in rows if "prompt" not in r)
     )
-    source = root / "tiny_source"
+    source = root / "data/models/tiny"
     shutil.copytree(tiny_chat_base_dir, source)
     params = json.loads(json.dumps(TINY_PARAMS))
-    params["base_model"] = {"source": str(source)}
+    params["base_model"] = {"source": "data/models/tiny"}
     params["task"] = {"chat": True, "response_length": 16, "truncate_token": None}
     params["data"]["queries"] = {"query_length": 32, "test_fraction": 0.25, "prompts": "data/labels/prompts.jsonl"}
     params["data"]["preferences"] = {"source": "data/labels/chat.jsonl"}
     params["data"]["validation"] = {"min_rows": 16}
     (root / "params.yaml").write_text(yaml.safe_dump(parse_params(params).model_dump(mode="json"), sort_keys=False))
-    (root / ".gitignore").write_text("/models/\n/checkpoints/\n/dvclive/\n/tiny_source/\n")
+    (root / ".gitignore").write_text("/models/\n/checkpoints/\n/dvclive/\n/data/models/tiny/\n")
     sh(["git", "init", "-q"], root)
     sh(["dvc", "init", "-q"], root)
     sh(["git", "add", "-A"], root)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rlhf_pipeline.offline import OFFLINE_DEFAULTS
+
 import json
 import os
 import shutil
@@ -15,10 +17,10 @@ from datasets import Dataset, DatasetDict, load_dataset
 from rlhf_pipeline import __version__
 from rlhf_pipeline.cli import main
 from rlhf_pipeline.contract import validate_file_cli
-from rlhf_pipeline.env import OFFLINE_DEFAULTS
-from rlhf_pipeline.models import load_source_model
-from rlhf_pipeline.params import load_params, parse_params, read_params_file
-from rlhf_pipeline.stage_params import declared_keys_by_stage, missing_key_problems
+from rlhf_pipeline.params import read_params_file
+from rlhf_pipeline.params.schema import load_params, parse_params
+from rlhf_pipeline.runner import declared_keys_by_stage, missing_key_problems
+from rlhf_pipeline.sources import load_source_model
 
 
 def run_cli(*argv: str) -> int:
@@ -35,7 +37,10 @@ def test_version(capsys):
 def test_importing_the_library_changes_nothing_in_the_callers_environment():
     """The offline and quiet settings come from the entry points (rlhf_pipeline.offline), not from
     importing the package or any of its modules."""
-    modules = "rlhf_pipeline, rlhf_pipeline.params, rlhf_pipeline.ppo, rlhf_pipeline.contract, rlhf_pipeline.lineage"
+    modules = (
+        "rlhf_pipeline, rlhf_pipeline.params.schema, rlhf_pipeline.ppo.trainer, rlhf_pipeline.contract, "
+        "rlhf_pipeline.lineage, rlhf_pipeline.runner, rlhf_pipeline.sources"
+    )
     code = (
         "import json, os; before = dict(os.environ)\n"
         f"import {modules}\n"

@@ -120,7 +120,7 @@ def test_a_base_model_without_a_chat_template_is_refused(tiny_tokenizer):
 
 def test_the_contract_checks_the_replies_as_it_checks_pairwise_texts(chat_tokenizer):
     from rlhf_pipeline.contract import validate_dataframe
-    from rlhf_pipeline.params import ValidationParams
+    from rlhf_pipeline.params.data import ValidationParams
     from rlhf_pipeline.preferences import display_names
 
     rows = standard_rows()
@@ -168,7 +168,7 @@ def test_preferences_stage_reads_conversational_jsonl(project, tiny_chat_base_di
 
 
 def test_chat_sampler_stops_at_the_template_s_end_of_turn(chat_tokenizer, tiny_tokenizer):
-    from rlhf_pipeline.params import TaskParams
+    from rlhf_pipeline.params.task import TaskParams
     from rlhf_pipeline.sampling import ResponseSampler
 
     sampler = ResponseSampler.from_tokenizer(TaskParams(chat=True, truncate_token=None), chat_tokenizer)

@@ -13,12 +13,12 @@ from rlhf_pipeline.corpus import (
     clean_passages,
     encode_prompt,
     generate_passages,
-    is_local_source,
     load_hub_passages,
     load_local_passages,
     topic_prompts,
 )
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.io import is_local_source
 
 
 def test_txt_one_passage_per_line_without_blank_lines(tmp_path):

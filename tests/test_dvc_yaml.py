@@ -3,14 +3,32 @@ its params (enforced at run time by the stage runner's restricted view)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from conftest import run_stage_script
-from stage_imports import REPO, import_chain, pipeline_stages, project_files, stage_script
+from stage_imports import (
+    REPO,
+    import_chain,
+    imported_modules,
+    module_path,
+    pipeline_stages,
+    project_files,
+    stage_importers,
+    stage_schema,
+    stage_script,
+)
 
-from rlhf_pipeline.params import Params
-from rlhf_pipeline.runner import run_stage
-from rlhf_pipeline.stage_params import DeclaredParams, UndeclaredParamError, declared_param_keys
+from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.ppo import PPOParams
+from rlhf_pipeline.params.schema import Params
+from rlhf_pipeline.runner import DeclaredParams, UndeclaredParamError, declared_param_keys, run_stage
+
+
+class ProbeParams(StageParams):
+    ppo: PPOParams = PPOParams()
+
 
 CODE_FOLDERS = ("rlhf_pipeline", "stages")
 
@@ -126,10 +144,10 @@ def test_a_stage_reading_an_undeclared_key_fails_with_exit_2(tmp_path, monkeypat
     (tmp_path / "params.yaml").write_text("seed: 5\nppo:\n  lr: 1.0e-5\n")
     monkeypatch.chdir(tmp_path)
     seen = []
-    run_stage("probe", lambda params: seen.append((params.seed, params.ppo.lr)), argv=[])
+    run_stage("probe", lambda params: seen.append((params.seed, params.ppo.lr)), ProbeParams, argv=[])
     assert seen == [(5, 1.0e-5)]
     with pytest.raises(SystemExit) as exit_:
-        run_stage("probe", lambda params: params.ppo.cliprange, argv=[])
+        run_stage("probe", lambda params: params.ppo.cliprange, ProbeParams, argv=[])
     assert exit_.value.code == 2
     assert "stage probe read params.yaml key 'ppo.cliprange'" in capsys.readouterr().err
 
@@ -146,23 +164,30 @@ def test_a_real_stage_is_held_to_dvc_yaml(project, capsys):
     assert sorted(p.name for p in (project / "models").iterdir()) == before
 
 
-def test_every_declared_key_is_a_parameter():
-    """Every declared key names a real parameter (a typo in dvc.yaml would track nothing)."""
-    fields = set()
+def parameter_paths(model, prefix: str = "") -> set[str]:
+    """Every dotted key of a params model (sections and leaves)."""
+    paths = set()
+    for name in type(model).model_fields:
+        paths.add(f"{prefix}{name}")
+        value = getattr(model, name)
+        if hasattr(type(value), "model_fields"):
+            paths |= parameter_paths(value, f"{prefix}{name}.")
+    return paths
 
-    def walk(model, prefix=""):
-        for name in type(model).model_fields:
-            path = f"{prefix}{name}"
-            fields.add(path)
-            value = getattr(model, name)
-            if hasattr(type(value), "model_fields"):
-                walk(value, path + ".")
 
-    walk(Params())
+def test_every_declared_key_is_a_parameter_of_the_stage_s_own_schema():
+    """Every declared key names a real parameter (a typo in dvc.yaml would track nothing), in the
+    sections the stage's own schema validates; and those sections are exactly the declared ones
+    (a stage validating a section it does not read would depend on that section's module)."""
+    every = parameter_paths(Params())
     for stage in pipeline_stages():
         keys = declared_param_keys(stage.name, REPO)
         assert keys is not None, f"stage {stage.name} declares the whole params file"
-        assert keys <= fields, f"stage {stage.name}: unknown keys {sorted(keys - fields)}"
+        assert keys <= every, f"stage {stage.name}: unknown keys {sorted(keys - every)}"
+        schema = stage_schema(stage)
+        assert keys <= parameter_paths(schema()), f"stage {stage.name}: its schema lacks {sorted(keys)}"
+        sections = {key.split(".")[0] for key in keys} | {"seed"}
+        assert set(schema.model_fields) == sections, f"stage {stage.name} validates {sorted(schema.model_fields)}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,7 +222,7 @@ def test_a_stage_whose_declared_key_is_missing_from_the_file_fails_with_exit_2(t
     monkeypatch.chdir(tmp_path)
     ran = []
     with pytest.raises(SystemExit) as exit_:
-        run_stage("probe", lambda params: ran.append(params.seed), argv=[])
+        run_stage("probe", lambda params: ran.append(params.seed), ProbeParams, argv=[])
     assert exit_.value.code == 2 and not ran
     assert "ppo.lr: missing; dvc.yaml tracks it for stage probe" in capsys.readouterr().err
 
@@ -205,14 +230,105 @@ def test_a_stage_whose_declared_key_is_missing_from_the_file_fails_with_exit_2(t
 def test_the_code_hash_follows_the_declared_code(monkeypatch):
     """train_policy's checkpoint fingerprint includes this hash: editing any module the stage
     declares (here ppo.py, simulated) changes it, so an old checkpoint is not resumed."""
-    import rlhf_pipeline.io as io
-    from rlhf_pipeline.stage_params import declared_code_hash
+    import rlhf_pipeline.runner as runner
 
-    before, base_before = declared_code_hash("train_policy", REPO), declared_code_hash("base_model", REPO)
-    assert before == declared_code_hash("train_policy", REPO)
-    real = io.sha256_file
-    monkeypatch.setattr(
-        io, "sha256_file", lambda path: "edited" if str(path).endswith("rlhf_pipeline/ppo.py") else real(path)
-    )
-    assert declared_code_hash("train_policy", REPO) != before
-    assert declared_code_hash("base_model", REPO) == base_before  # base_model does not import ppo.py
+    before, base_before = runner.declared_code_hash("train_policy", REPO), runner.declared_code_hash("base_model", REPO)
+    assert before == runner.declared_code_hash("train_policy", REPO)
+    real = runner.sha256_file
+    edited = "rlhf_pipeline/ppo/trainer.py"
+    monkeypatch.setattr(runner, "sha256_file", lambda path: "edited" if str(path).endswith(edited) else real(path))
+    assert runner.declared_code_hash("train_policy", REPO) != before
+    assert runner.declared_code_hash("base_model", REPO) == base_before  # base_model does not import the trainer
+
+
+def test_the_code_hash_reads_the_package_when_the_project_holds_no_copy(tmp_path):
+    """A project run from an installed package (no rlhf_pipeline/ beside dvc.yaml) hashes the
+    package's own files: the same hash as the checkout's, not a FileNotFoundError."""
+    import shutil
+
+    from rlhf_pipeline.runner import declared_code_hash
+
+    shutil.copy(REPO / "dvc.yaml", tmp_path / "dvc.yaml")
+    shutil.copytree(REPO / "stages", tmp_path / "stages")
+    assert declared_code_hash("train_policy", tmp_path) == declared_code_hash("train_policy", REPO)
+
+
+# --------------------------------------------------------------------------------------------
+# layering: what an edit can stale
+# --------------------------------------------------------------------------------------------
+def library_modules() -> list[Path]:
+    return sorted((REPO / "rlhf_pipeline").rglob("*.py"))
+
+
+def test_the_library_has_no_import_cycle():
+    """Low modules never import higher ones, so the graph of imports (lazy ones included) is a DAG:
+    a cycle would tie every module on it to every stage that imports any of them."""
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    for path in library_modules():
+        importer = path.relative_to(REPO).as_posix()
+        for name in imported_modules(path):
+            target = module_path(name)
+            if target is not None and target != path:
+                graph.add_edge(importer, target.relative_to(REPO).as_posix())
+    cycles = list(nx.simple_cycles(graph))
+    assert cycles == [], f"import cycles: {cycles[:3]}"
+
+
+def test_a_first_party_import_inside_a_function_says_why():
+    """An import inside a function hides a dependency from a reader of the module's head; each one
+    carries its reason in a comment on its line or the line above (or is not first-party)."""
+    import ast
+
+    silent = []
+    for path in library_modules():
+        lines = path.read_text().splitlines()
+        for function in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                if any(name.split(".")[0] == "rlhf_pipeline" for name in names) or getattr(node, "level", 0):
+                    said = "#" in lines[node.lineno - 1] or lines[node.lineno - 2].strip().startswith("#")
+                    if not said:
+                        silent.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert silent == [], f"first-party imports inside functions without a reason: {silent}"
+
+
+def test_the_base_model_stage_runs_only_the_bottom_of_the_library():
+    """base_model's code dependencies: editing anything else in the library reruns nothing from
+    the base model on. These eight modules (and the two package markers) are the floor: the runner
+    and the params it validates, errors and atomic writes, the model card, the base-model sources
+    and the model helpers they use, and the entry point's offline environment."""
+    found = {f for f in project_files(REPO / "stages/base_model.py") if f.startswith("rlhf_pipeline/")}
+    assert found == {
+        "rlhf_pipeline/__init__.py",
+        "rlhf_pipeline/errors.py",
+        "rlhf_pipeline/io.py",
+        "rlhf_pipeline/modelcard.py",
+        "rlhf_pipeline/models.py",
+        "rlhf_pipeline/offline.py",
+        "rlhf_pipeline/params/__init__.py",
+        "rlhf_pipeline/params/base_model.py",
+        "rlhf_pipeline/runner.py",
+        "rlhf_pipeline/sources.py",
+    }
+
+
+@pytest.mark.parametrize(
+    "module, stages",
+    [  # the PPO maths, the PPO schema, the reward model: none reaches a stage upstream of its first reader
+        ("rlhf_pipeline/ppo/advantages.py", {"train_policy"}),
+        ("rlhf_pipeline/ppo/losses.py", {"train_policy"}),
+        ("rlhf_pipeline/params/ppo.py", {"train_policy"}),
+        ("rlhf_pipeline/params/evaluate.py", {"evaluate"}),
+        ("rlhf_pipeline/contract.py", {"validate_preferences"}),
+        ("rlhf_pipeline/reward.py", {"train_reward", "normalize_reward", "train_policy", "evaluate"}),
+        ("rlhf_pipeline/params/schema.py", set()),
+        ("rlhf_pipeline/params/schedule.py", set()),
+    ],
+)
+def test_a_module_is_code_of_the_stages_that_read_it_only(module, stages):
+    assert stage_importers(module) == stages

@@ -138,7 +138,7 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
 
     from rlhf_pipeline.evaluation import sample_and_score
     from rlhf_pipeline.models import load_causal_lm
-    from rlhf_pipeline.params import TaskParams
+    from rlhf_pipeline.params.task import TaskParams
     from rlhf_pipeline.reward import RewardModel
     from rlhf_pipeline.sampling import ResponseSampler, response_outputs, shared_lower_blocks
 

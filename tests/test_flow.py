@@ -331,3 +331,110 @@ def test_stages_run_with_the_flows_interpreter_without_an_activated_venv(project
     state = retrain(repo=str(project), return_state=True, **FAST)
     assert state.is_completed(), state.message
     assert (project / "counters-interpreter.txt").read_text() == PY
+
+
+def test_an_invalid_params_file_stops_the_run_before_any_stage(project: Path):
+    """Each stage validates only the sections it reads; the flow checks the whole file first."""
+    (project / "params.yaml").write_text("ppo:\n  lr: -1.0\n")
+    state = retrain(repo=str(project), return_state=True, **FAST)
+    assert state.is_failed()
+    assert "params.yaml is invalid" in state.message and "ppo.lr" in state.message
+    assert _counters(project) == {}
+
+
+# Loaded by every Python the flow starts (PYTHONPATH): the first DVC process that writes dvc.lock
+# with train_policy in it writes half the file, then kills itself with SIGKILL, as a kill -9 at that
+# moment would leave it.
+KILL_AT_LOCK_WRITE = textwrap.dedent(
+    """
+    import os
+    import signal
+    from pathlib import Path
+
+    marker = os.environ.get("RLHF_TEST_KILL_AT_LOCK_WRITE")
+    if marker and not Path(marker).exists():
+        import io
+
+        import dvc.utils.serialize._yaml as dvc_yaml
+
+        write = dvc_yaml._dump
+
+        def die_halfway(data, stream):
+            if str(getattr(stream, "name", "")).endswith("dvc.lock") and "train_policy" in data.get("stages", {}):
+                text = io.StringIO()
+                write(data, text)
+                stream.write(text.getvalue()[: len(text.getvalue()) // 2])
+                stream.flush()
+                Path(marker).write_text("killed")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(data, stream)
+
+        dvc_yaml._dump = die_halfway
+    """
+)
+
+
+def _dvc(project: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "dvc", *args], cwd=project, capture_output=True, text=True)
+
+
+def test_a_kill_while_dvc_writes_dvc_lock_does_not_wedge_the_pipeline(project: Path, tmp_path: Path, monkeypatch):
+    """DVC rewrites dvc.lock in place. Killed during that write it leaves a truncated file that no dvc
+    command reads: the flow puts back its copy from before the stage and retries the stage; with no
+    copy, it stops at once and says how to recover."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(KILL_AT_LOCK_WRITE)
+    monkeypatch.setenv("PYTHONPATH", str(hooks))
+    monkeypatch.setenv("RLHF_TEST_KILL_AT_LOCK_WRITE", str(tmp_path / "killed"))
+
+    state = retrain(repo=str(project), retries=2, return_state=True, **FAST)
+
+    assert (tmp_path / "killed").is_file(), "no dvc process was killed at its dvc.lock write"
+    assert state.is_completed(), state.message
+    # its record was lost with the file: the retry reproduced it (from DVC's run cache: no second run)
+    assert next(s for s in state.result()["stages"] if s["stage"] == "train_policy")["attempts"] == 2
+    assert _dvc(project, "status", "--json").stdout.strip() == "{}"
+
+    _git(project, "add", "-A")
+    _git(project, "commit", "-qm", "a good run")
+
+    # a manual `dvc repro` killed the same way, with no copy of the flow's to fall back on
+    (tmp_path / "killed").unlink()
+    (project / ".dvc/tmp/dvc.lock.last-good").unlink()
+    _control(project, train_policy={"fail_first": 0})  # a change to nothing: force the stage to run again
+    killed = _dvc(project, "repro", "--force", "--single-item", "train_policy")
+    assert killed.returncode != 0 and (tmp_path / "killed").is_file()
+    assert _dvc(project, "status").returncode != 0  # wedged: DVC cannot read its own lock
+    lineage = subprocess.run(
+        [PY, "-m", "rlhf_pipeline.cli", "lineage", "models/policy"], cwd=project, text=True, capture_output=True
+    )
+    assert (
+        lineage.returncode == 1 and "git checkout -- dvc.lock" in lineage.stderr and "Traceback" not in lineage.stderr
+    )
+    stopped = retrain(repo=str(project), return_state=True, **FAST)
+    assert stopped.is_failed() and "git checkout -- dvc.lock" in stopped.message
+    _git(project, "checkout", "--", "dvc.lock")  # the recovery the message gives (the last committed lock)
+    assert retrain(repo=str(project), return_state=True, **FAST).is_completed()
+    assert _dvc(project, "status", "--json").stdout.strip() == "{}"
+
+
+def test_damaged_bytes_are_never_pushed(project: Path, tmp_path: Path):
+    """`dvc push` would upload a damaged cache object under its old hash: the flow re-reads every
+    output's bytes first and fails (not retried) naming the file."""
+    assert retrain(repo=str(project), push=False, return_state=True, **FAST).is_completed()
+    import yaml
+
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    md5 = lock["stages"]["train_policy"]["outs"][0]["md5"]  # models/policy/model.txt: "train_policy <digest>"
+    cached = project / ".dvc/cache/files/md5" / md5[:2] / md5[2:]
+    stat = cached.stat()  # size and mtime kept: DVC's state db takes it for the object it wrote
+    cached.chmod(0o644)
+    cached.write_bytes(cached.read_bytes().replace(b"train_policy", b"train_pollcy"))
+    os.utime(cached, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    state = retrain(repo=str(project), retries=3, return_state=True, **FAST)
+
+    assert state.is_failed()
+    assert "nothing was pushed" in state.message and str(cached) in state.message
+    assert not (tmp_path / "remote").exists() or not any((tmp_path / "remote").rglob("*"))

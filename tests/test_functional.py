@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from rlhf_pipeline import functional as fn
+from rlhf_pipeline import reward
+from rlhf_pipeline.ppo import advantages, kl, losses, trainer
 
 
 def close(actual, expected, atol=1e-6):
@@ -157,22 +159,22 @@ def test_response_mask_after_eos():
 def test_kl_penalty_k1_and_k3_by_hand():
     logp = torch.tensor([-1.0, -2.0, -0.7])
     ref = torch.tensor([-1.5, -1.0, -0.7])
-    close(fn.kl_penalty(logp, ref), [0.5, -1.0, 0.0])
-    close(fn.kl_penalty(logp, ref, "k1"), [0.5, -1.0, 0.0])
+    close(kl.kl_penalty(logp, ref), [0.5, -1.0, 0.0])
+    close(kl.kl_penalty(logp, ref, "k1"), [0.5, -1.0, 0.0])
     # log r = ref - logp = [-0.5, 1, 0]; k3 = e^{log r} - 1 - log r
-    close(fn.kl_penalty(logp, ref, "k3"), [0.60653066 - 1 + 0.5, 2.71828183 - 1 - 1, 0.0])
+    close(kl.kl_penalty(logp, ref, "k3"), [0.60653066 - 1 + 0.5, 2.71828183 - 1 - 1, 0.0])
     with pytest.raises(ValueError):
-        fn.kl_penalty(logp, ref, "k2")
+        kl.kl_penalty(logp, ref, "k2")
 
 
 def test_kl_penalty_k3_is_nonnegative():
     g = torch.Generator().manual_seed(0)
     logp = torch.randn(64, 16, generator=g) * 3
     ref = torch.randn(64, 16, generator=g) * 3
-    k3 = fn.kl_penalty(logp, ref, "k3")
+    k3 = kl.kl_penalty(logp, ref, "k3")
     assert (k3 >= 0).all()
     assert (k3 > 0).any()
-    assert (fn.kl_penalty(logp, ref, "k1") < 0).any()  # k1 can be negative per token
+    assert (kl.kl_penalty(logp, ref, "k1") < 0).any()  # k1 can be negative per token
 
 
 def test_compute_rewards_score_at_last_column_without_mask():
@@ -180,7 +182,7 @@ def test_compute_rewards_score_at_last_column_without_mask():
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
     ref = torch.tensor([[-1.5, -1.5, -1.5], [-1.0, -2.0, -0.5]])
     # k1 = [[.5, -.5, -1.5], [0, 1, -.5]]; -0.1 * k1
-    rewards, non_score = fn.compute_rewards(scores, logp, ref, kl_coef=0.1)
+    rewards, non_score = kl.compute_rewards(scores, logp, ref, kl_coef=0.1)
     close(non_score, [[-0.05, 0.05, 0.15], [0.0, -0.1, 0.05]])
     close(rewards, [[-0.05, 0.05, 1.15], [0.0, -0.1, 2.05]])
 
@@ -190,7 +192,7 @@ def test_compute_rewards_score_at_last_mask_position():
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
     ref = torch.tensor([[-1.5, -1.5, -1.5], [-1.0, -2.0, -0.5], [-2.0, -2.0, -2.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
-    rewards, non_score = fn.compute_rewards(scores, logp, ref, kl_coef=0.1, mask=mask)
+    rewards, non_score = kl.compute_rewards(scores, logp, ref, kl_coef=0.1, mask=mask)
     close(non_score, [[-0.05, 0.05, 0.15], [0.0, 0.0, 0.0], [-0.1, -0.1, 0.0]])
     close(rewards, [[-0.05, 0.05, 1.15], [2.0, 0.0, 0.0], [-0.1, 2.9, 0.0]])
 
@@ -199,7 +201,7 @@ def test_compute_rewards_k3_and_tensor_coef():
     scores = torch.tensor([0.0])
     logp = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.5, -1.0]])
-    rewards, non_score = fn.compute_rewards(scores, logp, ref, torch.tensor(2.0), estimator="k3")
+    rewards, non_score = kl.compute_rewards(scores, logp, ref, torch.tensor(2.0), estimator="k3")
     k3 = [math.exp(-0.5) - 1 + 0.5, math.exp(1.0) - 1 - 1]
     close(non_score, [[-2 * k3[0], -2 * k3[1]]])
     close(rewards, [[-2 * k3[0], -2 * k3[1]]])
@@ -211,7 +213,7 @@ def test_gae_three_steps_gamma_one_lam_095():
     # t=2: delta = 1 - .8 = .2;            A2 = .2
     # t=1: delta = 0 + .8 - .4 = .4;       A1 = .4 + .95 * .2 = .59
     # t=0: delta = 0 + .4 - .5 = -.1;      A0 = -.1 + .95 * .59 = .4605
-    adv, ret = fn.gae(r, v, gamma=1.0, lam=0.95)
+    adv, ret = advantages.gae(r, v, gamma=1.0, lam=0.95)
     close(adv, [[0.4605, 0.59, 0.2]])
     close(ret, [[0.9605, 0.99, 1.0]])
 
@@ -220,7 +222,7 @@ def test_gae_with_discount():
     r = torch.tensor([[1.0, 2.0]])
     v = torch.tensor([[1.0, 1.0]])
     # t=1: delta = 2 - 1 = 1; A1 = 1.   t=0: delta = 1 + .5 - 1 = .5; A0 = .5 + .25 * 1 = .75
-    adv, ret = fn.gae(r, v, gamma=0.5, lam=0.5)
+    adv, ret = advantages.gae(r, v, gamma=0.5, lam=0.5)
     close(adv, [[0.75, 1.0]])
     close(ret, [[1.75, 2.0]])
 
@@ -231,7 +233,7 @@ def test_gae_with_mask_ends_the_episode_at_the_mask():
     m = torch.tensor([[True, True, False]])
     # masked -> r = [0, 1, 0], V = [.5, .8, 0]
     # t=2: 0.  t=1: delta = 1 - .8 = .2; A1 = .2.  t=0: delta = .8 - .5 = .3; A0 = .3 + .95*.2 = .49
-    adv, ret = fn.gae(r, v, gamma=1.0, lam=0.95, mask=m)
+    adv, ret = advantages.gae(r, v, gamma=1.0, lam=0.95, mask=m)
     close(adv, [[0.49, 0.2, 0.0]])
     close(ret, [[0.99, 1.0, 0.0]])
 
@@ -253,7 +255,7 @@ def _policy_case():
 
 def test_policy_loss_values_and_stats():
     logp, old, adv = _policy_case()
-    loss, stats = fn.policy_loss(logp, old, adv, cliprange=0.2)
+    loss, stats = losses.policy_loss(logp, old, adv, cliprange=0.2)
     close(loss, (-1.0 - 2.4 + 0.8 - 0.5) / 4)  # -0.775
     close(stats["clipfrac"], 0.5)
     close(stats["approxkl"], 0.5 * (math.log(1.5) ** 2 + 2 * math.log(0.5) ** 2) / 4)
@@ -265,7 +267,7 @@ def test_policy_loss_values_and_stats():
 
 def test_policy_loss_gradient_flows_only_through_unclipped_terms():
     logp, old, adv = _policy_case()
-    loss, _ = fn.policy_loss(logp, old, adv, cliprange=0.2)
+    loss, _ = losses.policy_loss(logp, old, adv, cliprange=0.2)
     loss.backward()
     # d/dlogp (-A * ratio) / 4 = -A * ratio / 4 where unclipped; 0 where the clip is active
     close(logp.grad, [-0.25, 0.0, 0.0, -0.125])
@@ -273,7 +275,7 @@ def test_policy_loss_gradient_flows_only_through_unclipped_terms():
 
 def test_policy_loss_with_mask():
     logp, old, adv = _policy_case()
-    loss, stats = fn.policy_loss(logp, old, adv, 0.2, mask=torch.tensor([1, 0, 1, 1]))
+    loss, stats = losses.policy_loss(logp, old, adv, 0.2, mask=torch.tensor([1, 0, 1, 1]))
     close(loss, (-1.0 + 0.8 - 0.5) / 3)
     close(stats["clipfrac"], 1.0 / 3.0)
     close(stats["ratio_max"], 1.0)  # the 1.5 is masked out
@@ -294,7 +296,7 @@ def _value_case():
 
 def test_value_loss_values_and_clipfrac():
     v, old, ret = _value_case()
-    loss, stats = fn.value_loss(v, old, ret, cliprange_value=0.2)
+    loss, stats = losses.value_loss(v, old, ret, cliprange_value=0.2)
     close(loss, 0.5 * (1.0 + 0.64 + 0.25 + 0.25) / 4)  # 0.2675
     close(stats["clipfrac"], 0.25)
     assert not stats["clipfrac"].requires_grad
@@ -305,7 +307,7 @@ def test_value_loss_values_and_clipfrac():
 
 def test_value_loss_with_mask():
     v, old, ret = _value_case()
-    loss, stats = fn.value_loss(v, old, ret, 0.2, mask=torch.tensor([False, True, True, False]))
+    loss, stats = losses.value_loss(v, old, ret, 0.2, mask=torch.tensor([False, True, True, False]))
     close(loss, 0.5 * (0.64 + 0.25) / 2)
     close(stats["clipfrac"], 0.5)
 
@@ -348,17 +350,17 @@ def test_logprobs_from_logits():
 # KL controllers
 # --------------------------------------------------------------------------------------------
 def test_adaptive_kl_controller_clipped_high():
-    ctl = fn.AdaptiveKLController(0.15, target=6.0, horizon=10000)
+    ctl = kl.AdaptiveKLController(0.15, target=6.0, horizon=10000)
     ctl.update(9.0, n_steps=512)  # 9/6 - 1 = .5 -> clipped to .2
     close(ctl.value, 0.15 * (1 + 0.2 * 512 / 10000))  # 0.151536
     close(ctl.value, 0.151536)
 
 
 def test_adaptive_kl_controller_clipped_low_and_inside_range():
-    ctl = fn.AdaptiveKLController(0.15, target=6.0, horizon=10000)
+    ctl = kl.AdaptiveKLController(0.15, target=6.0, horizon=10000)
     ctl.update(0.0, n_steps=512)  # -1 -> clipped to -.2
     close(ctl.value, 0.148464)
-    ctl = fn.AdaptiveKLController(0.15, target=6.0, horizon=10000)
+    ctl = kl.AdaptiveKLController(0.15, target=6.0, horizon=10000)
     ctl.update(torch.tensor(6.6), n_steps=512)  # .1, not clipped
     close(ctl.value, 0.15 * 1.00512)
     ctl.update(6.6, n_steps=512)  # multiplicative
@@ -366,10 +368,10 @@ def test_adaptive_kl_controller_clipped_low_and_inside_range():
 
 
 def test_adaptive_kl_controller_state_dict_round_trip():
-    ctl = fn.AdaptiveKLController(0.15, target=6.0, horizon=10000)
+    ctl = kl.AdaptiveKLController(0.15, target=6.0, horizon=10000)
     ctl.update(9.0, 512)
     state = ctl.state_dict()
-    restored = fn.AdaptiveKLController(1.0, target=1.0, horizon=1.0)
+    restored = kl.AdaptiveKLController(1.0, target=1.0, horizon=1.0)
     restored.load_state_dict(state)
     assert restored.value == ctl.value
     assert restored.target == 6.0 and restored.horizon == 10000.0
@@ -380,10 +382,10 @@ def test_adaptive_kl_controller_state_dict_round_trip():
 
 
 def test_fixed_kl_controller():
-    ctl = fn.FixedKLController(0.2)
+    ctl = kl.FixedKLController(0.2)
     ctl.update(100.0, 512)
     assert ctl.value == 0.2
-    other = fn.FixedKLController(0.9, target=6.0, horizon=10000)
+    other = kl.FixedKLController(0.9, target=6.0, horizon=10000)
     other.load_state_dict(ctl.state_dict())
     assert other.value == 0.2
 
@@ -404,7 +406,7 @@ def test_best_of_n_loss_by_hand():
     rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, math.log(2.0)], [1.0, 0.0, 0.0]], requires_grad=True)
     best = torch.tensor([0, 2, 1])
     # row 0: -log(e / (e + 2)) = log(e + 2) - 1;  row 1: -log(2 / 4) = log 2;  row 2: log(e + 2)
-    loss, acc = fn.best_of_n_loss(rewards, best)
+    loss, acc = reward.best_of_n_loss(rewards, best)
     e = math.e
     close(loss, (math.log(e + 2) - 1 + math.log(2.0) + math.log(e + 2)) / 3)  # 0.9320122
     close(acc, 2.0 / 3.0)
@@ -416,15 +418,15 @@ def test_best_of_n_loss_by_hand():
 
 def test_best_of_n_loss_margin():
     rewards = torch.tensor([[math.log(3.0), 0.0]])
-    loss, acc = fn.best_of_n_loss(rewards, torch.tensor([0]), margin=torch.tensor([math.log(3.0)]))
+    loss, acc = reward.best_of_n_loss(rewards, torch.tensor([0]), margin=torch.tensor([math.log(3.0)]))
     close(loss, math.log(2.0))  # logits become [0, 0]
     close(acc, 1.0)  # accuracy on the raw rewards
 
 
 def test_pairwise_loss_by_hand():
-    close(fn.pairwise_loss(torch.tensor([1.0]), torch.tensor([0.0])), math.log(1 + math.exp(-1.0)))
+    close(reward.pairwise_loss(torch.tensor([1.0]), torch.tensor([0.0])), math.log(1 + math.exp(-1.0)))
     close(
-        fn.pairwise_loss(
+        reward.pairwise_loss(
             torch.tensor([math.log(3.0), 2.0]), torch.tensor([0.0, 2.0]), torch.tensor([math.log(3.0), 0.0])
         ),
         math.log(2.0),
@@ -435,31 +437,31 @@ def test_pairwise_loss_equals_best_of_two():
     g = torch.Generator().manual_seed(1)
     chosen, rejected, margin = torch.randn(3, 7, generator=g)
     close(
-        fn.pairwise_loss(chosen, rejected),
-        fn.best_of_n_loss(torch.stack([chosen, rejected], dim=1), torch.zeros(7, dtype=torch.long))[0],
+        reward.pairwise_loss(chosen, rejected),
+        reward.best_of_n_loss(torch.stack([chosen, rejected], dim=1), torch.zeros(7, dtype=torch.long))[0],
     )
     # chosen in column 1 this time, with a margin
     close(
-        fn.pairwise_loss(chosen, rejected, margin),
-        fn.best_of_n_loss(torch.stack([rejected, chosen], dim=1), torch.ones(7, dtype=torch.long), margin)[0],
+        reward.pairwise_loss(chosen, rejected, margin),
+        reward.best_of_n_loss(torch.stack([rejected, chosen], dim=1), torch.ones(7, dtype=torch.long), margin)[0],
     )
 
 
 def test_normalization_gain_bias():
-    assert fn.normalization_gain_bias(2.0, 4.0) == pytest.approx((0.25, -0.5))
-    assert fn.normalization_gain_bias(torch.tensor(2.0), torch.tensor(4.0), 1.0, 2.0) == pytest.approx((0.5, 0.0))
+    assert reward.normalization_gain_bias(2.0, 4.0) == pytest.approx((0.25, -0.5))
+    assert reward.normalization_gain_bias(torch.tensor(2.0), torch.tensor(4.0), 1.0, 2.0) == pytest.approx((0.5, 0.0))
     rng = np.random.default_rng(0)
     samples = rng.normal(3.0, 5.0, size=1000)
-    gain, bias = fn.normalization_gain_bias(samples.mean(), samples.std())
+    gain, bias = reward.normalization_gain_bias(samples.mean(), samples.std())
     normed = gain * samples + bias
     assert normed.mean() == pytest.approx(0.0, abs=1e-9)
     assert normed.std() == pytest.approx(1.0)
     with pytest.raises(ValueError):
-        fn.normalization_gain_bias(1.0, 0.0)
+        reward.normalization_gain_bias(1.0, 0.0)
 
 
 def test_minibatch_indices():
-    out = fn.minibatch_indices(8, 2, 2, torch.Generator().manual_seed(0))
+    out = trainer.minibatch_indices(8, 2, 2, torch.Generator().manual_seed(0))
     expected = torch.randperm(8, generator=torch.Generator().manual_seed(0))
     assert len(out) == 2 and all(len(mb) == 2 for mb in out)
     assert all(micro.shape == (2,) for mb in out for micro in mb)
@@ -467,15 +469,15 @@ def test_minibatch_indices():
     assert torch.equal(flat, expected)
     assert sorted(flat.tolist()) == list(range(8))
     # one minibatch of one microbatch is the whole permutation
-    whole = fn.minibatch_indices(6, 1, 6, torch.Generator().manual_seed(3))
+    whole = trainer.minibatch_indices(6, 1, 6, torch.Generator().manual_seed(3))
     assert len(whole) == 1 and len(whole[0]) == 1 and sorted(whole[0][0].tolist()) == list(range(6))
 
 
 def test_minibatch_indices_rejects_uneven_splits():
     with pytest.raises(ValueError):
-        fn.minibatch_indices(8, 3, 1, None)
+        trainer.minibatch_indices(8, 3, 1, None)
     with pytest.raises(ValueError):
-        fn.minibatch_indices(8, 2, 3, None)
+        trainer.minibatch_indices(8, 2, 3, None)
 
 
 def test_non_finite_tensors_names_each_bad_tensor_and_skips_none():

@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.lineage import build_lineage, lineage_cli
+from rlhf_pipeline.lineage.event import build_lineage
+from rlhf_pipeline.lineage.render import lineage_cli
 
 BIN = Path(sys.executable).parent
 DVC = str(BIN / "dvc")

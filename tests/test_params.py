@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rlhf_pipeline.errors import ParamsError
-from rlhf_pipeline.params import Params, load_params, parse_params
+from rlhf_pipeline.params.schema import Params, load_params, parse_params
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = yaml.safe_load((REPO / "params.yaml").read_text())
@@ -87,7 +87,7 @@ def test_unknown_keys_are_refused():
     with pytest.raises(ParamsError) as info:
         parse_params(raw)
     assert info.value.problems == [
-        "ppo.learning_rate: unknown key (typo? see params.yaml and rlhf_pipeline/params.py) (got 1e-05)"
+        "ppo.learning_rate: unknown key (typo? see params.yaml and rlhf_pipeline/params/ppo.py) (got 1e-05)"
     ]
 
 

@@ -19,9 +19,8 @@ from headless_browser import DVC_PLOTS, DVC_PLOTS_DRAWN, HeadlessChromium, page_
 from stage_imports import pipeline_stages, stage_importers
 
 from rlhf_pipeline.modelcard import read_card as read_model_card
-from rlhf_pipeline.params import parse_params
-from rlhf_pipeline.runner import RECORD_READS_ENV
-from rlhf_pipeline.stage_params import declared_param_keys
+from rlhf_pipeline.params.schema import parse_params
+from rlhf_pipeline.runner import RECORD_READS_ENV, declared_param_keys
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +37,7 @@ ALL_STAGES = {
     "train_policy",
     "evaluate",
 }
+TINY_SOURCE = "data/models/tiny"
 TINY_PARAMS = {
     "seed": 3,
     "data": {
@@ -88,21 +88,21 @@ def sh(args, cwd, check=True, timeout=900, **extra_env):
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, tiny_base_dir):
     root = tmp_path_factory.mktemp("e2e")
-    for item in ("dvc.yaml", "stages", "rlhf_pipeline", "data/labels", "data/raw", ".dvcignore"):
+    for item in ("dvc.yaml", "stages", "rlhf_pipeline", "data/labels", "data/raw", "data/models", ".dvcignore"):
         source = REPO / item
         if source.is_dir():
             shutil.copytree(source, root / item, ignore=shutil.ignore_patterns("__pycache__"))
         elif source.exists():
             (root / item).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(source, root / item)
-    # The tiny source model (a local directory source; base_model keeps its dedicated pad token).
-    source = root / "tiny_source"
-    shutil.copytree(tiny_base_dir, source)
+    # The tiny source model (a local directory source, where dvc.yaml tracks it; base_model keeps its
+    # dedicated pad token).
+    shutil.copytree(tiny_base_dir, root / TINY_SOURCE)
     params = json.loads(json.dumps(TINY_PARAMS))
-    params["base_model"] = {"source": str(source)}
+    params["base_model"] = {"source": TINY_SOURCE}
     # DVC tracks params by key, so params.yaml spells out every key (the schema fills defaults).
     (root / "params.yaml").write_text(yaml.safe_dump(parse_params(params).model_dump(mode="json"), sort_keys=False))
-    (root / ".gitignore").write_text("/models/\n/checkpoints/\n/dvclive/\n/tiny_source/\n")
+    (root / ".gitignore").write_text(f"/models/\n/checkpoints/\n/dvclive/\n/{TINY_SOURCE}/\n")
     sh(["git", "init", "-q"], root)
     sh(["dvc", "init", "-q"], root)
     shutil.copytree(REPO / ".dvc/plots", root / ".dvc/plots")  # custom plot templates and the offline page
@@ -150,6 +150,9 @@ def test_every_stage_ran_and_wrote_its_outputs(project):
     assert generation["do_sample"] is True and generation["max_new_tokens"] == sampling["response_length"]
     assert generation["temperature"] == parse_params(TINY_PARAMS).task.temperature and generation["top_k"] == 0
     assert json.loads((root / "models/policy/tokenizer_config.json").read_text())["padding_side"] == "left"
+    for model in ("base", "reward_unnormalized", "reward", "policy"):  # how this machine loaded it: not saved
+        config = json.loads((root / "models" / model / "tokenizer_config.json").read_text())
+        assert not {"local_files_only", "is_local"} & set(config), model
 
 
 def test_long_stages_print_progress_and_no_hugging_face_bars(project):
@@ -329,6 +332,34 @@ def file_digests(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
     }
 
 
+def locked_outs(root: Path) -> dict[str, str]:
+    """``{output path: md5}`` of every output dvc.lock records, except the metrics files (the one
+    place timings live)."""
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    metrics = {out.def_path for stage in pipeline_stages(root) for out in stage.outs if out.metric}
+    return {
+        out["path"]: out["md5"]
+        for stage in lock["stages"].values()
+        for out in stage.get("outs", [])
+        if out["path"] not in metrics
+    }
+
+
+def test_a_forced_rerun_records_the_same_hashes(project, tmp_path):
+    """Every stage rerun (`dvc repro --force`, the checkpoints removed so PPO trains from update 0):
+    dvc.lock records the same hash for every output but the metrics files, so the lock shows the run
+    was reproduced. No card, validation result, log or checkpoint holds a time, a commit or a
+    machine path."""
+    root, _ = project
+    clone = tmp_path / "clone"
+    shutil.copytree(root, clone, symlinks=True)
+    shutil.rmtree(clone / "checkpoints" / "policy")  # else train_policy resumes from its final checkpoint
+    assert ran_stages(sh(["dvc", "repro", "--force"], clone)) == ALL_STAGES
+    first, second = locked_outs(root), locked_outs(clone)
+    assert set(first) == set(second) and len(first) >= 12
+    assert {path: md5 for path, md5 in second.items() if first[path] != md5} == {}
+
+
 def test_outputs_are_byte_identical_beside_a_competing_process(project, tmp_path):
     """corpus (sampling) and train_policy (sampling and training), rerun while another CPU-bound
     torch process runs, write the same bytes as the first run, which ran alone."""
@@ -344,7 +375,141 @@ def test_outputs_are_byte_identical_beside_a_competing_process(project, tmp_path
     finally:
         competitor.kill()
     assert file_digests(clone / "data" / "corpus") == file_digests(root / "data" / "corpus")
-    # the model card names the run's temporary folder; every weight, config and tokenizer file must match
-    assert file_digests(clone / "models" / "policy", skip=("README.md",)) == file_digests(
-        root / "models" / "policy", skip=("README.md",)
-    )
+    for output in ("models/policy", "checkpoints/policy", "dvclive/train_policy"):  # cards and logs included
+        assert file_digests(clone / output) == file_digests(root / output), output
+
+
+def test_a_commit_leaves_the_stages_after_a_rerun_stage_up_to_date(project, tmp_path):
+    """Nothing a stage writes depends on git: a new commit, then train_reward forced to run again,
+    leaves normalize_reward, train_policy and evaluate up to date (their inputs are the same bytes)."""
+    root, _ = project
+    clone = tmp_path / "clone"
+    shutil.copytree(root, clone, symlinks=True)
+    (clone / "NOTES.md").write_text("a commit that changes nothing the pipeline reads\n")
+    sh(["git", "add", "NOTES.md"], clone)
+    sh(["git", "commit", "-qm", "notes"], clone)
+    assert ran_stages(sh(["dvc", "repro", "--force", "--single-item", "train_reward"], clone)) == {"train_reward"}
+    assert json.loads(sh(["dvc", "status", "--json"], clone).stdout) == {}
+
+
+def edit_file(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, (path, old)
+    path.write_text(text.replace(old, new))
+
+
+# (file, text, replacement, the stages it may stale): a body edit or a new schema field
+NARROW_EDITS = {
+    "gae": (
+        "rlhf_pipeline/ppo/advantages.py",
+        "    length = rewards.size(-1)\n",
+        "    length = int(rewards.size(-1))\n",
+    ),
+    "ppo loss": ("rlhf_pipeline/ppo/losses.py", "    ratio = torch.exp(log_ratio)\n", "    ratio = log_ratio.exp()\n"),
+    "ppo field": (
+        "rlhf_pipeline/params/ppo.py",
+        '    @model_validator(mode="after")\n',
+        '    new_knob: int = 0\n\n    @model_validator(mode="after")\n',
+    ),
+    "reward loss": (
+        "rlhf_pipeline/reward.py",
+        "    loss = F.cross_entropy(logits, best)\n",
+        '    loss = F.cross_entropy(logits, best, reduction="mean")\n',
+    ),
+    "contract": ("rlhf_pipeline/contract.py", "EXAMPLES = 3\n", "EXAMPLES = 3  # rows shown per failed check\n"),
+}
+AFTER_REWARD = {"train_reward", "normalize_reward", "train_policy", "evaluate"}
+MAY_STALE = {
+    "gae": {"train_policy", "evaluate"},
+    "ppo loss": {"train_policy", "evaluate"},
+    "ppo field": {"train_policy", "evaluate"},
+    "reward loss": AFTER_REWARD,
+    "contract": {"validate_preferences"} | AFTER_REWARD,
+}
+
+
+def test_an_edit_stales_only_the_stages_that_use_it(project, tmp_path):
+    """In a copy of the finished run, each edit makes `dvc status` list only the stages whose code
+    it is: the layering of the library (maths and I/O at the bottom, each stage's code on top)."""
+    root, _ = project
+    clone = tmp_path / "clone"
+    shutil.copytree(root, clone, symlinks=True)
+    for name, (file, old, new) in NARROW_EDITS.items():
+        edit_file(clone / file, old, new)
+        stale = set(json.loads(sh(["dvc", "status", "--json"], clone).stdout))
+        assert stale and stale <= MAY_STALE[name], (name, sorted(stale))
+        sh(["git", "checkout", "--", file], clone)
+    assert json.loads(sh(["dvc", "status", "--json"], clone).stdout) == {}
+
+
+def test_the_local_base_model_s_bytes_are_an_input(project, tmp_path):
+    """base_model.source is a folder in data/models/, which dvc.yaml declares: halving its weights in
+    place stales base_model, and its rerun records the new folder's hash in the card."""
+    from safetensors.torch import load_file, save_file
+
+    from rlhf_pipeline.io import content_hash
+
+    root, _ = project
+    clone = tmp_path / "clone"
+    shutil.copytree(root, clone, symlinks=True)
+    weights = clone / TINY_SOURCE / "model.safetensors"
+    save_file({name: tensor * 0.5 for name, tensor in load_file(weights).items()}, weights)
+    # data/models is a dependency of both stages that may read a local model (reward.pretrained too)
+    assert set(json.loads(sh(["dvc", "status", "--json"], clone).stdout)) == {"base_model", "train_reward"}
+    assert ran_stages(sh(["dvc", "repro", "--single-item", "base_model"], clone)) == {"base_model"}
+    assert read_model_card(clone / "models/base")["source_sha256"] == content_hash(clone / TINY_SOURCE)
+    assert "base_model" not in json.loads(sh(["dvc", "status", "--json"], clone).stdout)
+
+
+def flip_a_byte(path: Path, offset: int = -100) -> None:
+    """Change one byte in place, keeping the size and modification time (what DVC's state db sees)."""
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def cache_object(root: Path, md5: str) -> Path:
+    return root / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
+
+
+def test_damaged_bytes_are_found_and_never_trained_on(project, tmp_path):
+    """A flipped byte (size and mtime kept) in a workspace file, in a DVC cache object and in a
+    checkpoint snapshot: DVC's status still says up to date, `rlhf lineage --verify` names each one
+    (exit 7), and the stages that would read them refuse (exit 7) without recording anything."""
+    root, _ = project
+    clone = tmp_path / "clone"
+    shutil.copytree(root, clone, symlinks=True)
+    rlhf = [sys.executable, "-m", "rlhf_pipeline.cli"]
+    lock_before = (clone / "dvc.lock").read_text()
+    assert "ok: " in sh([*rlhf, "lineage", "--verify", "."], clone).stdout
+    assert json.loads(sh(["dvc", "status", "--json"], clone).stdout) == {}  # DVC's state db now knows the copy
+
+    weights = clone / "models/base/model.safetensors"
+    original = weights.read_bytes()
+    flip_a_byte(weights)
+    assert json.loads(sh(["dvc", "status", "--json"], clone).stdout) == {}  # what DVC's state db misses
+    checked = sh([*rlhf, "lineage", "--verify", "models/base"], clone, check=False)
+    assert checked.returncode == 7, checked.stdout + checked.stderr
+    assert "models/base/model.safetensors: the workspace copy has md5" in checked.stderr
+    refused = sh(["dvc", "repro", "--force", "--single-item", "corpus"], clone, check=False)
+    assert refused.returncode != 0 and "exited with 7" in refused.stdout + refused.stderr
+    assert "models/base is damaged: model.safetensors does not match" in refused.stdout + refused.stderr
+    weights.write_bytes(original)
+
+    md5 = {
+        entry["relpath"]: entry["md5"]
+        for entry in json.loads(cache_object(clone, locked_outs(clone)["models/policy"]).read_text())
+    }
+    flip_a_byte(cache_object(clone, md5["model.safetensors"]))
+    checked = sh([*rlhf, "lineage", "--verify", "models/policy/model.safetensors"], clone, check=False)
+    assert checked.returncode == 7 and "the DVC cache object" in checked.stderr and "is damaged" in checked.stderr
+
+    flip_a_byte(clone / "checkpoints/policy/snapshots/update_00002.safetensors")
+    refused = sh(["dvc", "repro", "--force", "--single-item", "evaluate"], clone, check=False)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "exited with 7" in output
+    assert "snapshots/update_00002.safetensors does not match its recorded sha256" in output
+    assert (clone / "dvc.lock").read_text() == lock_before  # nothing was recorded as good

@@ -18,11 +18,14 @@ import yaml
 from conftest import add_pipeline_definition, full_params
 from safetensors.torch import load_file
 
-import rlhf_pipeline.ppo as ppo_module
+import rlhf_pipeline.ppo.checkpoint as checkpoint_module
 from rlhf_pipeline.errors import NonFiniteError
+from rlhf_pipeline.io import write_checksums
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
-from rlhf_pipeline.params import Params
-from rlhf_pipeline.ppo import Checkpointer, PolicyWithValue, PPOTrainer
+from rlhf_pipeline.params.schema import Params
+from rlhf_pipeline.ppo.checkpoint import Checkpointer
+from rlhf_pipeline.ppo.policy import PolicyWithValue
+from rlhf_pipeline.ppo.trainer import PPOTrainer
 from rlhf_pipeline.reward import RewardModel
 from rlhf_pipeline.sampling import hidden_from
 
@@ -239,6 +242,7 @@ def policy_project(tiny_base_dir, reward_model, queries, tmp_path_factory):
     mean_pooling.save(root / "models/reward")
     assert not (root / "models/reward/config.json").exists()
     load_tokenizer(tiny_base_dir).save_pretrained(root / "models/reward")
+    write_checksums(root / "models/reward")  # what normalize_reward writes: stages check it before loading
     rows = {"query_ids": queries.tolist(), "query": ["q"] * len(queries)}
     DatasetDict({"train": Dataset.from_dict(rows), "test": Dataset.from_dict(rows)}).save_to_disk(
         str(root / "data/queries")
@@ -372,7 +376,7 @@ def test_training_state_has_no_pickle(tmp_path):
 
     import numpy as np
 
-    from rlhf_pipeline.ppo import rng_state, set_rng_state
+    from rlhf_pipeline.ppo.checkpoint import rng_state, set_rng_state
 
     random.seed(3), np.random.seed(3), torch.manual_seed(3)
     state = rng_state()
@@ -392,7 +396,7 @@ def test_training_state_has_no_pickle(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         torch.load(tmp_path / "training_state.pt", weights_only=True)
     assert not marker.exists()
-    assert "weights_only=False" not in Path(ppo_module.__file__).read_text()
+    assert "weights_only=False" not in Path(checkpoint_module.__file__).read_text()
 
 
 def checkpointed_run(tiny_base_dir, reward_model, queries, directory):

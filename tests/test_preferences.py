@@ -12,7 +12,7 @@ from conftest import run_stage_script
 
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.labelers import Labeler, get_labeler
-from rlhf_pipeline.params import TaskParams
+from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.preferences import (
     BEST_OF_N,
     PAIRWISE,
@@ -28,7 +28,7 @@ from rlhf_pipeline.preferences import (
 )
 from rlhf_pipeline.queries import is_left_padded, pad_tokens
 from rlhf_pipeline.sampling import ResponseSampler
-from rlhf_pipeline.tiny import TINY_TEXT
+from rlhf_pipeline.sources import TINY_TEXT
 
 
 class CountE(Labeler):

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlhf_pipeline.errors import NonFiniteError
-from rlhf_pipeline.functional import best_of_n_loss
 from rlhf_pipeline.models import freeze_lower_layers, load_tokenizer
 from rlhf_pipeline.reward import (
     RewardModel,
     best_of_n_accuracy,
+    best_of_n_loss,
     fit_normalization,
     init_reward_head,
     masked_mean_hidden,
@@ -293,25 +294,37 @@ def save_stock_reward_model(rm, tokenizer, directory, drop_rows: int = 0):
     return directory
 
 
-def test_an_existing_sequence_classifier_is_adopted_with_its_scores(tiny_base_dir, tiny_tokenizer, pad, tmp_path):
+def test_an_existing_sequence_classifier_is_adopted_with_its_scores(
+    tiny_base_dir, tiny_tokenizer, pad, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # a local reward.pretrained lives in data/models/, which dvc.yaml tracks
     rm = make_rm(tiny_base_dir, pad, seed=3)
     fit_normalization(rm, torch.tensor([0.0, 1.0, 4.0]), 0.5, 2.0)
-    source = save_stock_reward_model(rm, tiny_tokenizer, tmp_path / "external", drop_rows=1)
+    source = save_stock_reward_model(rm, tiny_tokenizer, Path("data/models/external"), drop_rows=1)
     adopted = RewardModel.from_sequence_classifier(str(source), tiny_tokenizer).eval()
     assert adopted.pooling == "last" and adopted.backbone.get_input_embeddings().num_embeddings == len(tiny_tokenizer)
     queries, samples = batch(pad)  # left-padded queries, a right-padded sample: pads are never attended
     torch.testing.assert_close(adopted.score_best_of_n(queries, samples), rm.score_best_of_n(queries, samples))
 
 
-def test_a_sequence_classifier_that_cannot_be_a_reward_model_is_refused(tiny_base_dir, tiny_tokenizer, pad, tmp_path):
+def test_a_sequence_classifier_that_cannot_be_a_reward_model_is_refused(
+    tiny_base_dir, tiny_tokenizer, pad, tmp_path, monkeypatch
+):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
-    from rlhf_pipeline.errors import PipelineError
+    from rlhf_pipeline.errors import ParamsError, PipelineError
 
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(PipelineError, match=r"reward.pretrained \('missing/dir'\) could not be loaded"):
         RewardModel.from_sequence_classifier("missing/dir", tiny_tokenizer)
-    source = save_stock_reward_model(make_rm(tiny_base_dir, pad), tiny_tokenizer, tmp_path / "two")
+    # a folder DVC does not track for train_reward: changing it would not rerun the stage
+    outside = save_stock_reward_model(make_rm(tiny_base_dir, pad), tiny_tokenizer, Path("elsewhere"))
+    with pytest.raises(
+        ParamsError, match="reward.pretrained: the local model folder elsewhere is outside data/models/"
+    ):
+        RewardModel.from_sequence_classifier(str(outside), tiny_tokenizer)
+    source = save_stock_reward_model(make_rm(tiny_base_dir, pad), tiny_tokenizer, Path("data/models/two"))
     two = AutoModelForSequenceClassification.from_pretrained(source, num_labels=2, ignore_mismatched_sizes=True)
     two.save_pretrained(source)
     with pytest.raises(PipelineError, match="has 2 labels; a reward model has one"):
@@ -319,7 +332,7 @@ def test_a_sequence_classifier_that_cannot_be_a_reward_model_is_refused(tiny_bas
     bpe = ByteLevelBPETokenizer()  # the same byte alphabet, merges learned from other text: other ids
     bpe.train_from_iterator(["zebra quartz jumps"] * 20, vocab_size=300, special_tokens=["<|endoftext|>"])
     other = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="<|endoftext|>")
-    source = save_stock_reward_model(make_rm(tiny_base_dir, pad), other, tmp_path / "other")
+    source = save_stock_reward_model(make_rm(tiny_base_dir, pad), other, Path("data/models/other"))
     with pytest.raises(PipelineError, match="uses a different tokenizer from the base model"):
         RewardModel.from_sequence_classifier(str(source), tiny_tokenizer)
 
@@ -330,7 +343,7 @@ def test_train_reward_stage_adopts_reward_pretrained_instead_of_training(project
     from rlhf_pipeline.io import read_json
     from rlhf_pipeline.modelcard import read_card
 
-    source = save_stock_reward_model(make_rm(tiny_base_dir, pad, seed=5), tiny_tokenizer, project / "external_rm")
+    source = save_stock_reward_model(make_rm(tiny_base_dir, pad, seed=5), tiny_tokenizer, Path("data/models/ext_rm"))
     project.write_params(**{"reward.pretrained": str(source)})
     for stage in ("corpus", "queries", "preferences", "validate_preferences", "train_reward"):
         assert run_stage_script(stage) == 0, stage
@@ -342,4 +355,4 @@ def test_train_reward_stage_adopts_reward_pretrained_instead_of_training(project
     torch.testing.assert_close(adopted.score_best_of_n(queries, samples), external.score_best_of_n(queries, samples))
     card = read_card(project / "models" / "reward_unnormalized")
     assert card["pipeline_tag"] == "text-classification"
-    assert "external_rm" in (project / "models" / "reward_unnormalized" / "README.md").read_text()
+    assert "data/models/ext_rm" in (project / "models" / "reward_unnormalized" / "README.md").read_text()

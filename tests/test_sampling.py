@@ -89,7 +89,7 @@ def test_captured_hidden_states_equal_a_plain_forward(tiny_model, tiny_tokenizer
 def test_normalisation_samples_are_raw_unless_truncation_is_asked(tiny_model, tiny_tokenizer):
     """reward.normalize.truncate: false (both references) scores the raw fixed-length responses;
     true scores them cut after the first truncate token, as PPO does."""
-    from rlhf_pipeline.params import TaskParams
+    from rlhf_pipeline.params.task import TaskParams
     from rlhf_pipeline.sampling import ResponseSampler
 
     task = TaskParams(response_length=12, truncate_after=1, temperature=1.0)

@@ -7,15 +7,17 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.errors import EXIT_CODE_MEANINGS, NOT_RETRIED_EXIT_CODES, MissingPackageError
-from rlhf_pipeline.lineage.record import stage_name
+from rlhf_pipeline.lineage.record import LOCK_COPY, LOCK_FILE, lock_problem, stage_name
 
 DEFAULT_LOCAL_REMOTE = "localremote"
 OUTPUT_TAIL_LINES = 40
@@ -44,6 +46,62 @@ def open_repo(root: Path):
         return Repo(str(root))
     except NotDvcRepoError as error:
         raise RetrainError(f"{root} is not a DVC repository ({error}): run `dvc init` there first", 2) from None
+
+
+def keep_lock_copy(root: Path) -> bool:
+    """Copy ``root``/dvc.lock to :data:`LOCK_COPY` (atomically), if DVC can read it; False when
+    there is no dvc.lock yet."""
+    lock = root / LOCK_FILE
+    if not lock.is_file():
+        return False
+    if lock_problem(str(root)) is not None:
+        return True  # unreadable already: the copy from before stays the good one
+    target = root / LOCK_COPY
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".dvc.lock.", dir=target.parent)
+    os.close(fd)
+    shutil.copyfile(lock, tmp)
+    os.replace(tmp, target)
+    return True
+
+
+def restore_lock_copy(root: Path, logger, had_lock: bool = True) -> None:
+    """Put the copy :func:`keep_lock_copy` took back over ``root``/dvc.lock if they differ (remove
+    dvc.lock when there was none before: ``had_lock`` false).
+
+    For a ``dvc repro`` that did not exit 0: DVC writes dvc.lock only once a stage has succeeded, so
+    a failed run leaves it as it was, unless DVC was killed while writing it. A kill mid-write can
+    leave a file that no longer parses, or (cut at a line end) one that parses but lost records; the
+    copy is right in both cases, and the stage it was taken for simply runs again."""
+    copy, lock = root / LOCK_COPY, root / LOCK_FILE
+    if not had_lock:
+        if lock.is_file():
+            lock.unlink()
+            logger.warning("%s appeared under a failed `dvc repro`; removed it", LOCK_FILE)
+    elif copy.is_file() and (not lock.is_file() or lock.read_bytes() != copy.read_bytes()):
+        shutil.copyfile(copy, lock)
+        logger.warning("%s changed under a failed `dvc repro`; put back the copy taken before the stage", LOCK_FILE)
+
+
+def recover_unreadable_lock(root: Path, logger) -> None:
+    """If DVC cannot read ``root``/dvc.lock (a kill while DVC rewrote it), put the flow's last copy
+    back (the stages recorded since then rerun, or come back from DVC's run cache); RetrainError
+    (exit 2) saying how to recover when there is none."""
+    problem = lock_problem(str(root))
+    if problem is None:
+        return
+    copy = root / LOCK_COPY
+    if not copy.is_file():
+        raise RetrainError(
+            f"{root / LOCK_FILE} cannot be read by DVC ({problem}), and the flow holds no earlier copy of it "
+            f"({copy}). Restore the last committed one with `git checkout -- {LOCK_FILE}`, then run the flow (or "
+            "`dvc repro`) again: stages recorded since that commit rerun or come back from DVC's run cache.",
+            2,
+        )
+    shutil.copyfile(copy, root / LOCK_FILE)
+    logger.warning(
+        "%s could not be read by DVC (%s); restored the copy taken before the last stage, %s", LOCK_FILE, problem, copy
+    )
 
 
 def stage_order(repo: str | Path) -> list[str]:

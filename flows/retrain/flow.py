@@ -24,6 +24,9 @@ from flows.retrain.dvc_project import (
     configured_remote,
     dvc_command,
     is_stage_output,
+    keep_lock_copy,
+    recover_unreadable_lock,
+    restore_lock_copy,
     rlhf_command,
     stage_exit_code,
     stage_failure_message,
@@ -32,8 +35,11 @@ from flows.retrain.dvc_project import (
     stream,
 )
 from flows.retrain.report import publish_summary
-from rlhf_pipeline.errors import NOT_RETRIED_EXIT_CODES, ParamsError
-from rlhf_pipeline.params import ScheduleParams, format_validation_error, load_params
+from rlhf_pipeline.errors import NOT_RETRIED_EXIT_CODES, DamagedArtifactError, ParamsError
+from rlhf_pipeline.lineage.verify import verify_paths
+from rlhf_pipeline.params import format_validation_error
+from rlhf_pipeline.params.schedule import ScheduleParams
+from rlhf_pipeline.params.schema import load_params
 
 DEPLOYMENT_NAME = "retrain-schedule"
 DEFAULT_PREFERENCES_TARGET = "data/labels/preferences.jsonl"
@@ -112,12 +118,44 @@ def reproduce_stage(repo: str, stage: str) -> dict[str, Any]:
     """``dvc repro --single-item STAGE``: runs the stage if stale, never its upstream stages."""
     logger = get_run_logger()
     attempt = task_run_runtime.run_count or 1
+    had_lock = keep_lock_copy(Path(repo))
     result = stream(dvc_command("repro", "--single-item", stage), Path(repo), logger)
     if result.returncode != 0:
+        # DVC rewrites dvc.lock in place, after the stage succeeded: killed during that write, it
+        # leaves a truncated file (unreadable, or readable with records lost)
+        restore_lock_copy(Path(repo), logger, had_lock)
         code = stage_exit_code(result)
         raise StageFailed(stage_failure_message(stage, code, result.output, attempt), exit_code=code, stage=stage)
     ran = f"Running stage '{stage}" in result.output
     return {"stage": stage, "result": "ran" if ran else "up to date", "attempts": attempt}
+
+
+@task(name="check-params", cache_policy=NO_CACHE)
+def check_params(repo: str) -> str:
+    """``rlhf check-params`` on the whole params.yaml (each stage validates only the sections it
+    reads, so a bad key is found here before any stage runs); skipped without a params.yaml."""
+    if not (Path(repo) / "params.yaml").is_file():
+        return "no params.yaml"
+    result = capture(rlhf_command("check-params", "params.yaml"), Path(repo))
+    if result.returncode != 0:
+        details = "\n".join(part.strip() for part in (result.output, result.stderr) if part.strip())
+        raise RetrainError(f"params.yaml is invalid; no stage was run.\n{details}", ParamsError.exit_code)
+    return "ok"
+
+
+@task(name="verify-outputs", cache_policy=NO_CACHE)
+def verify_outputs(repo: str) -> str:
+    """Every output's bytes, re-read, against dvc.lock and the DVC cache, before anything is pushed:
+    DVC would upload a damaged cache object under its old hash."""
+    checked, problems = verify_paths(repo)
+    if problems:
+        listed = "\n".join(f"- {p}" for p in problems[:OUTPUT_TAIL_LINES])
+        raise RetrainError(
+            f"{len(problems)} output file(s) differ from dvc.lock or the DVC cache; nothing was pushed. "
+            f"`rlhf lineage --verify PATH` re-checks one artifact.\n{listed}",
+            DamagedArtifactError.exit_code,
+        )
+    return f"{checked} file(s) verified"
 
 
 @task(name="dvc-status", cache_policy=NO_CACHE)
@@ -220,7 +258,6 @@ def retrain(
     """
     logger = get_run_logger()
     root = Path(repo).expanduser().resolve()
-    stages = stage_order(root)
     validate_command = list(validate_command or rlhf_command("validate-preferences"))
     lock_path = root / LOCK_RELATIVE_PATH
     lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -236,6 +273,9 @@ def retrain(
     report: dict[str, Any] = {"status": "running", "repo": str(root), "stages": [], "ingested": None}
     try:
         try:
+            recover_unreadable_lock(root, logger)  # a dvc.lock truncated by a killed run: the last readable copy
+            stages = stage_order(root)
+            report["params"] = check_params(str(root))
             if incoming:
                 report["ingested"] = ingest_preferences(str(root), incoming, preferences_target, validate_command)
             stale = dvc_status(str(root))
@@ -256,6 +296,7 @@ def retrain(
                 if target is None:
                     report["push"] = "skipped: no DVC remote configured"
                 else:
+                    report["verified"] = verify_outputs(str(root))
                     pusher = dvc_push.with_options(
                         retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_seconds)
                     )

@@ -4,20 +4,7 @@ matches, the params it ran with and how they changed since, its inputs walked ba
 the commit that recorded the lock, metrics, package versions and device.
 
 :mod:`.record` reads DVC's record, :mod:`.facts` what the artifacts say about themselves,
-:mod:`.event` builds the OpenLineage ``RunEvent`` (``--json``) and :mod:`.render` the text report.
+:mod:`.event` builds the OpenLineage ``RunEvent`` (``--json``), :mod:`.render` the text report and
+``rlhf lineage`` itself, and :mod:`.verify` the byte-for-byte check of ``--verify``. This package
+marker imports none of them, so each loads only what it uses.
 """
-
-from __future__ import annotations
-
-import json
-
-from rlhf_pipeline.lineage.event import build_lineage
-from rlhf_pipeline.lineage.render import render_text
-
-__all__ = ["build_lineage", "lineage_cli", "render_text"]
-
-
-def lineage_cli(path: str, as_json: bool = False) -> int:
-    event = build_lineage(path)
-    print(json.dumps(event, indent=2, default=str) if as_json else render_text(event))
-    return 0

@@ -15,6 +15,27 @@ from rlhf_pipeline.errors import PipelineError
 
 # DVC's words for an entry that differs from the lock -> the report's
 STATUS_WORDS = {"deleted": "missing", "new": "unknown"}
+LOCK_FILE = "dvc.lock"
+# the retrain flow's copy of the last dvc.lock DVC could read, taken before each stage (DVC rewrites
+# dvc.lock in place: a kill during that write leaves it truncated, and no dvc command reads it then)
+LOCK_COPY = ".dvc/tmp/dvc.lock.last-good"
+
+
+def lock_problem(root: str) -> str | None:
+    """Why DVC cannot read ``root``/dvc.lock (its YAML parser and lock-file schema); None when it
+    can, or when there is none yet."""
+    from dvc.dvcfile import Lockfile
+    from dvc.repo import Repo
+
+    path = Path(root, LOCK_FILE)
+    if not path.is_file():
+        return None
+    try:
+        with Repo(root, uninitialized=True) as repo:
+            Lockfile(repo, str(path)).load()
+    except Exception as error:  # DVC raises a YAML syntax error or a schema error
+        return " ".join(str(error).split())
+    return None
 
 
 def open_repo(path: str | os.PathLike):
@@ -35,6 +56,13 @@ def open_repo(path: str | os.PathLike):
     rel = Path(os.path.relpath(absolute, root)).as_posix()
     if rel == ".." or rel.startswith("../"):
         raise PipelineError(f"{path} is outside the DVC repository at {root}.")
+    if problem := lock_problem(root):
+        raise PipelineError(
+            f"{Path(root, LOCK_FILE)} cannot be read by DVC ({problem}): a dvc command was probably killed while "
+            f"rewriting it. Restore the last committed one with `git checkout -- {LOCK_FILE}` (or the retrain "
+            f"flow's copy: `cp {LOCK_COPY} {LOCK_FILE}`), then `dvc repro`: the stages recorded "
+            "since rerun, or come back from DVC's run cache."
+        )
     try:
         repo = Repo(root)
     except SCMError:  # DVC outside git (its config not saying so): read what DVC has, git facts stay empty

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rlhf_pipeline.lineage.event import build_lineage
 from rlhf_pipeline.lineage.facts import PACKAGES
 from rlhf_pipeline.lineage.record import files_note, show
 
@@ -118,3 +119,10 @@ def render_text(event: dict[str, Any]) -> str:
             f"  device {env['device']} ({env['deviceSource']})",
         ]
     )
+
+
+def lineage_cli(path: str, as_json: bool = False) -> int:
+    """``rlhf lineage PATH [--json]``: the report, or the OpenLineage event."""
+    event = build_lineage(path)
+    print(json.dumps(event, indent=2, default=str) if as_json else render_text(event))
+    return 0

@@ -1,4 +1,4 @@
-"""PPO policy training, following lm-human-preferences (Ziegler et al. 2019).
+"""The PPO trainer (lm-human-preferences, Ziegler et al. 2019).
 
 The loop in :meth:`PPOTrainer.train` reads top to bottom:
 
@@ -19,112 +19,40 @@ Speed without changing the maths:
 - with ``freeze_layers = K`` the policy's lowest K blocks equal the reference model's (both are
   the frozen base), so the sampling pass also yields the hidden state entering block K; the
   reference forward and every PPO epoch run only the top blocks from that cached activation.
+
+What an update records (``history``, checkpointed and logged to DVCLive) is a function of the
+inputs alone; how long it took (``timings``) is kept apart, for the metrics file only, so a rerun
+writes the same checkpoints and logs.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
 import math
-import random
-import shutil
-import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
-from safetensors.torch import save as save_safetensors
+from accelerate.utils import gather_object
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from rlhf_pipeline import distributed
-from rlhf_pipeline import functional as F
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
-from rlhf_pipeline.io import atomic_dir, atomic_file, recover_interrupted_write, sha256_file
+from rlhf_pipeline.functional import apply_penalty, linear_anneal, masked_mean, whiten
 from rlhf_pipeline.models import backbone_of, freeze_lower_layers
 from rlhf_pipeline.optim import adam
-from rlhf_pipeline.params import PPOParams, TaskParams
+from rlhf_pipeline.params.ppo import PPOParams
+from rlhf_pipeline.params.task import TaskParams
+from rlhf_pipeline.ppo.advantages import gae
+from rlhf_pipeline.ppo.checkpoint import Checkpointer, rng_state, set_rng_state
+from rlhf_pipeline.ppo.kl import AdaptiveKLController, FixedKLController, compute_rewards, kl_penalty
+from rlhf_pipeline.ppo.losses import policy_loss, value_loss
+from rlhf_pipeline.ppo.policy import PolicyWithValue
 from rlhf_pipeline.reward import RewardModel, score_query_responses
-from rlhf_pipeline.sampling import (
-    ResponseSampler,
-    hidden_from,
-    response_outputs,
-    supports_trunk_split,
-)
-
-VALUE_HEAD_FILE = "value_head.safetensors"
+from rlhf_pipeline.sampling import ResponseSampler, response_outputs, supports_trunk_split
 
 
-# --------------------------------------------------------------------------------------------
-# the trained module: policy LM + value head (shared backbone) or a separate value model
-# --------------------------------------------------------------------------------------------
-class PolicyWithValue(nn.Module):
-    """Policy LM with a value estimate for each response position.
-
-    ``value_model='shared'`` (reference): a zero-initialised scalar head on the policy's final
-    hidden state (OAI ``fc_layer`` with scale 0). ``'separate'``: a reward-model copy (backbone
-    and head) predicts values, as TRL does.
-    """
-
-    def __init__(self, lm: nn.Module, value_backbone: nn.Module | None = None, value_head: nn.Linear | None = None):
-        super().__init__()
-        self.lm = lm
-        self.value_backbone = value_backbone
-        if value_head is None:
-            value_head = nn.Linear(lm.config.hidden_size, 1)
-            nn.init.zeros_(value_head.weight)
-            nn.init.zeros_(value_head.bias)
-        self.value_head = value_head
-
-    @property
-    def shared(self) -> bool:
-        return self.value_backbone is None
-
-    def forward(
-        self,
-        query_responses: Tensor,
-        mask: Tensor,
-        query_length: int,
-        temperature: float,
-        pad_token_id: int,
-        freeze_layers: int = 0,
-        trunk: Tensor | None = None,
-    ):
-        """(logprobs, entropy, values) of the response tokens: each (B, R)."""
-        args = (query_responses, mask, query_length, temperature, pad_token_id, freeze_layers, trunk)
-        out = response_outputs(self.lm, *args, entropy=True)
-        logprobs, entropy = out.logprobs, out.entropy
-        if self.shared:
-            values = self.value_head(out.hidden).squeeze(-1).float()
-        else:
-            value_hidden = hidden_from(self.value_backbone_as_lm(), query_responses, mask)[:, query_length - 1 : -1]
-            values = self.value_head(value_hidden).squeeze(-1).float()
-        return logprobs, entropy, values
-
-    def value_backbone_as_lm(self):
-        return _BackboneAsModel(self.value_backbone)
-
-    @torch.no_grad()
-    def values_of(self, query_responses: Tensor, mask: Tensor, query_length: int) -> Tensor:
-        value_hidden = hidden_from(self.value_backbone_as_lm(), query_responses, mask)[:, query_length - 1 : -1]
-        return self.value_head(value_hidden).squeeze(-1).float()
-
-
-class _BackboneAsModel:
-    """Lets :func:`hidden_from` treat a bare backbone (AutoModel) like a *ForCausalLM."""
-
-    def __init__(self, backbone: nn.Module):
-        self.base_model = backbone
-        self.config = backbone.config
-
-
-# --------------------------------------------------------------------------------------------
-# rollouts
-# --------------------------------------------------------------------------------------------
 @dataclass
 class Rollout:
     queries: Tensor
@@ -137,160 +65,50 @@ class Rollout:
     scores: Tensor
     mask: Tensor  # response tokens that count (all, unless stop_at_eos)
     trunk: Tensor | None
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # statistics of the batch (a function of the inputs)
+    timings: dict = field(default_factory=dict)  # seconds each phase took (kept out of ``stats``)
 
     @property
     def query_responses(self) -> Tensor:
         return torch.cat([self.queries, self.responses], dim=1)
 
 
-# --------------------------------------------------------------------------------------------
-# checkpoints
-# --------------------------------------------------------------------------------------------
-def trainable_state(module: nn.Module) -> dict[str, Tensor]:
-    return {name: p.detach().cpu().contiguous() for name, p in module.named_parameters() if p.requires_grad}
+def minibatch_indices(
+    batch_size: int,
+    nminibatches: int,
+    microbatch_size: int,
+    generator: torch.Generator | None,
+) -> list[list[Tensor]]:
+    """Index tensors for one PPO epoch: shuffled minibatches, each split into microbatches.
+
+    The permutation is ``torch.randperm(batch_size, generator=generator)``; minibatch ``k``
+    is its slice ``[k*M, (k+1)*M)`` with ``M = batch_size / nminibatches``, cut into
+    consecutive chunks of ``microbatch_size``.
+
+    Why: OAI reshuffles the rollout batch every PPO epoch and takes one optimizer step per
+    minibatch; microbatches are gradient-accumulation chunks of a minibatch
+    (lm-human-preference-details), so the update is the same whatever fits in memory.
+
+    Raises:
+        ValueError: unless ``nminibatches`` divides ``batch_size`` and ``microbatch_size``
+        divides the minibatch size.
+    """
+    if batch_size <= 0 or nminibatches <= 0 or microbatch_size <= 0:
+        raise ValueError("minibatch_indices: sizes must be positive")
+    if batch_size % nminibatches:
+        raise ValueError(f"minibatch_indices: nminibatches={nminibatches} does not divide batch_size={batch_size}")
+    minibatch_size = batch_size // nminibatches
+    if minibatch_size % microbatch_size:
+        raise ValueError(
+            f"minibatch_indices: microbatch_size={microbatch_size} does not divide minibatch size {minibatch_size}"
+        )
+    perm = torch.randperm(batch_size, generator=generator)
+    return [
+        [perm[start + m : start + m + microbatch_size] for m in range(0, minibatch_size, microbatch_size)]
+        for start in range(0, batch_size, minibatch_size)
+    ]
 
 
-def rng_state() -> dict:
-    """Every random generator's state as tensors, ints and lists only, so that the checkpoint
-    loads with ``torch.load(weights_only=True)``: no pickle, no code run from a shared cache."""
-    version, mt, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": {"version": version, "mt": list(mt), "gauss": gauss},
-        "numpy": {
-            "name": name,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    py, npy = state["python"], state["numpy"]
-    random.setstate((py["version"], tuple(py["mt"]), py["gauss"]))
-    np.random.set_state(
-        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class Checkpointer:
-    """``state/`` holds everything to resume (atomic: temp dir, then rename); ``snapshots/``
-    keeps the trainable weights at each checkpoint for the over-optimisation curve."""
-
-    def __init__(self, directory: str | Path, fingerprint: str):
-        self.directory = Path(directory)
-        self.fingerprint = fingerprint
-        self.state_dir = self.directory / "state"
-        self.snapshots = self.directory / "snapshots"
-
-    STATE_FILES = ("trainable.safetensors", "training_state.pt", "history.json")
-
-    def prepare(self) -> bool:
-        """True if a resumable state with the same fingerprint exists and its files match the
-        checksums in its meta.json; else start clean (with a warning when it was damaged)."""
-        recover_interrupted_write(self.state_dir)
-        for leftover in self.snapshots.glob(".update_*.tmp-*"):  # a snapshot write that was killed
-            leftover.unlink()
-        problem = self._damage()
-        if problem is None:
-            return True
-        if problem:
-            print(
-                f"train_policy: warning: the checkpoint in {self.state_dir} is unusable ({problem}); "
-                "starting again from update 0.",
-                file=sys.stderr,
-            )
-        if self.directory.exists():
-            shutil.rmtree(self.directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        return False
-
-    def _damage(self) -> str | None:
-        """None if the state can be resumed; '' if there is none (or of other params); else what is wrong."""
-        meta_path = self.state_dir / "meta.json"
-        if not meta_path.is_file():
-            return ""
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (ValueError, UnicodeDecodeError):
-            return "meta.json is not valid JSON"
-        if not isinstance(meta, dict) or meta.get("fingerprint") != self.fingerprint:
-            return ""
-        checksums = meta.get("sha256", {})
-        for name in self.STATE_FILES:
-            path = self.state_dir / name
-            if not path.is_file():
-                return f"{name} is missing"
-            if checksums.get(name) != sha256_file(path):
-                return f"{name} does not match the checksum in meta.json"
-        return None
-
-    def save(
-        self, update: int, weights: dict[str, Tensor], optimizer_state: dict, kl_state: dict, rng: list, history: list
-    ) -> None:
-        """Write the state of update ``update``: the trainable weights and the optimizer state (both
-        whole, keyed by parameter name, as :mod:`rlhf_pipeline.distributed` gathers them), the KL
-        controller, each process's random generators, and the statistics so far."""
-        bad = F.non_finite_tensors(weights)
-        if bad:  # never replace a good checkpoint with a broken one
-            raise NonFiniteError(
-                f"The weights after update {update} are not finite ({', '.join(bad[:3])}...). {self.last_good()}"
-            )
-        with atomic_file(self.snapshots / f"update_{update:05d}.safetensors", "wb") as handle:
-            handle.write(save_safetensors({k: v for k, v in weights.items() if k.startswith("lm.")}))
-        with atomic_dir(self.state_dir) as tmp:
-            save_file(weights, str(tmp / "trainable.safetensors"))
-            with open(tmp / "training_state.pt", "wb") as handle:  # a handle: a full disk then surfaces as an OSError
-                torch.save({"optimizer": optimizer_state, "kl": kl_state, "rng": rng}, handle)
-            (tmp / "history.json").write_text(json.dumps(history))
-            checksums = {name: sha256_file(tmp / name) for name in self.STATE_FILES}
-            (tmp / "meta.json").write_text(
-                json.dumps({"fingerprint": self.fingerprint, "update": update, "sha256": checksums})
-            )
-
-    def last_good(self) -> str:
-        """What the user still has after a failure, said as it is."""
-        meta = self.state_dir / "meta.json"
-        if meta.is_file():
-            update = json.loads(meta.read_text()).get("update")
-            return (
-                f"Nothing was written; the last good checkpoint (update {update}, {self.state_dir}) is kept, "
-                "and `dvc repro` resumes from it once the cause is fixed."
-            )
-        return "Nothing was written, and no checkpoint exists yet: the next run starts from update 0."
-
-    def read(self, trainable_names: set[str]) -> dict:
-        """What :meth:`save` wrote: weights, optimizer, kl, rng, update, history."""
-        weights = load_file(str(self.state_dir / "trainable.safetensors"))
-        missing = trainable_names - set(weights)
-        if missing:
-            raise PipelineError(
-                f"Checkpoint {self.state_dir} lacks weights {sorted(missing)[:3]}...; delete {self.directory} to "
-                "start over."
-            )
-        state = torch.load(self.state_dir / "training_state.pt", weights_only=True)
-        meta = json.loads((self.state_dir / "meta.json").read_text())
-        history = json.loads((self.state_dir / "history.json").read_text())
-        return {"weights": weights, **state, "update": meta["update"], "history": history}
-
-
-def fingerprint_of(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-# --------------------------------------------------------------------------------------------
-# the trainer
-# --------------------------------------------------------------------------------------------
 class PPOTrainer:
     def __init__(
         self,
@@ -354,11 +172,12 @@ class PPOTrainer:
         # DDP wraps the policy, FSDP shards it in place (self.policy stays the module to read)
         self.train_module, self.optimizer = self.accelerator.prepare(policy, optimizer)
         self.kl_ctl = (
-            F.AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon)
+            AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon)
             if cfg.kl.adaptive
-            else F.FixedKLController(cfg.kl.init_coef)
+            else FixedKLController(cfg.kl.init_coef)
         )
-        self.history: list[dict] = []
+        self.history: list[dict] = []  # one record per update: checkpointed and logged
+        self.timings: list[dict] = []  # seconds per phase of each update this process ran: metrics only
         self.start_update = 0
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -438,28 +257,29 @@ class PPOTrainer:
             with self._ctx():
                 raw_scores = score_query_responses(self.reward_model, queries, truncated, len(queries))
             self._offload(self.reward_model, False)
-        scores = F.apply_penalty(raw_scores, valid, self.task.penalty_reward)
+        scores = apply_penalty(raw_scores, valid, self.task.penalty_reward)
         t3 = time.perf_counter()
-        stats = {"time/generation": t1 - t0, "time/reference": t2 - t1, "time/scoring": t3 - t2}
+        timings = {"time/generation": t1 - t0, "time/reference": t2 - t1, "time/scoring": t3 - t2}
+        stats = {}
         # every process's share, in batch order: the rest of the update sees the whole batch
         whole = [queries, sampled.responses, truncated, valid, sampled.logprobs, ref_logprobs, values, scores]
         whole = [distributed.gather_rows(self.accelerator, t) for t in [*whole, sampled.mask]]
         trunk = distributed.gather_rows(self.accelerator, trunk) if trunk is not None else None
         if gold is not None:
             stats["objective/gold"] = distributed.gather_rows(self.accelerator, gold.to(self.device)).mean().item()
-        return Rollout(*whole, trunk, stats)
+        return Rollout(*whole, trunk, stats, timings)
 
     # ---- 4: rewards and advantages ----------------------------------------------------------
     @torch.no_grad()
     def advantages(self, ro: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         mask = ro.mask
-        rewards, non_score = F.compute_rewards(
+        rewards, non_score = compute_rewards(
             ro.scores, ro.logprobs, ro.ref_logprobs, self.kl_ctl.value, mask, self.cfg.kl.estimator
         )
         if self.cfg.whiten_rewards:
-            rewards = F.whiten(rewards, mask, shift_mean=False)
-        advantages, returns = F.gae(rewards, ro.values, self.cfg.gamma, self.cfg.lam, mask)
-        advantages = F.whiten(advantages, mask)
+            rewards = whiten(rewards, mask, shift_mean=False)
+        advantages, returns = gae(rewards, ro.values, self.cfg.gamma, self.cfg.lam, mask)
+        advantages = whiten(advantages, mask)
         return rewards, non_score, advantages, returns
 
     # ---- 5: PPO epochs ----------------------------------------------------------------------
@@ -470,7 +290,7 @@ class PPOTrainer:
         are summed (accumulated locally, then averaged over processes by DDP/FSDP), so the step is
         the one-process step on the same minibatch."""
         cfg = self.cfg
-        lr = F.linear_anneal(update, self.num_updates, cfg.lr) if cfg.anneal_lr else cfg.lr
+        lr = linear_anneal(update, self.num_updates, cfg.lr) if cfg.anneal_lr else cfg.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         query_responses = ro.query_responses
@@ -482,7 +302,7 @@ class PPOTrainer:
         trainable = [p for p in self.policy.parameters() if p.requires_grad]
         for _ in range(cfg.ppo_epochs):
             # each minibatch cut into one share per process, each share into microbatches
-            for shares in F.minibatch_indices(cfg.batch_size, cfg.nminibatches, self.minibatch_share, generator):
+            for shares in minibatch_indices(cfg.batch_size, cfg.nminibatches, self.minibatch_share, generator):
                 micros = shares[self.rank].split(cfg.microbatch_size)
                 self.optimizer.zero_grad(set_to_none=True)
                 bad_loss = None
@@ -502,13 +322,13 @@ class PPOTrainer:
                                 ro.trunk[micro] if self.use_trunk else None,
                             )
                         mask = ro.mask[micro]
-                        pg_loss, pg_stats = F.policy_loss(
+                        pg_loss, pg_stats = policy_loss(
                             logprobs.float(), ro.logprobs[micro], advantages[micro], cfg.cliprange, mask
                         )
-                        vf_loss, vf_stats = F.value_loss(
+                        vf_loss, vf_stats = value_loss(
                             vpred.float(), ro.values[micro], returns[micro], cfg.cliprange_value, mask
                         )
-                        entropy_mean = F.masked_mean(entropy, mask)
+                        entropy_mean = masked_mean(entropy, mask)
                         loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy_mean
                         if bad_loss is None and not torch.isfinite(loss):
                             bad_loss = (pg_loss.item(), vf_loss.item())
@@ -592,8 +412,6 @@ class PPOTrainer:
     def save_checkpoint(self, update: int) -> None:
         """Every process hands in its part (weights and optimizer state gathered whole, its random
         generators); process 0 writes them."""
-        from accelerate.utils import gather_object
-
         weights = distributed.full_state(self.policy, trainable_only=True)
         optimizer_state = distributed.full_optimizer_state(self.policy, self.optimizer)
         rng = gather_object([rng_state()])
@@ -605,8 +423,6 @@ class PPOTrainer:
         distributed.on_main_process(self.accelerator, write, "write the checkpoint")
 
     def train(self, progress: bool = True) -> list[dict]:
-        from tqdm import tqdm
-
         self.resume_if_possible()
         if self.log is not None:
             # the checkpoint holds every record up to it: replaying them gives the log the same
@@ -622,7 +438,7 @@ class PPOTrainer:
             rewards, non_score, advantages, returns = self.advantages(ro)
             t_train = time.perf_counter()
             opt_stats = self.optimize(ro, advantages, returns, update)
-            kl_per_seq = (F.kl_penalty(ro.logprobs, ro.ref_logprobs, self.cfg.kl.estimator) * ro.mask).sum(-1)
+            kl_per_seq = (kl_penalty(ro.logprobs, ro.ref_logprobs, self.cfg.kl.estimator) * ro.mask).sum(-1)
             mean_kl = kl_per_seq.mean().item()
             kl_coef = self.kl_ctl.value
             self.kl_ctl.update(mean_kl, self.cfg.batch_size)
@@ -637,17 +453,22 @@ class PPOTrainer:
                 "objective/non_score_reward": (non_score.sum(-1)).mean().item(),
                 "objective/valid_fraction": ro.valid.float().mean().item(),
                 "response/length": (ro.truncated != self.pad_id).sum(-1).float().mean().item(),
-                "val/mean": F.masked_mean(ro.values, ro.mask).item(),
-                "returns/mean": F.masked_mean(returns, ro.mask).item(),
-                "time/training": time.perf_counter() - t_train,
-                "time/update": elapsed,
-                "episodes_per_second": self.cfg.batch_size / elapsed,
+                "val/mean": masked_mean(ro.values, ro.mask).item(),
+                "returns/mean": masked_mean(returns, ro.mask).item(),
                 **ro.stats,
                 **opt_stats,
             }
             if not all(math.isfinite(v) for v in record.values() if isinstance(v, float)):
                 raise NonFiniteError(f"Non-finite statistics at update {update}: {record}. {self.last_good()}")
             self.history.append(record)
+            self.timings.append(
+                {
+                    **ro.timings,
+                    "time/training": time.perf_counter() - t_train,
+                    "time/update": elapsed,
+                    "episodes_per_second": self.cfg.batch_size / elapsed,
+                }
+            )
             if self.log is not None:
                 self.log(record)
             bar.update(1)
@@ -657,40 +478,3 @@ class PPOTrainer:
                 self.save_checkpoint(done)
         bar.close()
         return self.history
-
-
-def save_policy(
-    policy: PolicyWithValue, tokenizer, directory: str | Path, temperature: float, response_length: int
-) -> None:
-    """save_pretrained layout (loads with AutoModelForCausalLM) plus the value head.
-
-    ``generation_config.json`` holds the sampling PPO trained with (pure sampling at ``temperature``,
-    no top-k/top-p, ``response_length`` new tokens), so a plain ``generate`` samples as in training
-    instead of decoding greedily; the tokenizer is saved padding on the left, as batched
-    generation needs."""
-    directory = Path(directory)
-    bad = F.non_finite_tensors(trainable_state(policy))
-    if bad:
-        raise NonFiniteError(
-            f"The trained policy's weights are not finite ({', '.join(bad[:3])}...); {directory} was not written."
-        )
-    policy.lm.save_pretrained(directory)
-    sampling = copy.deepcopy(policy.lm.generation_config)
-    sampling.update(
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=response_length,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    sampling.save_pretrained(directory)
-    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    try:
-        tokenizer.save_pretrained(directory)
-    finally:
-        tokenizer.padding_side = padding_side
-    save_file(
-        {k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()},
-        str(directory / VALUE_HEAD_FILE),
-    )

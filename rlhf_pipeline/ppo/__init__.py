@@ -1,0 +1,12 @@
+"""PPO for the policy, one concern per module, from the maths up:
+
+- :mod:`.kl`: the per-token KL penalty, the rewards it shapes, the coefficient's controllers;
+- :mod:`.advantages`: the advantage estimators;
+- :mod:`.losses`: the clipped policy and value losses;
+- :mod:`.policy`: the trained module (policy LM + value head) and how it is saved;
+- :mod:`.checkpoint`: resumable checkpoints and every random generator's state;
+- :mod:`.trainer`: the loop, rollout -> advantages -> loss -> step.
+
+Only the train_policy and evaluate stages import this package, so editing any of it reruns those
+two stages and nothing upstream.
+"""

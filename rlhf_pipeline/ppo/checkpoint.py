@@ -1,0 +1,207 @@
+"""Resumable PPO checkpoints: the training state (weights, optimizer, KL controller, every random
+generator, the statistics so far) and a snapshot of the trained weights at each checkpoint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from safetensors.torch import save as save_safetensors
+from torch import Tensor
+
+from rlhf_pipeline.errors import DamagedArtifactError, NonFiniteError, PipelineError
+from rlhf_pipeline.functional import non_finite_tensors
+from rlhf_pipeline.io import (
+    CHECKSUMS,
+    atomic_dir,
+    atomic_file,
+    checksum_problems,
+    read_checksums,
+    recover_interrupted_write,
+    sha256_file,
+)
+
+SNAPSHOT_GLOB = "update_*.safetensors"
+
+
+def rng_state() -> dict:
+    """Every random generator's state as tensors, ints and lists only, so that the checkpoint
+    loads with ``torch.load(weights_only=True)``: no pickle, no code run from a shared cache."""
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "mt": list(mt), "gauss": gauss},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["mt"]), py["gauss"]))
+    np.random.set_state(
+        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """``state/`` holds everything to resume (atomic: temp dir, then rename; its ``meta.json``
+    records each file's sha256); ``snapshots/`` keeps the trainable weights at each checkpoint for
+    the over-optimisation curve, each file's sha256 in ``snapshots/SHA256SUMS``."""
+
+    def __init__(self, directory: str | Path, fingerprint: str):
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+        self.state_dir = self.directory / "state"
+        self.snapshots = self.directory / "snapshots"
+
+    STATE_FILES = ("trainable.safetensors", "training_state.pt", "history.json")
+
+    def prepare(self) -> bool:
+        """True if a resumable state with the same fingerprint exists and its files match the
+        checksums in its meta.json; else start clean (with a warning when it was damaged)."""
+        recover_interrupted_write(self.state_dir)
+        for leftover in self.snapshots.glob(".update_*.tmp-*"):  # a snapshot write that was killed
+            leftover.unlink()
+        problem = self._damage()
+        if problem is None:
+            return True
+        if problem:
+            print(
+                f"train_policy: warning: the checkpoint in {self.state_dir} is unusable ({problem}); "
+                "starting again from update 0.",
+                file=sys.stderr,
+            )
+        if self.directory.exists():
+            shutil.rmtree(self.directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return False
+
+    def _damage(self) -> str | None:
+        """None if the state can be resumed; '' if there is none (or of other params); else what is wrong."""
+        meta_path = self.state_dir / "meta.json"
+        if not meta_path.is_file():
+            return ""
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            return "meta.json is not valid JSON"
+        if not isinstance(meta, dict) or meta.get("fingerprint") != self.fingerprint:
+            return ""
+        checksums = meta.get("sha256", {})
+        for name in self.STATE_FILES:
+            path = self.state_dir / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if checksums.get(name) != sha256_file(path):
+                return f"{name} does not match the checksum in meta.json"
+        return snapshot_problem(self.snapshots)
+
+    def save(
+        self, update: int, weights: dict[str, Tensor], optimizer_state: dict, kl_state: dict, rng: list, history: list
+    ) -> None:
+        """Write the state of update ``update``: the trainable weights and the optimizer state (both
+        whole, keyed by parameter name, as :mod:`rlhf_pipeline.distributed` gathers them), the KL
+        controller, each process's random generators, and the statistics so far."""
+        bad = non_finite_tensors(weights)
+        if bad:  # never replace a good checkpoint with a broken one
+            raise NonFiniteError(
+                f"The weights after update {update} are not finite ({', '.join(bad[:3])}...). {self.last_good()}"
+            )
+        snapshot = self.snapshots / f"update_{update:05d}.safetensors"
+        with atomic_file(snapshot, "wb") as handle:
+            handle.write(save_safetensors({k: v for k, v in weights.items() if k.startswith("lm.")}))
+        sums_path = self.snapshots / CHECKSUMS
+        sums = {**(read_checksums(sums_path) if sums_path.is_file() else {}), snapshot.name: sha256_file(snapshot)}
+        with atomic_file(sums_path) as handle:
+            handle.write("".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
+        with atomic_dir(self.state_dir) as tmp:
+            save_file(weights, str(tmp / "trainable.safetensors"))
+            with open(tmp / "training_state.pt", "wb") as handle:  # a handle: a full disk then surfaces as an OSError
+                torch.save({"optimizer": optimizer_state, "kl": kl_state, "rng": rng}, handle)
+            (tmp / "history.json").write_text(json.dumps(history))
+            checksums = {name: sha256_file(tmp / name) for name in self.STATE_FILES}
+            (tmp / "meta.json").write_text(
+                json.dumps({"fingerprint": self.fingerprint, "update": update, "sha256": checksums})
+            )
+
+    def last_good(self) -> str:
+        """What the user still has after a failure, said as it is."""
+        meta = self.state_dir / "meta.json"
+        if meta.is_file():
+            update = json.loads(meta.read_text()).get("update")
+            return (
+                f"Nothing was written; the last good checkpoint (update {update}, {self.state_dir}) is kept, "
+                "and `dvc repro` resumes from it once the cause is fixed."
+            )
+        return "Nothing was written, and no checkpoint exists yet: the next run starts from update 0."
+
+    def read(self, trainable_names: set[str]) -> dict:
+        """What :meth:`save` wrote: weights, optimizer, kl, rng, update, history."""
+        weights = load_file(str(self.state_dir / "trainable.safetensors"))
+        missing = trainable_names - set(weights)
+        if missing:
+            raise PipelineError(
+                f"Checkpoint {self.state_dir} lacks weights {sorted(missing)[:3]}...; delete {self.directory} to "
+                "start over."
+            )
+        state = torch.load(self.state_dir / "training_state.pt", weights_only=True)
+        meta = json.loads((self.state_dir / "meta.json").read_text())
+        history = json.loads((self.state_dir / "history.json").read_text())
+        return {"weights": weights, **state, "update": meta["update"], "history": history}
+
+
+def snapshot_problem(directory: str | Path) -> str | None:
+    """What is wrong with the snapshots in ``directory`` (one unlisted in its SHA256SUMS, or whose
+    bytes differ from the recorded sha256), or None when every one checks out."""
+    directory = Path(directory)
+    snapshots = sorted(p.name for p in directory.glob(SNAPSHOT_GLOB))
+    if not snapshots:
+        return None
+    sums_path = directory / CHECKSUMS
+    if not sums_path.is_file():
+        return f"{sums_path} is missing"
+    try:
+        recorded = read_checksums(sums_path)
+    except DamagedArtifactError as error:
+        return str(error)
+    unlisted = [name for name in snapshots if name not in recorded]
+    problems = [f"{name} is not in {CHECKSUMS}" for name in unlisted]
+    problems += checksum_problems(directory, {name: recorded[name] for name in snapshots if name in recorded})
+    return "; ".join(f"snapshots/{p}" for p in problems) or None
+
+
+def verified_snapshots(directory: str | Path) -> list[Path]:
+    """The snapshots of ``directory`` in update order, each checked against the sha256 recorded when
+    it was written; :class:`DamagedArtifactError` (nothing evaluated, nothing recorded) otherwise."""
+    problem = snapshot_problem(directory)
+    if problem:
+        raise DamagedArtifactError(
+            f"a checkpoint snapshot is damaged: {problem}. It is not used. `dvc checkout --force "
+            f"{Path(directory).parent}` restores the checkpoints from the DVC cache if it holds a good copy; "
+            f"otherwise delete {Path(directory).parent} and run `dvc repro --force train_policy`."
+        )
+    return sorted(Path(directory).glob(SNAPSHOT_GLOB))
+
+
+def fingerprint_of(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
