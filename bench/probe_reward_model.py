@@ -27,6 +27,7 @@ def main() -> None:
     from datasets import load_from_disk
 
     from rlhf_pipeline.models import freeze_lower_layers, load_tokenizer
+    from rlhf_pipeline.params.reward import RewardTrainParams
     from rlhf_pipeline.reward import RewardModel, best_of_n_accuracy, preference_tensors, train_reward_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -61,16 +62,8 @@ def main() -> None:
     freeze_lower_layers(model.backbone, args.freeze)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     started = time.perf_counter()
-    history = train_reward_model(
-        model,
-        *train,
-        lr=args.lr,
-        epochs=args.epochs,
-        batch_size=args.batch,
-        microbatch_size=args.batch,
-        adam_eps=1e-5,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
+    cfg = RewardTrainParams(lr=args.lr, epochs=args.epochs, batch_size=args.batch, microbatch_size=args.batch)
+    history = train_reward_model(model, train, cfg, torch.Generator().manual_seed(args.seed))
     seconds = time.perf_counter() - started
     accuracy = best_of_n_accuracy(model, *test[:3], batch_size=64)
     tail = history[-max(1, len(history) // 4) :]

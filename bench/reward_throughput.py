@@ -55,7 +55,8 @@ def make_data(tokenizer, num_pairs: int, prompt_tokens: int, response_tokens: in
 # --------------------------------------------------------------------------------------------
 def run_ours(model_dir: Path, tokenizer, data, args) -> list[float]:
     """Per-step wall times (seconds) of the project's reward training, warmup step included."""
-    from rlhf_pipeline.reward import RewardModel, train_reward_model
+    from rlhf_pipeline.params.reward import RewardTrainParams
+    from rlhf_pipeline.reward import Labels, RewardModel, train_reward_model
 
     prompts, chosen, rejected = data
     seed_everything(args.seed)
@@ -64,18 +65,12 @@ def run_ours(model_dir: Path, tokenizer, data, args) -> list[float]:
     best = torch.zeros(len(prompts), dtype=torch.long)
     stamps: list[float] = []
     start = time.perf_counter()
+    cfg = RewardTrainParams(lr=args.lr, batch_size=args.batch_pairs, microbatch_size=args.batch_pairs)
     train_reward_model(
         model,
-        prompts,
-        samples,
-        best,
-        None,
-        lr=args.lr,
-        epochs=1,
-        batch_size=args.batch_pairs,
-        microbatch_size=args.batch_pairs,
-        adam_eps=1e-5,
-        generator=torch.Generator().manual_seed(args.seed),
+        Labels(prompts, samples, best),
+        cfg,
+        torch.Generator().manual_seed(args.seed),
         log=lambda record: stamps.append(time.perf_counter()),
     )
     del model

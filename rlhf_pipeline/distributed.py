@@ -83,9 +83,15 @@ def deepspeed_zero_stage() -> int | None:
     return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
 
 
-def refuse_unsupported(device: torch.device, trunk_split: bool, stage: str) -> None:
+def refuse_unsupported(device: torch.device, trunk_split: bool, stage: str, lora: bool = False) -> None:
     """Stop before anything loads when the launcher's configuration cannot be honoured as asked
     (:class:`LaunchConfigError`, exit code 2: retrying cannot fix it)."""
+    if lora and launched_world_size() > 1:
+        raise LaunchConfigError(
+            f"{stage}: ppo.lora trains on one process only (the adapter is not wrapped for DDP or sharded by FSDP "
+            f"here), and `accelerate launch` started {launched_world_size()}. Run `dvc repro` directly, or set "
+            "ppo.lora: null for a full fine-tune on several processes."
+        )
     zero = deepspeed_zero_stage()
     if zero is not None and device.type != "cuda":
         raise LaunchConfigError(
@@ -110,7 +116,7 @@ def refuse_unsupported(device: torch.device, trunk_split: bool, stage: str) -> N
         )
 
 
-def make_accelerator(device: torch.device, trunk_split: bool = False, stage: str = "training"):
+def make_accelerator(device: torch.device, trunk_split: bool = False, stage: str = "training", lora: bool = False):
     """The ``Accelerator`` for the launcher's processes and configuration (one process: a plain one).
 
     accelerate (1.15) turns FSDP on only for accelerator devices: on CPU processes an FSDP
@@ -120,7 +126,7 @@ def make_accelerator(device: torch.device, trunk_split: bool = False, stage: str
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    refuse_unsupported(device, trunk_split, stage)
+    refuse_unsupported(device, trunk_split, stage, lora)
     accelerator = Accelerator(cpu=device.type == "cpu")
     if _flag("ACCELERATE_USE_FSDP") and accelerator.distributed_type == DistributedType.MULTI_CPU:
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # read from the launcher's environment

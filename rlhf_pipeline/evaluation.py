@@ -2,8 +2,9 @@
 
 Metrics are computed by small functions on tensors (tested on hand-made numbers):
 
-- per-sequence KL of the policy from the base model, estimated on policy samples:
-  ``KL(x) = sum_t [log pi(y_t|x,y_<t) - log rho(y_t|x,y_<t)]`` (k1, at the sampling temperature);
+- per-sequence KL of the policy from the base model, estimated on policy samples with the
+  estimator PPO used (``ppo.kl.estimator``; k1: ``sum_t [log pi(y_t|x,y_<t) - log rho(y_t|x,y_<t)]``,
+  at the sampling temperature), and k1 besides when PPO used another;
 - win rate: fraction of queries where the policy's score beats the base's on the same query,
   ties counting one half;
 - improvement in base-std units with its paired standard error: base and policy answer the same
@@ -14,23 +15,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from rlhf_pipeline.functional import apply_penalty
+from rlhf_pipeline.ppo.kl import kl_penalty
 from rlhf_pipeline.progress import Progress
-from rlhf_pipeline.reward import RewardModel, score_query_responses
+from rlhf_pipeline.reward import RewardModel, task_scores
 from rlhf_pipeline.sampling import ResponseSampler, iterate_batches, response_outputs, shared_lower_blocks
 
 
-def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Per-sequence KL estimate sum_t (logp_t - logp_ref_t) over real response tokens: (B,)."""
-    diff = logprobs - ref_logprobs
+def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None, estimator: str = "k1") -> Tensor:
+    """Per-sequence KL estimate ``sum_t kl_t`` over the real response tokens, with the per-token
+    estimator PPO penalises (:func:`rlhf_pipeline.ppo.kl.kl_penalty`): (B,)."""
+    kl = kl_penalty(logprobs, ref_logprobs, estimator)
     if mask is not None:
-        diff = diff * mask
-    return diff.sum(-1)
+        kl = kl * mask
+    return kl.sum(-1)
 
 
 def win_rate(policy_scores: Tensor | np.ndarray, base_scores: Tensor | np.ndarray) -> float:
@@ -61,70 +64,74 @@ def paired_improvement(policy_scores, base_scores) -> tuple[float, float]:
     return float(differences.mean() / scale), float(differences.std(ddof=1) / np.sqrt(differences.size) / scale)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SampleSet:
-    """Samples of one model on the evaluation queries, with their scores."""
+    """Samples of one model on the evaluation queries (``n`` of them), with their scores."""
 
-    responses: Tensor  # truncated, as scored
-    valid: Tensor
-    proxy: Tensor  # normalised reward-model score (penalty applied where invalid)
-    gold: np.ndarray | None
-    kl: Tensor  # per-sequence KL from the base model
+    responses: Tensor  # (n, R) truncated, as scored
+    valid: Tensor  # (n,) bool
+    proxy: Tensor  # (n,) the task's score: normalised reward model, penalty where invalid
+    gold: np.ndarray | None  # (n,) the labeler's score, when labels are simulated
+    kl: Tensor  # (n,) per-sequence KL from the base model, by ppo.kl.estimator
+    kl_k1: Tensor  # (n,) the same with k1 (the same tensor when the estimator is k1)
     texts: list[str]
 
 
+@dataclass(kw_only=True)
+class Evaluation:
+    """What every model is measured against: the base model, the reward model, the held-out
+    queries, the task's sampler, and how (seed, batch size, gold labeler, KL estimator)."""
+
+    base: nn.Module
+    reward_model: RewardModel
+    queries: Tensor  # (n, Q) left-padded
+    sampler: ResponseSampler
+    tokenizer: Any
+    seed: int  # the same for every model: base and policy draw the same random stream
+    batch_size: int
+    labeler: Any = None
+    kl_estimator: str = "k1"
+
+
 @torch.no_grad()
-def sample_and_score(
-    model: nn.Module,
-    base: nn.Module,
-    reward_model: RewardModel,
-    queries: Tensor,
-    sampler: ResponseSampler,
-    tokenizer,
-    seed: int,
-    batch_size: int,
-    labeler=None,
-    progress: str | None = None,
-) -> SampleSet:
-    """Sample ``model`` on ``queries`` (seeded: the same seed gives base and policy the same
-    random stream), score with proxy and gold, and measure KL from ``base``.
+def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None = None) -> SampleSet:
+    """Sample ``model`` on the queries, score with proxy and gold, and measure KL from the base.
 
     The KL of the base from itself is 0 without a forward pass; a model that shares its lowest
     blocks with the base (a PPO policy trained with frozen lower blocks) hands the base its
     trunk, captured while sampling, so only the blocks above it run again."""
-    generator = torch.Generator().manual_seed(seed)
-    responses, truncated, valids, kls = [], [], [], []
-    q_len = queries.shape[1]
+    base, queries, sampler = setup.base, setup.queries, setup.sampler
+    generator = torch.Generator().manual_seed(setup.seed)
+    truncated, valids, kls, kls_k1 = [], [], [], []
     shared = 0 if model is base else shared_lower_blocks(model, base)
     lines = Progress(progress, len(queries), "queries sampled")
-    for rows in iterate_batches(len(queries), batch_size):
+    for rows in iterate_batches(len(queries), setup.batch_size):
         out, trunc, valid = sampler.sample(model, queries[rows], generator, capture_layers=(shared,) if shared else ())
         if model is base:
             kls.append(torch.zeros(len(out.responses)))
+            kls_k1.append(kls[-1])  # used only with another estimator, where k1 of the base is 0 too
         else:
             query_responses = torch.cat([queries[rows], out.responses], 1)
-            mask = query_responses != sampler.pad_token_id
-            ref_logprobs = response_outputs(
-                base,
-                query_responses,
-                mask,
-                q_len,
-                sampler.task.temperature,
-                sampler.pad_token_id,
-                shared,
-                out.hidden.get(shared),
-            ).logprobs
-            kls.append(sequence_kl(out.logprobs, ref_logprobs, out.mask))
-        responses.append(out.responses)
+            args = (query_responses != sampler.pad_token_id, queries.shape[1], sampler.task.temperature)
+            reference = response_outputs(
+                base, query_responses, *args, sampler.pad_token_id, shared, out.hidden.get(shared)
+            )
+            kls.append(sequence_kl(out.logprobs, reference.logprobs, out.mask, setup.kl_estimator))
+            kls_k1.append(
+                kls[-1] if setup.kl_estimator == "k1" else sequence_kl(out.logprobs, reference.logprobs, out.mask)
+            )
         truncated.append(trunc)
         valids.append(valid)
         lines.update(rows.stop)
     truncated_t, valid_t = torch.cat(truncated), torch.cat(valids)
-    raw = score_query_responses(reward_model, queries, truncated_t, batch_size)
-    proxy = apply_penalty(raw, valid_t, sampler.task.penalty_reward)
-    texts = tokenizer.batch_decode(truncated_t, skip_special_tokens=True)
-    gold = np.asarray(labeler.score(texts), dtype=float) if labeler is not None else None
-    return SampleSet(truncated_t, valid_t, proxy, gold, torch.cat(kls), texts)
+    proxy = task_scores(
+        setup.reward_model, queries, truncated_t, valid_t, sampler.task.penalty_reward, setup.batch_size
+    )
+    texts = setup.tokenizer.batch_decode(truncated_t, skip_special_tokens=True)
+    gold = np.asarray(setup.labeler.score(texts), dtype=float) if setup.labeler is not None else None
+    kl = torch.cat(kls)
+    kl_k1 = kl if setup.kl_estimator == "k1" else torch.cat(kls_k1)
+    return SampleSet(responses=truncated_t, valid=valid_t, proxy=proxy, gold=gold, kl=kl, kl_k1=kl_k1, texts=texts)
 
 
 def summarize(base: SampleSet, policy: SampleSet) -> dict:
@@ -132,6 +139,7 @@ def summarize(base: SampleSet, policy: SampleSet) -> dict:
         "proxy/base_mean": base.proxy.mean().item(),
         "proxy/policy_mean": policy.proxy.mean().item(),
         "kl/mean": policy.kl.mean().item(),
+        **({"kl/k1_mean": policy.kl_k1.mean().item()} if policy.kl_k1 is not policy.kl else {}),
         "win_rate/proxy": win_rate(policy.proxy.numpy(), base.proxy.numpy()),
         "valid/base": base.valid.float().mean().item(),
         "valid/policy": policy.valid.float().mean().item(),

@@ -22,9 +22,8 @@ from __future__ import annotations
 import copy
 import json
 import math
-from contextlib import nullcontext
 from pathlib import Path
-from typing import get_args
+from typing import NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +33,13 @@ from tqdm import tqdm
 
 from rlhf_pipeline import distributed
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
-from rlhf_pipeline.functional import linear_anneal
+from rlhf_pipeline.functional import apply_penalty, linear_anneal
 from rlhf_pipeline.io import LOCAL_MODELS, local_model_dir
 from rlhf_pipeline.models import set_dropout, transformer_layers
 from rlhf_pipeline.optim import adam
-from rlhf_pipeline.params.reward import RewardPooling
+from rlhf_pipeline.params.reward import RewardPooling, RewardTrainParams
 from rlhf_pipeline.sampling import iterate_batches, position_ids_from_mask
+from rlhf_pipeline.training import accumulate_and_step, set_lr
 
 HEAD_FILE = "reward_head.safetensors"
 POOLINGS = get_args(RewardPooling)
@@ -432,6 +432,16 @@ def score_query_responses(
     return torch.cat(scores)
 
 
+def task_scores(
+    model: RewardModel, queries: Tensor, truncated: Tensor, valid: Tensor, penalty_reward: float, batch_size: int
+) -> Tensor:
+    """The score of each response as the task defines it (one rule for PPO's rollouts and the
+    evaluation): the normalised reward model's score of query + response truncated at
+    ``task.truncate_token`` (``truncated``), or ``penalty_reward`` where no truncate token was found
+    (``valid`` false). ``(B, Q), (B, R), (B,) -> (B,)``."""
+    return apply_penalty(score_query_responses(model, queries, truncated, batch_size), valid, penalty_reward)
+
+
 def fit_normalization(
     model: RewardModel, raw_scores: Tensor, target_mean: float, target_std: float
 ) -> tuple[float, float]:
@@ -446,17 +456,26 @@ def fit_normalization(
     return gain, bias
 
 
-def preference_tensors(split, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(queries (B,Q), samples (B,N,R), best (B,), margin (B,)) from a preferences split."""
-    queries = torch.tensor(split["query_ids"], dtype=torch.long, device=device)
-    samples = torch.tensor(split["sample_ids"], dtype=torch.long, device=device)
-    best = torch.tensor(split["best"], dtype=torch.long, device=device)
-    margin = (
-        torch.tensor(split["margin"], dtype=torch.float32, device=device)
+class Labels(NamedTuple):
+    """Best-of-N labels as tensors: ``queries`` (B, Q) left-padded, ``samples`` (B, N, R)
+    right-padded, ``best`` (B,) the index of the preferred sample, ``margin`` (B,) or None."""
+
+    queries: Tensor
+    samples: Tensor
+    best: Tensor
+    margin: Tensor | None = None
+
+
+def preference_tensors(split, device: torch.device | str = "cpu") -> Labels:
+    """The :class:`Labels` of a preferences split (margin 0 where the data has none)."""
+    return Labels(
+        queries=torch.tensor(split["query_ids"], dtype=torch.long, device=device),
+        samples=torch.tensor(split["sample_ids"], dtype=torch.long, device=device),
+        best=torch.tensor(split["best"], dtype=torch.long, device=device),
+        margin=torch.tensor(split["margin"], dtype=torch.float32, device=device)
         if "margin" in split.column_names
-        else torch.zeros(len(best), device=device)
+        else torch.zeros(len(split["best"]), device=device),
     )
-    return queries, samples, best, margin
 
 
 @torch.no_grad()
@@ -481,96 +500,67 @@ class BestOfNScorer(nn.Module):
 
 def train_reward_model(
     model: RewardModel,
-    queries: Tensor,
-    samples: Tensor,
-    best: Tensor,
-    margin: Tensor | None,
-    lr: float,
-    epochs: int,
-    batch_size: int,
-    microbatch_size: int,
-    adam_eps: float,
+    labels: Labels,
+    cfg: RewardTrainParams,
     generator: torch.Generator,
-    max_grad_norm: float | None = None,
     log=None,
-    tensorflow_adam: bool = True,
-    train_gain_bias: bool = True,
     accelerator=None,
 ) -> list[dict]:
-    """OAI reward training: ``epochs`` passes (reference: 1) over shuffled labels, LR annealed
-    linearly from ``lr`` to 0 by label index, Adam (TensorFlow-style epsilon), gradient
-    accumulation over microbatches. The reward gain and bias train with the model unless
-    ``train_gain_bias`` is false (the softmax loss is invariant to the bias, so only the gain,
-    a temperature of the N-way choice, actually moves).
+    """OAI reward training: ``cfg.epochs`` passes (reference: 1) over shuffled labels, the learning
+    rate annealed linearly from ``cfg.lr`` to 0 by label index, Adam (TensorFlow-style epsilon
+    unless ``cfg.tensorflow_adam`` is false), microbatches of ``cfg.microbatch_size`` accumulated
+    into steps of ``cfg.batch_size`` labels. The reward gain and bias train with the model unless
+    ``cfg.train_gain_bias`` is false (the softmax loss is invariant to the bias, so only the gain, a
+    temperature of the N-way choice, actually moves).
 
     Several processes (``accelerator``, from :func:`rlhf_pipeline.distributed.make_accelerator`):
-    ``batch_size`` stays the global batch; each process takes its contiguous share of every batch
-    and the gradients are averaged, so every step is the one-process step. With FSDP ``model`` is
-    left sharded: :func:`rlhf_pipeline.distributed.whole_model` gathers it.
+    ``cfg.batch_size`` stays the global batch; each process takes its contiguous share of every
+    batch and the gradients are averaged, so every step is the one-process step. With FSDP ``model``
+    is left sharded: :func:`rlhf_pipeline.distributed.whole_model` gathers it.
 
-    Returns one record per optimizer step (loss, accuracy, lr); ``log(record)`` is called too.
+    Returns one record per optimizer step (step, loss, accuracy, lr); ``log(record)`` is called too.
     """
     accelerator = accelerator or distributed.make_accelerator(torch.device("cpu"), stage="train_reward")
-    if batch_size % accelerator.num_processes:
+    if cfg.batch_size % accelerator.num_processes:
         raise PipelineError(
-            f"reward.train.batch_size ({batch_size}) must split evenly over the {accelerator.num_processes} processes."
+            f"reward.train.batch_size ({cfg.batch_size}) must split evenly over the {accelerator.num_processes} "
+            "processes."
         )
-    model.gain.requires_grad_(train_gain_bias)
-    model.bias.requires_grad_(train_gain_bias)
-    optimizer = adam(
-        [p for p in model.parameters() if p.requires_grad], lr=lr, eps=adam_eps, tensorflow=tensorflow_adam
-    )
+    model.gain.requires_grad_(cfg.train_gain_bias)
+    model.bias.requires_grad_(cfg.train_gain_bias)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adam(trainable, lr=cfg.lr, eps=cfg.adam_eps, tensorflow=cfg.tensorflow_adam)
     scorer, optimizer = accelerator.prepare(BestOfNScorer(model), optimizer)
-    params = [p for p in model.parameters() if p.requires_grad]  # again: FSDP has replaced them with its shards
-    num_labels = len(best)
-    total = num_labels * epochs
-    steps_per_epoch = num_labels // batch_size
-    history = []
+    num_labels = len(labels.best)
+    steps_per_epoch = num_labels // cfg.batch_size
+    history: list[dict] = []
     model.train()
     bar = tqdm(
-        total=steps_per_epoch * epochs, desc="train_reward", unit="step", disable=not accelerator.is_main_process
+        total=steps_per_epoch * cfg.epochs, desc="train_reward", unit="step", disable=not accelerator.is_main_process
     )
-    for epoch in range(epochs):
+    for epoch in range(cfg.epochs):
         order = torch.randperm(num_labels, generator=generator)
-        for step_in_epoch in range(steps_per_epoch):
-            start = step_in_epoch * batch_size
-            step_lr = linear_anneal(epoch * num_labels + start, total, lr)
-            for group in optimizer.param_groups:
-                group["lr"] = step_lr
-            optimizer.zero_grad(set_to_none=True)
-            batch = order[start : start + batch_size]
+        for start in range(0, steps_per_epoch * cfg.batch_size, cfg.batch_size):
+            lr = linear_anneal(epoch * num_labels + start, num_labels * cfg.epochs, cfg.lr)
+            set_lr(optimizer, lr)
+            batch = order[start : start + cfg.batch_size]
             share = batch[distributed.share(accelerator, len(batch))]
-            sums = torch.zeros(2, dtype=torch.float64)  # loss and correct choices over this process's rows
-            micros = share.split(microbatch_size)
-            for i, micro in enumerate(micros):
-                # gradients are averaged over processes once, after the share's last microbatch
-                with nullcontext() if i == len(micros) - 1 else accelerator.no_sync(scorer):
-                    rewards = scorer(queries[micro], samples[micro])
-                    micro_margin = margin[micro] if margin is not None else None
-                    loss, accuracy = best_of_n_loss(rewards, best[micro], micro_margin)
-                    accelerator.backward(loss * len(micro) / len(share))
-                sums += torch.tensor([loss.item(), accuracy.item()], dtype=torch.float64) * len(micro)
+            records = accumulate_and_step(
+                accelerator,
+                scorer,
+                optimizer,
+                share.split(cfg.microbatch_size),
+                lambda micro: _label_loss(scorer, labels, micro),
+                lambda what, detail: _non_finite(what, len(history), detail),
+                cfg.max_grad_norm,
+                model,
+            )
+            # loss and correct choices summed over every process's rows: the one-process figures
+            sums = torch.zeros(2, dtype=torch.float64)
+            for loss, accuracy, rows in records:
+                sums += torch.tensor([loss, accuracy], dtype=torch.float64) * rows
             loss_sum, correct = distributed.sum_over_processes(accelerator, sums).tolist()
-            if not math.isfinite(loss_sum):
-                raise NonFiniteError(
-                    f"Reward-model loss became non-finite at step {len(history)}; nothing was written. Likely causes: "
-                    "reward.train.lr too high, or extreme values in the preference data's margin column."
-                )
-            bad = distributed.non_finite_gradients(accelerator, model)
-            if bad:  # a finite loss with a non-finite gradient (fp16/bf16 overflow) would poison every weight
-                raise NonFiniteError(
-                    f"Reward-model gradient became non-finite at step {len(history)} ({', '.join(bad[:3])}...); "
-                    "nothing was written. Likely causes: fp16/bf16 overflow (run in fp32) or reward.train.lr too high."
-                )
-            if max_grad_norm is not None:  # the norm over every process's gradient, sharded or not
-                accelerator.clip_grad_norm_(params, max_grad_norm)
-            optimizer.step()
-            record = {
-                "step": len(history),
-                "loss": loss_sum / len(batch),
-                "accuracy": correct / len(batch),
-                "lr": step_lr,
-            }
+            record = {"step": len(history), "loss": loss_sum / len(batch), "accuracy": correct / len(batch), "lr": lr}
             history.append(record)
             if log is not None:
                 log(record)
@@ -579,3 +569,21 @@ def train_reward_model(
     bar.close()
     model.eval()
     return history
+
+
+def _label_loss(scorer: nn.Module, labels: Labels, micro: Tensor) -> tuple[Tensor, tuple[float, float, int]]:
+    """The best-of-N loss of the labels ``micro`` indexes, and (loss, accuracy, rows) for the record."""
+    rewards = scorer(labels.queries[micro], labels.samples[micro])
+    margin = labels.margin[micro] if labels.margin is not None else None
+    loss, accuracy = best_of_n_loss(rewards, labels.best[micro], margin)
+    return loss, (loss.item(), accuracy.item(), len(micro))
+
+
+def _non_finite(what: str, step: int, detail) -> NonFiniteError:
+    if what == "loss":
+        where, causes = "", "reward.train.lr too high, or extreme values in the preference data's margin column"
+    else:
+        where, causes = f" ({', '.join(detail[:3])}...)", "fp16/bf16 overflow (run in fp32) or reward.train.lr too high"
+    return NonFiniteError(
+        f"Reward-model {what} became non-finite at step {step}{where}; nothing was written. Likely causes: {causes}."
+    )

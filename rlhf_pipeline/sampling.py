@@ -105,6 +105,60 @@ def position_ids_from_mask(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+@dataclass
+class _Decoding:
+    """The state of one batch of decoding: each row's KV cache, its last hidden state, mask and next position."""
+
+    cache: object
+    hidden: Tensor  # (B, H)
+    mask: Tensor  # (B, Q + t) long
+    next_pos: Tensor  # (B,)
+    captured: list[list[Tensor]]  # per captured layer, its hidden states so far
+
+
+def _prefill(backbone, queries, query_mask, config, num_samples: int, layers: list[int]) -> _Decoding:
+    """Run the queries once and repeat their KV cache (and state) ``num_samples`` times per query."""
+    from transformers import DynamicCache
+
+    mask = query_mask.to(torch.long)
+    capture = {"output_hidden_states": layers} if layers else {}
+    out = backbone(
+        input_ids=queries,
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        past_key_values=DynamicCache(config=config),
+        use_cache=True,
+        **capture,
+    )
+    # output_hidden_states=[...] keeps the full-length tuple, with None where a layer is not asked for
+    state = _Decoding(out.past_key_values, out.last_hidden_state[:, -1], mask, mask.sum(-1), [])
+    state.captured = [[out.hidden_states[layer]] for layer in layers]
+    if num_samples > 1:
+        state.cache.batch_repeat_interleave(num_samples)
+        state.hidden = state.hidden.repeat_interleave(num_samples, 0)
+        state.mask = state.mask.repeat_interleave(num_samples, 0)
+        state.next_pos = state.next_pos.repeat_interleave(num_samples, 0)
+        state.captured = [[parts[0].repeat_interleave(num_samples, 0)] for parts in state.captured]
+    return state
+
+
+def _feed(backbone, state: _Decoding, token: Tensor, layers: list[int]) -> object:
+    """Run the backbone on one new token per row (its KV cache extended); returns the output."""
+    batch = token.shape[0]
+    state.mask = torch.cat([state.mask, torch.ones(batch, 1, dtype=state.mask.dtype, device=token.device)], dim=1)
+    out = backbone(
+        input_ids=token[:, None],
+        attention_mask=state.mask,
+        position_ids=state.next_pos[:, None],
+        past_key_values=state.cache,
+        use_cache=True,
+        **({"output_hidden_states": layers} if layers else {}),
+    )
+    for parts, layer in zip(state.captured, layers):
+        parts.append(out.hidden_states[layer])
+    return out
+
+
 @torch.no_grad()
 def sample_responses(
     model: nn.Module,
@@ -134,44 +188,21 @@ def sample_responses(
 
     ``process_share``: see :func:`sample_from_logits` (the queries are that share of a batch).
     """
-    from transformers import DynamicCache
-
     backbone = backbone_of(model)
     lm_head = model.get_output_embeddings()
     device = queries.device
-    mask = query_mask.to(torch.long)
     layers = sorted(set(capture_layers))
-    capture = {"output_hidden_states": layers} if layers else {}
-    cache = DynamicCache(config=model.config)
-    out = backbone(
-        input_ids=queries,
-        attention_mask=mask,
-        position_ids=position_ids_from_mask(mask),
-        past_key_values=cache,
-        use_cache=True,
-        **capture,
-    )
-    # output_hidden_states=[...] keeps the full-length tuple, with None where a layer is not asked for
-    captured = [[out.hidden_states[layer]] for layer in layers]
-    hidden = out.last_hidden_state[:, -1]
-    cache = out.past_key_values
-    next_pos = mask.sum(-1)
-    if num_samples > 1:
-        cache.batch_repeat_interleave(num_samples)
-        hidden = hidden.repeat_interleave(num_samples, 0)
-        mask = mask.repeat_interleave(num_samples, 0)
-        next_pos = next_pos.repeat_interleave(num_samples, 0)
-        captured = [[parts[0].repeat_interleave(num_samples, 0)] for parts in captured]
-    batch = hidden.shape[0]
+    state = _prefill(backbone, queries, query_mask, model.config, num_samples, layers)
+    batch = state.hidden.shape[0]
     tokens = torch.full((batch, response_length), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(batch, response_length, device=device)
     values = torch.zeros(batch, response_length, device=device) if value_head is not None else None
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     for t in range(response_length):
-        logits = never_pad(lm_head(hidden).float(), pad_token_id, inplace=True).div_(temperature)
+        logits = never_pad(lm_head(state.hidden).float(), pad_token_id, inplace=True).div_(temperature)
         token, logprob = sample_from_logits(logits, generator, process_share=process_share)
         if values is not None:
-            values[:, t] = value_head(hidden).squeeze(-1).float()
+            values[:, t] = value_head(state.hidden).squeeze(-1).float()
         token = torch.where(alive, token, torch.full_like(token, pad_token_id))
         tokens[:, t] = token
         logprobs[:, t] = torch.where(alive, logprob, 0.0)
@@ -179,27 +210,16 @@ def sample_responses(
         alive_next = alive & (token != eos_token_id) if stop_at_eos and eos_token_id is not None else alive
         if t == response_length - 1 and not layers:
             break
-        mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=device)], dim=1)
-        out = backbone(
-            input_ids=token[:, None],
-            attention_mask=mask,
-            position_ids=next_pos[:, None],
-            past_key_values=cache,
-            use_cache=True,
-            **capture,
-        )
-        for parts, layer in zip(captured, layers):
-            parts.append(out.hidden_states[layer])
+        out = _feed(backbone, state, token, layers)  # the last step only captures the final token's states
         if t == response_length - 1:
             break
-        cache = out.past_key_values
-        hidden = out.last_hidden_state[:, -1]
-        next_pos = next_pos + 1
+        state.cache, state.hidden = out.past_key_values, out.last_hidden_state[:, -1]
+        state.next_pos = state.next_pos + 1
         alive = alive_next
     response_mask = tokens != pad_token_id
     if not stop_at_eos:
         response_mask = torch.ones_like(response_mask)
-    hidden_states = {layer: torch.cat(parts, dim=1) for layer, parts in zip(layers, captured)}
+    hidden_states = {layer: torch.cat(parts, dim=1) for layer, parts in zip(layers, state.captured)}
     return SampleOutput(tokens, logprobs, values, response_mask, hidden_states)
 
 

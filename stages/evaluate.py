@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from rlhf_pipeline.evaluation import (
+    Evaluation,
     curve_point,
     length_stats,
     load_snapshot,
@@ -23,6 +24,7 @@ from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.evaluate import EvaluateParams
+from rlhf_pipeline.params.ppo import PPOParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.ppo.checkpoint import verified_snapshots
 from rlhf_pipeline.queries import load_queries
@@ -45,6 +47,7 @@ class Params(StageParams):
     data: DataParams = DataParams()
     task: TaskParams = TaskParams()
     evaluate: EvaluateParams = EvaluateParams()
+    ppo: PPOParams = PPOParams()  # ppo.kl.estimator: the evaluation's KL is the one PPO penalised
 
 
 def main(params: Params) -> None:
@@ -59,12 +62,21 @@ def main(params: Params) -> None:
     reward_model = RewardModel.load(REWARD)
     sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
     labeler = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
-    queries = load_queries(QUERIES, "test", tokenizer.pad_token_id, cfg.num_queries)
-    seed = params.seed + 2  # same stream for base and policy, distinct from training streams
+    setup = Evaluation(
+        base=base,
+        reward_model=reward_model,
+        queries=load_queries(QUERIES, "test", tokenizer.pad_token_id, cfg.num_queries),
+        sampler=sampler,
+        tokenizer=tokenizer,
+        seed=params.seed + 2,  # same stream for base and policy, distinct from training streams
+        batch_size=cfg.batch_size,
+        labeler=labeler,
+        kl_estimator=params.ppo.kl.estimator,
+    )
+    queries = setup.queries
 
     def evaluate(model, name: str):
-        args = (model, base, reward_model, queries, sampler, tokenizer, seed, cfg.batch_size, labeler)
-        return sample_and_score(*args, progress=f"evaluate {name}")
+        return sample_and_score(model, setup, progress=f"evaluate {name}")
 
     base_set, policy_set = evaluate(base, "base"), evaluate(policy, "policy")
     metrics = summarize(base_set, policy_set)

@@ -19,7 +19,7 @@ from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.ppo import PPOParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.ppo.checkpoint import Checkpointer, fingerprint_of
-from rlhf_pipeline.ppo.policy import PolicyWithValue, save_policy
+from rlhf_pipeline.ppo.policy import build_policy, save_policy
 from rlhf_pipeline.ppo.trainer import PPOTrainer
 from rlhf_pipeline.queries import load_queries
 from rlhf_pipeline.reward import HEAD_FILE, RewardModel
@@ -35,13 +35,18 @@ class Params(StageParams):
     ppo: PPOParams = PPOParams()
 
 
-def build_policy(cfg, device) -> PolicyWithValue:
-    lm = load_causal_lm(BASE, device, cfg.dropout)
-    if cfg.value_model == "shared":
-        return PolicyWithValue(lm)
-    # TRL style: a value model initialised from the reward model (backbone and head).
-    value_init = RewardModel.load(REWARD, device)
-    return PolicyWithValue(lm, value_init.backbone.train(), value_init.head)
+def summary(cfg, episodes: int, device: str) -> str:
+    """The card's first paragraph: how the policy was trained and where its parts are."""
+    how = "PPO (lm-human-preferences details)"
+    if cfg.advantage != "gae":
+        how += f" with the critic-free {cfg.advantage.upper()} advantage ({cfg.samples_per_query} samples per query)"
+    if cfg.lora is not None:
+        how += f" through a rank-{cfg.lora.rank} LoRA adapter, merged into the saved weights"
+    parts = "; the value head is in `value_head.safetensors`." if not cfg.critic_free else "."
+    return (
+        f"`{BASE}` fine-tuned with {how} against `{REWARD}` for {episodes} episodes on {device}. Loads with "
+        f"`AutoModelForCausalLM.from_pretrained`{parts}"
+    )
 
 
 def gold_statistics(path: str) -> tuple[float, float]:
@@ -60,16 +65,17 @@ def main(params: Params) -> None:
         require_dir(REWARD, "normalize_reward", HEAD_FILE)
     plan = resolve_device(cfg.device)
     # one process unless `accelerate launch` started several; refuses what it cannot honour, before loading
-    accelerator = make_accelerator(plan.device, cfg.freeze_layers > 0, "train_policy")
+    accelerator = make_accelerator(plan.device, cfg.freeze_layers > 0, "train_policy", lora=cfg.lora is not None)
     is_main = accelerator.is_main_process
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=plan.device.type == "cuda")
     tokenizer = load_tokenizer(BASE)
     queries = load_queries(QUERIES, "train", tokenizer.pad_token_id)
     frozen_device = "cpu" if cfg.offload_frozen else plan.device
-    ref_model = load_causal_lm(BASE, frozen_device)
+    # with LoRA the reference is the policy's own base weights (its adapter off): no second copy
+    ref_model = load_causal_lm(BASE, frozen_device) if cfg.lora is None else None
     reward_model = RewardModel.load(REWARD, frozen_device) if cfg.score_source == "reward_model" else None
-    policy = build_policy(cfg, plan.device)
+    policy = build_policy(BASE, cfg, plan.device, REWARD)
     gold = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
     gold_standardization = gold_statistics(PREFS) if cfg.score_source == "gold" and gold is not None else None
     reward_hash = content_hash(f"{REWARD}/reward_head.safetensors") if uses_reward_model else None
@@ -103,7 +109,7 @@ def main(params: Params) -> None:
             params.task,
             cfg,
             tokenizer,
-            params.seed,
+            params.seed if cfg.seed is None else cfg.seed,
             plan.device,
             checkpointer=checkpointer,
             gold_labeler=gold,
@@ -114,7 +120,7 @@ def main(params: Params) -> None:
         )
         history = trainer.train(progress=is_main)
     timings = trainer.timings
-    policy = whole_model(accelerator, policy, lambda: build_policy(cfg, "cpu"))
+    policy = whole_model(accelerator, policy, lambda: build_policy(BASE, cfg, "cpu", REWARD))
     if not is_main:
         return
 
@@ -144,9 +150,7 @@ def main(params: Params) -> None:
             chat_template=tokenizer.chat_template if params.task.chat else None,
             kind="policy",
             title="PPO policy",
-            summary=f"`{BASE}` fine-tuned with PPO (lm-human-preferences details) against `{REWARD}` for "
-            f"{metrics['episodes']} episodes on {plan.describe()}. Loads with `AutoModelForCausalLM.from_pretrained`; "
-            f"the value head is in `value_head.safetensors`.",
+            summary=summary(cfg, metrics["episodes"], plan.describe()),
             base_dir=BASE,
             datasets=[params.data.preferences.source],  # in the metadata when it is a hub id
             tags=["ppo", "rlhf", "policy"],

@@ -100,32 +100,15 @@ def main(params: Params) -> None:
                 live.log_metric(f"train/{key}", record[key])
             live.next_step()
 
-        history = (
-            []
-            if params.reward.pretrained
-            else train_reward_model(
-                model,
-                *train,
-                lr=cfg.lr,
-                epochs=cfg.epochs,
-                batch_size=cfg.batch_size,
-                microbatch_size=cfg.microbatch_size,
-                adam_eps=cfg.adam_eps,
-                generator=generator,
-                max_grad_norm=cfg.max_grad_norm,
-                log=log,
-                tensorflow_adam=cfg.tensorflow_adam,
-                train_gain_bias=cfg.train_gain_bias,
-                accelerator=accelerator,
-            )
-        )
+        trained = not params.reward.pretrained
+        history = train_reward_model(model, train, cfg, generator, log, accelerator) if trained else []
     model = whole_model(accelerator, model, lambda: build(params, tokenizer))
     if not is_main:
         return
-    test_accuracy = best_of_n_accuracy(model, test[0], test[1], test[2], params.reward.normalize.batch_size)
+    test_accuracy = best_of_n_accuracy(model, *test[:3], params.reward.normalize.batch_size)
     metrics = {
         "test/accuracy": test_accuracy,
-        "test/rows": len(test[2]),
+        "test/rows": len(test.best),
         "train/steps": len(history),
         "trainable_parameters": trainable,
     }
@@ -136,12 +119,12 @@ def main(params: Params) -> None:
     if params.reward.pretrained:
         summary = (
             f"The existing reward model `{params.reward.pretrained}` (reward.pretrained), adopted without "
-            f"training and measured on {len(test[2])} held-out best-of-{test[1].shape[1]} labels. "
+            f"training and measured on {len(test.best)} held-out best-of-{test.samples.shape[1]} labels. "
         )
     else:
         summary = (
-            f"Scalar reward head on `{BASE}`, trained one pass over {len(train[2])} best-of-"
-            f"{train[1].shape[1]} labels with softmax cross-entropy (lm-human-preferences). "
+            f"Scalar reward head on `{BASE}`, trained one pass over {len(train.best)} best-of-"
+            f"{train.samples.shape[1]} labels with softmax cross-entropy (lm-human-preferences). "
             "Gain/bias here are from `normalize_before`; "
         )
     with atomic_dir(OUT, checksums=True) as tmp:
@@ -169,7 +152,7 @@ def main(params: Params) -> None:
             inputs=[BASE, PREFS],
         )
     write_json(METRICS, metrics)
-    print(f"train_reward: test accuracy {test_accuracy:.3f} on {len(test[2])} held-out rows; saved {OUT}")
+    print(f"train_reward: test accuracy {test_accuracy:.3f} on {len(test.best)} held-out rows; saved {OUT}")
 
 
 if __name__ == "__main__":

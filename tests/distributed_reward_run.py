@@ -12,7 +12,8 @@ import torch
 
 from rlhf_pipeline.distributed import make_accelerator, whole_model
 from rlhf_pipeline.models import freeze_lower_layers, load_tokenizer
-from rlhf_pipeline.reward import RewardModel, train_reward_model
+from rlhf_pipeline.params.reward import RewardTrainParams
+from rlhf_pipeline.reward import Labels, RewardModel, train_reward_model
 
 
 def main(base: str, out: str) -> None:
@@ -29,21 +30,9 @@ def main(base: str, out: str) -> None:
     queries[:4, :2] = pad  # left padding
     samples = torch.randint(0, 250, (32, 4, 4), generator=data)
     best = torch.randint(0, 4, (32,), generator=data)
-    history = train_reward_model(
-        model,
-        queries,
-        samples,
-        best,
-        None,
-        lr=3e-3,
-        epochs=1,
-        batch_size=8,
-        microbatch_size=2,
-        adam_eps=1e-5,
-        generator=torch.Generator().manual_seed(2),
-        max_grad_norm=1.0,
-        accelerator=accelerator,
-    )
+    cfg = RewardTrainParams(lr=3e-3, epochs=1, batch_size=8, microbatch_size=2, adam_eps=1e-5, max_grad_norm=1.0)
+    labels = Labels(queries, samples, best)
+    history = train_reward_model(model, labels, cfg, torch.Generator().manual_seed(2), accelerator=accelerator)
     model = whole_model(accelerator, model, lambda: build(seed=99))  # another head init: the gathered weights count
     if model is not None:
         model.save(out)

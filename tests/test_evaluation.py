@@ -26,6 +26,23 @@ def test_sequence_kl_sums_logprob_differences_over_real_tokens():
     torch.testing.assert_close(sequence_kl(logprobs, ref), torch.tensor([1.5, 9.2]))
 
 
+def test_sequence_kl_follows_the_estimator_ppo_penalised():
+    # k3 = (r - 1) - log r with r = exp(ref - logp): logp - ref = [.5, -1] -> r = [e^-.5, e^1]
+    #   (0.606531 - 1) + 0.5 = 0.106531;  (2.718282 - 1) - 1 = 0.718282;  sum 0.824813
+    logprobs, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    torch.testing.assert_close(sequence_kl(logprobs, ref, estimator="k3"), torch.tensor([0.824813]))
+    torch.testing.assert_close(sequence_kl(logprobs, ref), torch.tensor([-0.5]))  # k1 can be negative
+
+
+def test_summarize_reports_k1_beside_another_estimator():
+    pad = 9
+    base = sample_set([0.0, 1.0], None, [0.0, 0.0], [True, True], [[1, pad], [1, pad]])
+    policy = sample_set([2.0, 1.0], None, [1.0, 3.0], [True, True], [[1, 2], [1, 2]], kl_k1=[0.5, 2.5])
+    metrics = summarize(base, policy)
+    assert metrics["kl/mean"] == pytest.approx(2.0) and metrics["kl/k1_mean"] == pytest.approx(1.5)
+    assert "kl/k1_mean" not in summarize(base, sample_set([2.0, 1.0], None, [1.0, 3.0], [True, True], [[1, 2]] * 2))
+
+
 def test_win_rate_counts_ties_as_half():
     assert win_rate([1.0, 2.0, 3.0, 0.0], [0.0, 2.0, 4.0, -1.0]) == pytest.approx((1 + 0.5 + 0 + 1) / 4)
     assert win_rate(torch.tensor([0.3]), torch.tensor([0.2])) == 1.0
@@ -49,14 +66,16 @@ def test_paired_improvement_by_hand():
         paired_improvement([1.0], [0.0])
 
 
-def sample_set(proxy, gold, kl, valid, responses):
+def sample_set(proxy, gold, kl, valid, responses, kl_k1=None):
+    kl = torch.tensor(kl)
     return SampleSet(
-        torch.tensor(responses),
-        torch.tensor(valid),
-        torch.tensor(proxy),
-        None if gold is None else np.array(gold),
-        torch.tensor(kl),
-        ["x"] * len(proxy),
+        responses=torch.tensor(responses),
+        valid=torch.tensor(valid),
+        proxy=torch.tensor(proxy),
+        gold=None if gold is None else np.array(gold),
+        kl=kl,
+        kl_k1=kl if kl_k1 is None else torch.tensor(kl_k1),
+        texts=["x"] * len(proxy),
     )
 
 
@@ -136,7 +155,7 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     while sampling; the KL equals the one from a full forward of the base, and the base's own is 0."""
     import copy
 
-    from rlhf_pipeline.evaluation import sample_and_score
+    from rlhf_pipeline.evaluation import Evaluation, sample_and_score
     from rlhf_pipeline.models import load_causal_lm
     from rlhf_pipeline.params.task import TaskParams
     from rlhf_pipeline.reward import RewardModel
@@ -152,7 +171,10 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     sampler = ResponseSampler.from_tokenizer(TaskParams(response_length=6, truncate_token=None), tiny_tokenizer)
     queries = torch.randint(0, 250, (6, 5), generator=torch.Generator().manual_seed(0))
     queries[:2, :2] = pad
-    result = sample_and_score(policy, base, reward, queries, sampler, tiny_tokenizer, seed=3, batch_size=6)
+    setup = Evaluation(
+        base=base, reward_model=reward, queries=queries, sampler=sampler, tokenizer=tiny_tokenizer, seed=3, batch_size=6
+    )
+    result = sample_and_score(policy, setup)
     with torch.no_grad():
         again = sampler.sample(policy, queries, torch.Generator().manual_seed(3))[0]  # same stream, one batch
         full = torch.cat([queries, again.responses], 1)
@@ -160,4 +182,4 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     assert torch.equal(result.responses, again.responses)
     torch.testing.assert_close(result.kl, sequence_kl(again.logprobs, ref, again.mask), atol=1e-4, rtol=1e-4)
     assert result.kl.abs().max() > 1e-3  # the perturbation is visible
-    assert torch.equal(sample_and_score(base, base, reward, queries, sampler, tiny_tokenizer, 3, 4).kl, torch.zeros(6))
+    assert torch.equal(sample_and_score(base, Evaluation(**{**setup.__dict__, "batch_size": 4})).kl, torch.zeros(6))

@@ -238,6 +238,49 @@ def test_gae_with_mask_ends_the_episode_at_the_mask():
     close(ret, [[0.99, 1.0, 0.0]])
 
 
+def test_sequence_returns_sum_the_tokens_that_count():
+    r = torch.tensor([[0.1, -0.2, 1.0], [0.5, 2.0, 9.0]])
+    m = torch.tensor([[True, True, True], [True, True, False]])
+    close(advantages.sequence_returns(r, m), [0.9, 2.5])  # .1 - .2 + 1;  .5 + 2 (the 9 is padding)
+    close(advantages.sequence_returns(r), [0.9, 11.5])
+
+
+def test_rloo_subtracts_the_mean_of_the_other_samples_of_the_query():
+    # two queries, k = 3, query-major rows: [1, 2, 6] and [0, 0, 3]
+    #   1 - (2 + 6)/2 = -3;  2 - (1 + 6)/2 = -1.5;  6 - (1 + 2)/2 = 4.5
+    #   0 - (0 + 3)/2 = -1.5 (twice);  3 - 0 = 3
+    returns = torch.tensor([1.0, 2.0, 6.0, 0.0, 0.0, 3.0])
+    close(advantages.rloo(returns, 3), [-3.0, -1.5, 4.5, -1.5, -1.5, 3.0])
+    # = k/(k-1) (R - mean): the leave-one-out baseline is the group mean, rescaled
+    close(advantages.rloo(returns, 3), 1.5 * (returns - returns.view(2, 3).mean(-1).repeat_interleave(3)))
+    with pytest.raises(ValueError, match="samples_per_query=4"):
+        advantages.rloo(returns, 4)
+    with pytest.raises(ValueError, match="samples_per_query=1"):
+        advantages.rloo(returns, 1)
+
+
+def test_grpo_standardises_within_the_query_s_samples():
+    # group [1, 2, 6]: mean 3, unbiased std sqrt((4 + 1 + 9)/2) = sqrt(7) = 2.6458
+    #   (1-3)/2.6458 = -0.7559;  (2-3)/2.6458 = -0.3780;  (6-3)/2.6458 = 1.1339
+    # group [5, 5, 5]: every sample alike -> 0 (no signal), not a division by zero
+    returns = torch.tensor([1.0, 2.0, 6.0, 5.0, 5.0, 5.0])
+    close(advantages.grpo(returns, 3, eps=0.0)[:3], [-0.755929, -0.377964, 1.133893])
+    close(advantages.grpo(returns, 3), [-0.755901, -0.377950, 1.133851, 0.0, 0.0, 0.0])
+
+
+def test_critic_free_advantages_weigh_every_token_of_the_response():
+    r = torch.tensor([[0.0, 1.0], [0.0, 3.0], [0.5, 0.5], [0.0, 0.0]])
+    m = torch.tensor([[True, True], [True, True], [True, False], [True, True]])
+    # returns [1, 3, .5, 0]; RLOO with k = 2: [1 - 3, 3 - 1, .5 - 0, 0 - .5] = [-2, 2, .5, -.5]
+    adv, returns = advantages.estimate("rloo", r, None, m, gamma=1.0, lam=0.95, samples_per_query=2)
+    close(adv, [[-2.0, -2.0], [2.0, 2.0], [0.5, 0.0], [-0.5, -0.5]])
+    assert returns is None
+    adv, returns = advantages.estimate("gae", r, torch.zeros(4, 2), m, gamma=1.0, lam=1.0, samples_per_query=1)
+    close(adv, [[1.0, 1.0], [3.0, 3.0], [0.5, 0.0], [0.0, 0.0]])  # lam 1, V 0: the return-to-go
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        advantages.estimate("ppo", r, None, m, 1.0, 0.95, 2)
+
+
 # --------------------------------------------------------------------------------------------
 # PPO losses
 # --------------------------------------------------------------------------------------------

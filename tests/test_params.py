@@ -71,6 +71,11 @@ def broken(path: str, value, **also):
         ("ppo.lr", float("inf"), "ppo.lr: Input should be a finite number"),
         ("reward.normalize.target_mean", float("nan"), "reward.normalize.target_mean: Input should be a finite number"),
         ("seed", 2**32, "seed: Input should be less than or equal to 4294967295"),
+        ("ppo.advantage", "rloo", "ppo.samples_per_query: must be >= 2 for ppo.advantage 'rloo'"),
+        ("ppo.advantage", "ppo2", "ppo.advantage: Input should be 'gae', 'rloo' or 'grpo'"),
+        ("ppo.samples_per_query", 3, "ppo.samples_per_query: must divide ppo.batch_size (32)"),
+        ("ppo.lora", {"rank": 0}, "ppo.lora.rank: Input should be greater than 0"),
+        ("ppo.lora", {"rank": 4, "target_modules": "all"}, "ppo.lora.target_modules"),
     ],
 )
 def test_each_rule_is_refused_with_its_key_path(path, value, expected):
@@ -202,4 +207,13 @@ def test_cli_refuses_a_file_without_the_keys_dvc_yaml_tracks(tmp_path):
     assert result.stderr.strip().splitlines()[1:] == [
         "reward.normalize.target_std: missing; dvc.yaml tracks it for train_reward "
         "(DVC reads it from this file, not from the schema's default)"
+    ]
+
+
+def test_a_critic_free_estimator_refuses_a_value_model():
+    with pytest.raises(ParamsError) as info:
+        parse_params(broken("ppo.value_model", "separate", ppo__advantage="grpo", ppo__samples_per_query=4))
+    assert info.value.problems == [
+        "ppo.value_model: 'separate' builds a value model, which ppo.advantage 'grpo' has no use for; set it to "
+        "'shared' (ignored) or use ppo.advantage 'gae' (got 'separate')"
     ]

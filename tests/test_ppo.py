@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -24,7 +25,7 @@ from rlhf_pipeline.io import write_checksums
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.schema import Params
 from rlhf_pipeline.ppo.checkpoint import Checkpointer
-from rlhf_pipeline.ppo.policy import PolicyWithValue
+from rlhf_pipeline.ppo.policy import PolicyWithValue, build_policy
 from rlhf_pipeline.ppo.trainer import PPOTrainer
 from rlhf_pipeline.reward import RewardModel
 from rlhf_pipeline.sampling import hidden_from
@@ -65,8 +66,8 @@ def queries(tiny_base_dir):
 def make_trainer(tiny_base_dir, reward_model, queries, params: Params, checkpoint_dir=None, log=None):
     torch.manual_seed(params.seed)
     tokenizer = load_tokenizer(tiny_base_dir)
-    if params.ppo.value_model == "shared":
-        policy = PolicyWithValue(load_causal_lm(tiny_base_dir))
+    if params.ppo.value_model == "shared" or params.ppo.critic_free:
+        policy = build_policy(tiny_base_dir, params.ppo)
     else:
         policy = PolicyWithValue(
             load_causal_lm(tiny_base_dir),
@@ -76,7 +77,7 @@ def make_trainer(tiny_base_dir, reward_model, queries, params: Params, checkpoin
     checkpointer = Checkpointer(checkpoint_dir, "test") if checkpoint_dir else None
     return PPOTrainer(
         policy,
-        load_causal_lm(tiny_base_dir),
+        load_causal_lm(tiny_base_dir) if params.ppo.lora is None else None,  # LoRA: the adapter off is the reference
         reward_model,
         queries,
         params.task,
@@ -156,8 +157,13 @@ def test_separate_value_model_runs(tiny_base_dir, reward_model, queries):
     assert len(history) == 1 and all(v == v for v in history[0].values() if isinstance(v, float))
 
 
-def test_resume_after_crash_is_bit_identical(tiny_base_dir, reward_model, queries, tmp_path):
-    params = make_params()
+@pytest.mark.parametrize(
+    "ppo",
+    [{}, {"lora": {"rank": 4, "alpha": 8.0}, "freeze_layers": 1, "advantage": "rloo", "samples_per_query": 2}],
+    ids=["full", "lora-rloo"],
+)
+def test_resume_after_crash_is_bit_identical(tiny_base_dir, reward_model, queries, tmp_path, ppo):
+    params = make_params(**ppo)
     reference = make_trainer(tiny_base_dir, reward_model, queries, params, tmp_path / "uninterrupted")
     reference.train(progress=False)
 
@@ -177,8 +183,76 @@ def test_resume_after_crash_is_bit_identical(tiny_base_dir, reward_model, querie
     resumed = make_trainer(tiny_base_dir, reward_model, queries, params, tmp_path / "crashed")
     history = resumed.train(progress=False)
     assert resumed.start_update == 2 and len(history) == 4
+    assert reference.policy.state_dict().keys() == resumed.policy.state_dict().keys()
     for (name, a), b in zip(reference.policy.state_dict().items(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b), name
+    assert (tmp_path / "crashed/snapshots/update_00004.safetensors").read_bytes() == (
+        tmp_path / "uninterrupted/snapshots/update_00004.safetensors"
+    ).read_bytes()
+
+
+def test_critic_free_estimators_build_no_value_head_and_sample_query_groups(tiny_base_dir, reward_model, queries):
+    """GRPO with 4 samples per query: no value head or value loss; the rollout holds 4 consecutive
+    responses to each of batch_size / 4 queries, and each group's advantages sum to 0."""
+    trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(advantage="grpo", samples_per_query=4))
+    assert trainer.policy.value_head is None and not any("value" in n for n, _ in trainer.policy.named_parameters())
+    ro = trainer.rollout(0)
+    assert ro.values is None and ro.responses.shape[0] == 16
+    groups = ro.queries.view(4, 4, -1)
+    assert all(torch.equal(group[0], row) for group in groups for row in group)
+    assert len({tuple(group[0].tolist()) for group in groups}) == 4  # four different queries
+    adv = trainer.advantages(ro)
+    assert adv.returns is None
+    torch.testing.assert_close(adv.advantages.view(4, 4, -1).sum(1), torch.zeros(4, 6), atol=1e-5, rtol=0)
+    history = trainer.train(progress=False)
+    assert "loss/policy" in history[-1] and not {"loss/value", "val/mean", "returns/mean"} & set(history[-1])
+
+
+def test_lora_trains_an_adapter_whose_base_is_the_reference(tiny_base_dir, reward_model, queries, tmp_path):
+    """ppo.lora: no reference copy is loaded (the adapter off is the reference); only the adapter's
+    weights (above freeze_layers) and the value head train; the snapshot and the saved policy hold
+    the merged weights, which a stock AutoModelForCausalLM loads with the adapter's outputs."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_pipeline.ppo.policy import save_policy
+    from rlhf_pipeline.sampling import response_outputs
+
+    params = make_params(lora={"rank": 4, "alpha": 8.0}, freeze_layers=1)
+    trainer = make_trainer(tiny_base_dir, reward_model, queries, params, tmp_path / "ck")
+    assert trainer.ref_model is None
+    trainable = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n or n.startswith("value_head.") for n in trainable)
+    assert all(".layers.1." in n for n in trainable if ".lora_" in n)  # block 0 (frozen) carries no adapter
+    trainer.train(progress=False)
+    base = load_causal_lm(tiny_base_dir).eval()
+    ro = trainer.rollout(0)
+    attn = ro.query_responses != trainer.pad_id
+    expected = response_outputs(base, ro.query_responses, attn, trainer.query_length, 0.7, trainer.pad_id).logprobs
+    torch.testing.assert_close(ro.ref_logprobs, expected, atol=1e-5, rtol=1e-5)
+    assert (ro.logprobs - ro.ref_logprobs).abs().max() > 1e-3  # the adapter moved the policy
+    with torch.no_grad():
+        adapted = trainer.policy.lm(ro.query_responses, attention_mask=attn.long()).logits
+    snapshot = load_file(tmp_path / "ck/snapshots/update_00004.safetensors")
+    save_policy(trainer.policy, load_tokenizer(tiny_base_dir), tmp_path / "policy", 0.7, 6)
+    stock = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
+    assert not any("lora" in n for n, _ in stock.named_parameters())
+    assert (tmp_path / "policy/value_head.safetensors").is_file()  # GAE: the value head is kept beside the merge
+    merged = dict(stock.named_parameters())
+    assert snapshot and all(torch.equal(merged[name.removeprefix("lm.")], t) for name, t in snapshot.items())
+    with torch.no_grad():
+        torch.testing.assert_close(stock(ro.query_responses, attention_mask=attn.long()).logits, adapted)
+
+
+def test_lora_on_several_processes_is_refused_before_anything_loads(monkeypatch):
+    from rlhf_pipeline.distributed import refuse_unsupported
+    from rlhf_pipeline.errors import LaunchConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LaunchConfigError, match="ppo.lora trains on one process only") as info:
+        refuse_unsupported(torch.device("cpu"), False, "train_policy", lora=True)
+    assert info.value.exit_code == 2
+    refuse_unsupported(torch.device("cpu"), False, "train_policy", lora=False)  # full fine-tune: allowed
 
 
 def test_checkpoint_with_other_fingerprint_starts_fresh(tmp_path):
@@ -194,10 +268,10 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(
     trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(), tmp_path / "ck")
     real_optimize = trainer.optimize
 
-    def poisoned(ro, advantages, returns, update):
+    def poisoned(ro, adv, update):
         if update == 2:
-            advantages = advantages * float("nan")
-        return real_optimize(ro, advantages, returns, update)
+            adv = dataclasses.replace(adv, advantages=adv.advantages * float("nan"))
+        return real_optimize(ro, adv, update)
 
     monkeypatch.setattr(trainer, "optimize", poisoned)
     with pytest.raises(NonFiniteError, match="non-finite"):
@@ -352,9 +426,8 @@ def test_a_failure_before_any_checkpoint_says_there_is_none(
 ):
     trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(), tmp_path / "ck")
     real_optimize = trainer.optimize
-    monkeypatch.setattr(
-        trainer, "optimize", lambda ro, adv, ret, update: real_optimize(ro, adv * float("nan"), ret, update)
-    )
+    nan = lambda adv: dataclasses.replace(adv, advantages=adv.advantages * float("nan"))  # noqa: E731
+    monkeypatch.setattr(trainer, "optimize", lambda ro, adv, update: real_optimize(ro, nan(adv), update))
     with pytest.raises(NonFiniteError, match="no checkpoint exists yet: the next run starts from update 0"):
         trainer.train(progress=False)
     assert not (tmp_path / "ck/state").exists()
@@ -365,7 +438,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
     with torch.no_grad():
         model.weight[0, 0] = float("inf")
     with pytest.raises(NonFiniteError, match=r"weights after update 2 are not finite \(weight"):
-        Checkpointer(tmp_path, "f").save(2, dict(model.named_parameters()), {}, {}, [], [])
+        Checkpointer(tmp_path, "f").save(2, dict(model.named_parameters()), {}, {}, {}, [], [])
     assert not (tmp_path / "state").exists()
 
 
@@ -448,3 +521,31 @@ def test_a_kill_between_the_two_renames_keeps_the_previous_checkpoint(tiny_base_
     assert json.loads((directory / "state/meta.json").read_text())["update"] == 2
     assert sorted(p.name for p in directory.iterdir()) == ["snapshots", "state"]
     assert sorted(p.name for p in (directory / "snapshots").iterdir()) == snapshots
+
+
+def test_the_stages_train_and_evaluate_a_critic_free_lora_policy(policy_project, tmp_path):
+    """train_policy with ppo.advantage grpo, 2 samples per query, a LoRA adapter and the k3 KL, then
+    evaluate: the saved policy is a stock causal LM (merged, no value head), its card says how it was
+    trained, and the evaluation reports the KL PPO penalised (k3) and k1 beside it."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    shutil.copytree(policy_project, out)
+    params = yaml.safe_load((out / "params.yaml").read_text())
+    params["ppo"] |= {"advantage": "grpo", "samples_per_query": 2, "lora": {"rank": 4}, "freeze_layers": 1}
+    params["ppo"]["kl"]["estimator"] = "k3"
+    params["evaluate"] |= {"num_queries": 8, "batch_size": 8}
+    (out / "params.yaml").write_text(yaml.safe_dump(params))
+    for stage in ("train_policy", "evaluate"):
+        env = {**os.environ, "RLHF_PROJECT_ROOT": str(out)}
+        done = subprocess.run(
+            [sys.executable, str(REPO / f"stages/{stage}.py")], cwd=out, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    policy = out / "models/policy"
+    assert not (policy / "value_head.safetensors").exists()
+    assert not any("lora" in name for name, _ in AutoModelForCausalLM.from_pretrained(policy).named_parameters())
+    card = (policy / "README.md").read_text()
+    assert "critic-free GRPO advantage (2 samples per query)" in card and "rank-4 LoRA adapter, merged" in card
+    metrics = json.loads((out / "metrics/evaluate.json").read_text())
+    assert metrics["kl/mean"] >= 0.0 and "kl/k1_mean" in metrics  # k3 is never negative

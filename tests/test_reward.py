@@ -10,7 +10,9 @@ import torch
 
 from rlhf_pipeline.errors import NonFiniteError
 from rlhf_pipeline.models import freeze_lower_layers, load_tokenizer
+from rlhf_pipeline.params.reward import RewardTrainParams
 from rlhf_pipeline.reward import (
+    Labels,
     RewardModel,
     best_of_n_accuracy,
     best_of_n_loss,
@@ -183,9 +185,10 @@ def train_on_largest_first_token(rm, queries, samples, **overrides):
     """One epoch of ``train_reward_model`` on the learnable rule these tests use (prefer the sample
     whose first token id is largest), with their shared settings; ``overrides`` change them."""
     settings = {"lr": 1e-2, "epochs": 1, "batch_size": 8, "microbatch_size": 8, "adam_eps": 1e-5}
-    best = samples[:, :, 0].argmax(-1)
-    generator = torch.Generator().manual_seed(0)
-    return train_reward_model(rm, queries, samples, best, None, generator=generator, **{**settings, **overrides})
+    # model_construct: the trainer's own guards are tested, so no schema check stops lr=inf before it
+    cfg = RewardTrainParams.model_construct(**{**settings, **overrides})
+    labels = Labels(queries, samples, samples[:, :, 0].argmax(-1))
+    return train_reward_model(rm, labels, cfg, torch.Generator().manual_seed(0))
 
 
 def test_training_anneals_the_lr_to_zero_and_learns(tiny_base_dir, pad):

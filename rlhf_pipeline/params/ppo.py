@@ -17,6 +17,24 @@ class KLParams(Strict):
     estimator: Literal["k1", "k3"] = "k1"
 
 
+class LoraParams(Strict):
+    """A LoRA adapter (peft) on the policy instead of a full fine-tune: the reference log-probs come
+    from the same model with the adapter off (no second copy), and models/policy is saved merged."""
+
+    rank: int = Field(8, gt=0, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA alpha: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear",
+        description="'all-linear': every linear layer of the transformer blocks (not the LM head); or a list of "
+        "module names (e.g. [q_proj, v_proj]). Only the blocks above ppo.freeze_layers get an adapter.",
+    )
+
+
+ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo")
+CRITIC_FREE = ("rloo", "grpo")  # estimators that learn no value function
+
+
 class PPOParams(Strict):
     total_episodes: int = Field(1_000_000, gt=0, description="Episodes over the whole run, all processes together.")
     batch_size: int = Field(
@@ -52,6 +70,26 @@ class PPOParams(Strict):
     vf_coef: float = Field(0.1, ge=0.0)
     entropy_coef: float = Field(0.0, ge=0.0)
     whiten_rewards: bool = True
+    advantage: Literal["gae", "rloo", "grpo"] = Field(
+        "gae",
+        description="Advantage estimator: gae (a value head and GAE, the reference); rloo (each response's return "
+        "minus the mean return of the other samples of its query) or grpo (the return standardised within its "
+        "query's samples): critic-free, no value head, no value loss; both need samples_per_query >= 2.",
+    )
+    samples_per_query: int = Field(
+        1,
+        gt=0,
+        description="Responses sampled per query in a rollout (sharing one prefill); batch_size counts responses, "
+        "so an update sees batch_size / samples_per_query queries. Reference: 1.",
+    )
+    lora: LoraParams | None = Field(None, description="null: full fine-tune (the reference); else a LoRA adapter.")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=2**32 - 1,
+        description="PPO's own random streams (episode order, sampling, minibatches); null: the root seed. Another "
+        "value reruns PPO alone, on the same reward model and evaluation queries.",
+    )
     kl: KLParams = KLParams()
     score_source: Literal["reward_model", "gold"] = Field(
         "reward_model",
@@ -87,5 +125,35 @@ class PPOParams(Strict):
             )
         if self.total_episodes < self.batch_size:
             problems.append(("total_episodes", f"must be >= ppo.batch_size ({self.batch_size})", self.total_episodes))
+        if self.advantage in CRITIC_FREE and self.samples_per_query < 2:
+            problems.append(
+                (
+                    "samples_per_query",
+                    f"must be >= 2 for ppo.advantage {self.advantage!r} (its baseline is the other samples of the "
+                    "same query)",
+                    self.samples_per_query,
+                )
+            )
+        if self.batch_size % self.samples_per_query:
+            problems.append(
+                (
+                    "samples_per_query",
+                    f"must divide ppo.batch_size ({self.batch_size}): a rollout holds whole groups of samples",
+                    self.samples_per_query,
+                )
+            )
+        if self.advantage in CRITIC_FREE and self.value_model == "separate":
+            problems.append(
+                (
+                    "value_model",
+                    f"'separate' builds a value model, which ppo.advantage {self.advantage!r} has no use "
+                    "for; set it to 'shared' (ignored) or use ppo.advantage 'gae'",
+                    self.value_model,
+                )
+            )
         refuse(problems)
         return self
+
+    @property
+    def critic_free(self) -> bool:
+        return self.advantage in CRITIC_FREE

@@ -1,7 +1,12 @@
-"""Advantage estimators: what each response token's policy-gradient weight is.
+"""Advantage estimators (``ppo.advantage``): each response token's weight in the policy gradient.
 
-Each estimator is a pure function on ``(B, T)`` tensors with its equation and a test against
-hand-computed numbers (tests/test_functional.py).
+- ``gae``: generalised advantage estimation on a learned value function (the reference);
+- ``rloo``, ``grpo``: critic-free, from each response's return against the other samples of its
+  query (``ppo.samples_per_query`` of them, consecutive rows).
+
+Each estimator is a pure function on tensors with its equation and a test against hand-computed
+numbers (tests/test_functional.py); :func:`estimate` picks one by name. A new estimator is a new
+function here and a name in ``ppo.advantage``.
 """
 
 from __future__ import annotations
@@ -54,3 +59,84 @@ def gae(
         advantages = torch.where(mask, advantages, torch.zeros((), dtype=advantages.dtype, device=advantages.device))
     returns = advantages + values
     return advantages, returns
+
+
+# --------------------------------------------------------------------------------------------
+# critic-free: each response's return against the other samples of its query
+# --------------------------------------------------------------------------------------------
+def sequence_returns(rewards: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Each response's return, the sum of its per-token rewards (``gamma = 1``): ``(B, T) -> (B,)``.
+
+    .. math:: R_i = \\sum_t m_{i,t}\\, r_{i,t}
+
+    Why: the critic-free estimators judge a whole response; with the KL penalty kept per token in
+    the rewards (the reference's placement), the return carries both the score and the response's
+    summed penalty.
+    """
+    if mask is not None:
+        rewards = torch.where(as_bool(mask), rewards, torch.zeros((), dtype=rewards.dtype, device=rewards.device))
+    return rewards.sum(-1)
+
+
+def _groups(returns: Tensor, samples_per_query: int) -> Tensor:
+    if samples_per_query < 2 or returns.numel() % samples_per_query:
+        raise ValueError(
+            f"{returns.numel()} returns do not split into groups of samples_per_query={samples_per_query} >= 2"
+        )
+    return returns.view(-1, samples_per_query)
+
+
+def rloo(returns: Tensor, samples_per_query: int) -> Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024): each response's return minus
+    the mean return of the other ``k - 1`` samples of the same query. ``(B,) -> (B,)``; rows are
+    query-major (the ``k`` samples of a query are consecutive).
+
+    .. math:: A_i = R_i - \\frac{1}{k-1} \\sum_{j \\ne i} R_j = \\frac{k}{k-1}\\,(R_i - \\bar R)
+
+    Why: an unbiased baseline that needs no value function: the other samples of the same prompt
+    estimate how good a response to it usually is.
+    """
+    groups = _groups(returns, samples_per_query)
+    others = (groups.sum(-1, keepdim=True) - groups) / (samples_per_query - 1)
+    return (groups - others).reshape(returns.shape)
+
+
+def grpo(returns: Tensor, samples_per_query: int, eps: float = 1e-4) -> Tensor:
+    """Group-relative advantage (GRPO, Shao et al. 2024): each response's return standardised by the
+    mean and the (unbiased) standard deviation of its query's ``k`` samples. ``(B,) -> (B,)``,
+    query-major rows.
+
+    .. math:: A_i = \\frac{R_i - \\bar R_g}{s_g + \\epsilon},\\qquad
+              s_g = \\sqrt{\\tfrac{1}{k-1} \\sum_{j \\in g} (R_j - \\bar R_g)^2}
+
+    Why: no value function; dividing by the group's spread makes every prompt weigh alike, whatever
+    the scale of its rewards. A group whose samples all score alike gets advantage 0.
+    """
+    groups = _groups(returns, samples_per_query)
+    centred = groups - groups.mean(-1, keepdim=True)
+    return (centred / (groups.std(-1, keepdim=True) + eps)).reshape(returns.shape)
+
+
+def per_token(advantages: Tensor, mask: Tensor) -> Tensor:
+    """A response-level advantage ``(B,)`` on each of its tokens that count: ``(B, T)``, 0 elsewhere."""
+    zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
+    return torch.where(as_bool(mask), advantages.unsqueeze(-1), zero)
+
+
+def estimate(
+    estimator: str,
+    rewards: Tensor,
+    values: Tensor | None,
+    mask: Tensor,
+    gamma: float,
+    lam: float,
+    samples_per_query: int,
+) -> tuple[Tensor, Tensor | None]:
+    """``(advantages (B, T), returns (B, T) for the value loss, or None)`` by ``ppo.advantage``: GAE
+    on the value head's estimates, or a critic-free estimator of each response's summed reward."""
+    if estimator == "gae":
+        return gae(rewards, values, gamma, lam, mask)
+    critic_free = {"rloo": rloo, "grpo": grpo}
+    if estimator not in critic_free:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected gae, rloo or grpo")
+    return per_token(critic_free[estimator](sequence_returns(rewards, mask), samples_per_query), mask), None

@@ -117,21 +117,30 @@ class Checkpointer:
         return snapshot_problem(self.snapshots)
 
     def save(
-        self, update: int, weights: dict[str, Tensor], optimizer_state: dict, kl_state: dict, rng: list, history: list
+        self,
+        update: int,
+        weights: dict[str, Tensor],
+        snapshot: dict[str, Tensor],
+        optimizer_state: dict,
+        kl_state: dict,
+        rng: list,
+        history: list,
     ) -> None:
         """Write the state of update ``update``: the trainable weights and the optimizer state (both
         whole, keyed by parameter name, as :mod:`rlhf_pipeline.distributed` gathers them), the KL
-        controller, each process's random generators, and the statistics so far."""
+        controller, each process's random generators, and the statistics so far; and ``snapshot``,
+        the LM weights training changed (``lm.<name>``, named as in the base model) for the
+        over-optimisation curve."""
         bad = non_finite_tensors(weights)
         if bad:  # never replace a good checkpoint with a broken one
             raise NonFiniteError(
                 f"The weights after update {update} are not finite ({', '.join(bad[:3])}...). {self.last_good()}"
             )
-        snapshot = self.snapshots / f"update_{update:05d}.safetensors"
-        with atomic_file(snapshot, "wb") as handle:
-            handle.write(save_safetensors({k: v for k, v in weights.items() if k.startswith("lm.")}))
+        path = self.snapshots / f"update_{update:05d}.safetensors"
+        with atomic_file(path, "wb") as handle:
+            handle.write(save_safetensors(snapshot))
         sums_path = self.snapshots / CHECKSUMS
-        sums = {**(read_checksums(sums_path) if sums_path.is_file() else {}), snapshot.name: sha256_file(snapshot)}
+        sums = {**(read_checksums(sums_path) if sums_path.is_file() else {}), path.name: sha256_file(path)}
         with atomic_file(sums_path) as handle:
             handle.write("".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
         with atomic_dir(self.state_dir) as tmp:

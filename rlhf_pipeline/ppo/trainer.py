@@ -2,16 +2,19 @@
 
 The loop in :meth:`PPOTrainer.train` reads top to bottom:
 
-1. roll out: sample ``task.response_length`` tokens per query from the current policy; the
-   sampling pass also yields the old logprobs and (shared value head) the old values;
-2. reference forward: logprobs of the frozen base model on the same tokens;
-3. score: truncate at ``task.truncate_token``, score query+truncated response with the
-   normalised reward model, ``penalty_reward`` where no truncate token was found;
-4. rewards: per-token KL penalty ``-kl_coef * (logp - logp_ref)``, score at the last token,
-   whitened without mean shift; GAE (gamma, lam); advantages whitened;
-5. ``ppo_epochs`` passes over shuffled minibatches (microbatch gradient accumulation) of the
-   clipped policy loss + ``vf_coef`` * clipped value loss (- entropy bonus), LR annealed to 0;
-6. adaptive KL controller update; logging; atomic checkpoint every ``checkpoint_every`` updates.
+1. roll out (:meth:`PPOTrainer.rollout`): sample ``task.response_length`` tokens for each of
+   ``samples_per_query`` responses per query from the current policy; the sampling pass also
+   yields the old logprobs and (shared value head) the old values; the reference logprobs come
+   from the frozen base model (or, with LoRA, the policy with its adapter off); each response is
+   scored as the task says (:func:`rlhf_pipeline.reward.task_scores`);
+2. advantages (:meth:`PPOTrainer.advantages`): per-token KL penalty ``-kl_coef * kl``, score at
+   the last token, whitened without mean shift; then the estimator ``ppo.advantage`` (GAE on the
+   value head, or critic-free RLOO / GRPO); advantages whitened;
+3. loss (:meth:`PPOTrainer.loss`): the clipped policy loss, + ``vf_coef`` * clipped value loss
+   with a critic, - entropy bonus;
+4. step (:meth:`PPOTrainer.optimize`): ``ppo_epochs`` passes over shuffled minibatches, one
+   optimizer step each (:func:`rlhf_pipeline.training.accumulate_and_step`), LR annealed to 0;
+   then the adaptive KL controller; logging; an atomic checkpoint every ``checkpoint_every``.
 
 Speed without changing the maths:
 - old logprobs/values come from the sampling forward, not a second policy forward;
@@ -31,6 +34,8 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import torch
 from accelerate.utils import gather_object
@@ -44,33 +49,48 @@ from rlhf_pipeline.models import backbone_of, freeze_lower_layers
 from rlhf_pipeline.optim import adam
 from rlhf_pipeline.params.ppo import PPOParams
 from rlhf_pipeline.params.task import TaskParams
-from rlhf_pipeline.ppo.advantages import gae
+from rlhf_pipeline.ppo.advantages import estimate
 from rlhf_pipeline.ppo.checkpoint import Checkpointer, rng_state, set_rng_state
 from rlhf_pipeline.ppo.kl import AdaptiveKLController, FixedKLController, compute_rewards, kl_penalty
 from rlhf_pipeline.ppo.losses import policy_loss, value_loss
 from rlhf_pipeline.ppo.policy import PolicyWithValue
-from rlhf_pipeline.reward import RewardModel, score_query_responses
+from rlhf_pipeline.reward import RewardModel, task_scores
 from rlhf_pipeline.sampling import ResponseSampler, response_outputs, supports_trunk_split
+from rlhf_pipeline.training import accumulate_and_step, set_lr
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Rollout:
-    queries: Tensor
-    responses: Tensor  # as sampled: the tokens PPO trains on (reference: all response tokens)
-    truncated: Tensor  # as scored
-    valid: Tensor
-    logprobs: Tensor
-    ref_logprobs: Tensor
-    values: Tensor
-    scores: Tensor
-    mask: Tensor  # response tokens that count (all, unless stop_at_eos)
-    trunk: Tensor | None
+    """One update's episodes, gathered from every process: ``B = ppo.batch_size`` rows, query-major
+    (the ``k = ppo.samples_per_query`` responses to a query are consecutive rows), ``Q`` query and
+    ``R`` response tokens, ``H`` the hidden size."""
+
+    queries: Tensor  # (B, Q) left-padded query ids (each query repeated k times)
+    responses: Tensor  # (B, R) as sampled: the tokens PPO trains on (reference: all response tokens)
+    truncated: Tensor  # (B, R) as scored: cut after task.truncate_token, pad after
+    valid: Tensor  # (B,) bool: a truncate token was found (else the score is task.penalty_reward)
+    mask: Tensor  # (B, R) bool: response tokens that count (all, unless stop_at_eos)
+    logprobs: Tensor  # (B, R) under the sampling policy, at task.temperature
+    ref_logprobs: Tensor  # (B, R) under the reference policy
+    values: Tensor | None  # (B, R) the value head's estimates; None without a critic
+    scores: Tensor  # (B,) the task's score of each response
+    trunk: Tensor | None  # (B, Q + R, H) activation entering block freeze_layers (trunk split), or None
     stats: dict = field(default_factory=dict)  # statistics of the batch (a function of the inputs)
     timings: dict = field(default_factory=dict)  # seconds each phase took (kept out of ``stats``)
 
     @property
     def query_responses(self) -> Tensor:
         return torch.cat([self.queries, self.responses], dim=1)
+
+
+@dataclass(kw_only=True)
+class Advantages:
+    """The learning signal of a rollout, each (B, R) as the rollout's rows."""
+
+    rewards: Tensor  # KL penalty per token + the score at the last token (whitened if ppo.whiten_rewards)
+    non_score: Tensor  # the KL penalty part alone
+    advantages: Tensor  # the estimator's, whitened
+    returns: Tensor | None  # the value head's targets (GAE); None without a critic
 
 
 def minibatch_indices(
@@ -113,8 +133,8 @@ class PPOTrainer:
     def __init__(
         self,
         policy: PolicyWithValue,
-        ref_model: nn.Module,
-        reward_model: RewardModel,
+        ref_model: nn.Module | None,
+        reward_model: RewardModel | None,
         queries: Tensor,
         task: TaskParams,
         cfg: PPOParams,
@@ -128,10 +148,13 @@ class PPOTrainer:
         gold_standardization: tuple[float, float] | None = None,
         accelerator=None,
     ):
+        """``ref_model``: the frozen reference policy; None when ``policy`` has a LoRA adapter, whose
+        base model (the adapter off) is the reference. ``reward_model``: None with ``score_source``
+        'gold', whose labeler (``gold_labeler``, standardised by ``gold_standardization``) scores."""
         self.policy, self.ref_model, self.reward_model = policy, ref_model, reward_model
         self.queries, self.task, self.cfg, self.tokenizer = queries, task, cfg, tokenizer
         self.seed, self.device, self.checkpointer = seed, device, checkpointer
-        self.gold_labeler, self.log = gold_labeler, log
+        self.gold_labeler, self.log, self.autocast = gold_labeler, log, autocast
         # ppo.score_source 'gold': the labeler's score, (gold - mean) / std, replaces the reward model's
         self.gold_standardization = gold_standardization
         if cfg.score_source == "gold" and (gold_labeler is None or gold_standardization is None):
@@ -139,69 +162,108 @@ class PPOTrainer:
                 "ppo.score_source 'gold' needs the simulated labeler (data.preferences.source: simulated) and its "
                 "base-sample statistics."
             )
-        self.autocast = autocast
-        self.pad_id = tokenizer.pad_token_id
-        # Several processes (`accelerate launch`): each samples, scores and trains on its share of
-        # the global batch; the rollout is gathered, so advantages, whitening and the KL controller
-        # see the whole batch, and the gradient is the one-process gradient (sizes stay global).
-        self.accelerator = accelerator or distributed.make_accelerator(device, cfg.freeze_layers > 0, "train_policy")
-        self.world_size, self.rank = self.accelerator.num_processes, self.accelerator.process_index
-        self.minibatch_share = cfg.batch_size // cfg.nminibatches // self.world_size
-        if cfg.batch_size % (cfg.nminibatches * self.world_size) or self.minibatch_share % cfg.microbatch_size:
-            raise PipelineError(
-                f"ppo.batch_size ({cfg.batch_size}) must split into ppo.nminibatches ({cfg.nminibatches}) minibatches, "
-                f"each shared evenly by the {self.world_size} process(es) in shares that ppo.microbatch_size "
-                f"({cfg.microbatch_size}) divides."
-            )
+        self.pad_id, self.query_length = tokenizer.pad_token_id, queries.shape[1]
         self.sampler = ResponseSampler.from_tokenizer(task, tokenizer)
-        self.query_length = queries.shape[1]
         self.num_updates = cfg.total_episodes // cfg.batch_size
+        self.group = cfg.samples_per_query
+        self._split_over_processes(accelerator)
         self.freeze = cfg.freeze_layers
         for frozen in (ref_model, reward_model):
             if frozen is not None:
                 frozen.eval().requires_grad_(False)
         freeze_lower_layers(backbone_of(policy.lm), self.freeze)
         # lm_head is tied to the (frozen) input embeddings in most small LMs; untied heads train.
-        self.use_trunk = self.freeze > 0 and supports_trunk_split(policy.lm) and supports_trunk_split(ref_model)
-        optimizer = adam(
-            (p for p in policy.parameters() if p.requires_grad),
-            lr=cfg.lr,
-            eps=cfg.adam_eps,
-            tensorflow=cfg.tensorflow_adam,
-        )
+        reference = ref_model if ref_model is not None else policy.lm
+        self.use_trunk = self.freeze > 0 and supports_trunk_split(policy.lm) and supports_trunk_split(reference)
+        trainable = (p for p in policy.parameters() if p.requires_grad)
+        optimizer = adam(trainable, lr=cfg.lr, eps=cfg.adam_eps, tensorflow=cfg.tensorflow_adam)
         # DDP wraps the policy, FSDP shards it in place (self.policy stays the module to read)
         self.train_module, self.optimizer = self.accelerator.prepare(policy, optimizer)
-        self.kl_ctl = (
-            AdaptiveKLController(cfg.kl.init_coef, cfg.kl.target, cfg.kl.horizon)
-            if cfg.kl.adaptive
-            else FixedKLController(cfg.kl.init_coef)
-        )
+        kl = cfg.kl
+        controller = AdaptiveKLController if kl.adaptive else FixedKLController
+        self.kl_ctl = controller(kl.init_coef, kl.target, kl.horizon)
         self.history: list[dict] = []  # one record per update: checkpointed and logged
         self.timings: list[dict] = []  # seconds per phase of each update this process ran: metrics only
         self.start_update = 0
+
+    def _split_over_processes(self, accelerator) -> None:
+        """Several processes (`accelerate launch`): each samples, scores and trains on its share of
+        the global batch (whole groups of a query's samples); the rollout is gathered, so advantages,
+        whitening and the KL controller see the whole batch, and the gradient is the one-process
+        gradient (sizes stay global)."""
+        cfg = self.cfg
+        self.accelerator = accelerator or distributed.make_accelerator(
+            self.device, cfg.freeze_layers > 0, "train_policy", lora=cfg.lora is not None
+        )
+        self.world_size, self.rank = self.accelerator.num_processes, self.accelerator.process_index
+        self.minibatch_share = cfg.batch_size // cfg.nminibatches // self.world_size
+        splits = not (
+            cfg.batch_size % (cfg.nminibatches * self.world_size) or self.minibatch_share % cfg.microbatch_size
+        )
+        if not splits or (cfg.batch_size // self.group) % self.world_size:
+            raise PipelineError(
+                f"ppo.batch_size ({cfg.batch_size}) must split into ppo.nminibatches ({cfg.nminibatches}) minibatches, "
+                f"each shared evenly by the {self.world_size} process(es) in shares that ppo.microbatch_size "
+                f"({cfg.microbatch_size}) divides, and its {cfg.batch_size // self.group} queries (of "
+                f"ppo.samples_per_query {self.group} responses each) evenly over the processes."
+            )
 
     # ---- helpers ----------------------------------------------------------------------------
     def _ctx(self):
         return self.autocast() if self.autocast is not None else nullcontext()
 
-    def _offload(self, module: nn.Module, to_device: bool) -> None:
-        if self.cfg.offload_frozen:
+    def _offload(self, module: nn.Module | None, to_device: bool) -> None:
+        if self.cfg.offload_frozen and module is not None:
             module.to(self.device if to_device else "cpu")
 
     def batch_queries(self, update: int) -> Tensor:
-        """Episode order: a seeded permutation per pass over the train queries, so the data
-        position is a pure function of the update index (exact resume)."""
-        n = len(self.queries)
-        start = update * self.cfg.batch_size
+        """This process's queries of an update: a seeded permutation per pass over the train queries,
+        so the data position is a pure function of the update index (exact resume)."""
+        n, wanted = len(self.queries), self.cfg.batch_size // self.group
+        start = update * wanted
         rows = []
-        while len(rows) < self.cfg.batch_size:
+        while len(rows) < wanted:
             epoch, offset = divmod(start + len(rows), n)
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
-            take = min(self.cfg.batch_size - len(rows), n - offset)
+            take = min(wanted - len(rows), n - offset)
             rows.extend(order[offset : offset + take].tolist())
         return self.queries[rows[distributed.share(self.accelerator, len(rows))]].to(self.device)
 
-    # ---- 1-3: rollout -----------------------------------------------------------------------
+    def reference_logprobs(self, query_responses: Tensor, trunk: Tensor | None) -> Tensor:
+        """(B, R) logprobs of the responses under the reference policy: the frozen base model, or
+        the policy with its LoRA adapter off (one copy of the weights)."""
+        reference = self.ref_model if self.ref_model is not None else self.policy.lm
+        self._offload(self.ref_model, True)
+        with self._ctx(), self.policy.adapter_disabled() if self.ref_model is None else nullcontext():
+            out = response_outputs(
+                reference,
+                query_responses,
+                query_responses != self.pad_id,
+                self.query_length,
+                self.task.temperature,
+                self.pad_id,
+                self.freeze if self.use_trunk else 0,
+                trunk,
+            )
+        self._offload(self.ref_model, False)
+        return out.logprobs
+
+    def scores(self, queries: Tensor, truncated: Tensor, valid: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(B,) the task's score of each response, and (B,) its gold score when a labeler is at hand."""
+        gold = None
+        if self.gold_labeler is not None:
+            texts = self.tokenizer.batch_decode(truncated, skip_special_tokens=True)
+            gold = torch.tensor(self.gold_labeler.score(texts), dtype=torch.float32)
+        if self.cfg.score_source == "gold":
+            mean, std = self.gold_standardization
+            return apply_penalty(((gold - mean) / std).to(self.device), valid, self.task.penalty_reward), gold
+        self._offload(self.reward_model, True)
+        with self._ctx():
+            scores = task_scores(self.reward_model, queries, truncated, valid, self.task.penalty_reward, len(queries))
+        self._offload(self.reward_model, False)
+        return scores, gold
+
+    # ---- 1: rollout -------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, update: int) -> Rollout:
         t0 = time.perf_counter()
@@ -216,74 +278,88 @@ class PPOTrainer:
                 self.policy.lm,
                 queries,
                 generator,
-                value_head=self.policy.value_head if self.policy.shared else None,
+                value_head=self.policy.value_head if self.policy.critic and self.policy.shared else None,
+                num_samples=self.group,
                 capture_layers=(self.freeze,) if self.use_trunk else (),
                 process_share=(self.rank, self.world_size),
             )
+            queries = queries.repeat_interleave(self.group, 0) if self.group > 1 else queries
             query_responses = torch.cat([queries, sampled.responses], 1)
-            attn = query_responses != self.pad_id
-            values = (
-                sampled.values
-                if self.policy.shared
-                else self.policy.values_of(query_responses, attn, self.query_length)
-            )
+            values = sampled.values
+            if self.policy.critic and not self.policy.shared:
+                values = self.policy.values_of(query_responses, query_responses != self.pad_id, self.query_length)
         t1 = time.perf_counter()
-        self._offload(self.ref_model, True)
+        trunk = sampled.hidden[self.freeze] if self.use_trunk else None
+        ref_logprobs = self.reference_logprobs(query_responses, trunk)
+        t2 = time.perf_counter()
+        scores, gold = self.scores(queries, truncated, valid)
+        timings = {"time/generation": t1 - t0, "time/reference": t2 - t1, "time/scoring": time.perf_counter() - t2}
+        # every process's share, in batch order: the rest of the update sees the whole batch
+        whole = partial(distributed.gather_rows, self.accelerator)
+        stats = {} if gold is None else {"objective/gold": whole(gold.to(self.device)).mean().item()}
+        return Rollout(
+            queries=whole(queries),
+            responses=whole(sampled.responses),
+            truncated=whole(truncated),
+            valid=whole(valid),
+            logprobs=whole(sampled.logprobs),
+            ref_logprobs=whole(ref_logprobs),
+            values=whole(values) if values is not None else None,
+            scores=whole(scores),
+            mask=whole(sampled.mask),
+            trunk=whole(trunk) if trunk is not None else None,
+            stats=stats,
+            timings=timings,
+        )
+
+    # ---- 2: rewards and advantages ----------------------------------------------------------
+    @torch.no_grad()
+    def advantages(self, ro: Rollout) -> Advantages:
+        cfg, mask = self.cfg, ro.mask
+        rewards, non_score = compute_rewards(
+            ro.scores, ro.logprobs, ro.ref_logprobs, self.kl_ctl.value, mask, cfg.kl.estimator
+        )
+        if cfg.whiten_rewards:
+            rewards = whiten(rewards, mask, shift_mean=False)
+        advantages, returns = estimate(cfg.advantage, rewards, ro.values, mask, cfg.gamma, cfg.lam, self.group)
+        return Advantages(rewards=rewards, non_score=non_score, advantages=whiten(advantages, mask), returns=returns)
+
+    # ---- 3: the loss ------------------------------------------------------------------------
+    def loss(self, ro: Rollout, adv: Advantages, micro: Tensor, attn: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """The PPO loss of the rows ``micro`` and their statistics: the clipped policy loss,
+        + ``vf_coef`` * the clipped value loss with a critic, - ``entropy_coef`` * the entropy."""
+        cfg = self.cfg
         with self._ctx():
-            trunk = sampled.hidden[self.freeze] if self.use_trunk else None
-            ref_logprobs = response_outputs(
-                self.ref_model,
-                query_responses,
-                attn,
+            logprobs, entropy, vpred = self.train_module(
+                ro.query_responses[micro],
+                attn[micro],
                 self.query_length,
                 self.task.temperature,
                 self.pad_id,
                 self.freeze if self.use_trunk else 0,
-                trunk,
-            ).logprobs
-        self._offload(self.ref_model, False)
-        t2 = time.perf_counter()
-        gold = None
-        if self.gold_labeler is not None:
-            gold = torch.tensor(
-                self.gold_labeler.score(self.tokenizer.batch_decode(truncated, skip_special_tokens=True)),
-                dtype=torch.float32,
+                ro.trunk[micro] if self.use_trunk else None,
             )
-        if self.cfg.score_source == "gold":
-            mean, std = self.gold_standardization
-            raw_scores = ((gold - mean) / std).to(self.device)
-        else:
-            self._offload(self.reward_model, True)
-            with self._ctx():
-                raw_scores = score_query_responses(self.reward_model, queries, truncated, len(queries))
-            self._offload(self.reward_model, False)
-        scores = apply_penalty(raw_scores, valid, self.task.penalty_reward)
-        t3 = time.perf_counter()
-        timings = {"time/generation": t1 - t0, "time/reference": t2 - t1, "time/scoring": t3 - t2}
-        stats = {}
-        # every process's share, in batch order: the rest of the update sees the whole batch
-        whole = [queries, sampled.responses, truncated, valid, sampled.logprobs, ref_logprobs, values, scores]
-        whole = [distributed.gather_rows(self.accelerator, t) for t in [*whole, sampled.mask]]
-        trunk = distributed.gather_rows(self.accelerator, trunk) if trunk is not None else None
-        if gold is not None:
-            stats["objective/gold"] = distributed.gather_rows(self.accelerator, gold.to(self.device)).mean().item()
-        return Rollout(*whole, trunk, stats, timings)
-
-    # ---- 4: rewards and advantages ----------------------------------------------------------
-    @torch.no_grad()
-    def advantages(self, ro: Rollout) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        mask = ro.mask
-        rewards, non_score = compute_rewards(
-            ro.scores, ro.logprobs, ro.ref_logprobs, self.kl_ctl.value, mask, self.cfg.kl.estimator
+        mask = ro.mask[micro]
+        pg_loss, pg_stats = policy_loss(
+            logprobs.float(), ro.logprobs[micro], adv.advantages[micro], cfg.cliprange, mask
         )
-        if self.cfg.whiten_rewards:
-            rewards = whiten(rewards, mask, shift_mean=False)
-        advantages, returns = gae(rewards, ro.values, self.cfg.gamma, self.cfg.lam, mask)
-        advantages = whiten(advantages, mask)
-        return rewards, non_score, advantages, returns
+        entropy_mean = masked_mean(entropy, mask)
+        if vpred is None:
+            loss = pg_loss - cfg.entropy_coef * entropy_mean
+            value = {}
+        else:
+            vf_loss, vf_stats = value_loss(
+                vpred.float(), ro.values[micro], adv.returns[micro], cfg.cliprange_value, mask
+            )
+            loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy_mean
+            value = {"loss/value": vf_loss.item(), "val/clipfrac": vf_stats["clipfrac"].item()}
+        stats = {"loss/policy": pg_loss.item(), **value, "loss/total": loss.item()}
+        stats |= {"policy/entropy": entropy_mean.item()}
+        stats |= {f"policy/{k}": pg_stats[k].item() for k in ("approxkl", "clipfrac", "ratio_mean", "ratio_max")}
+        return loss, stats
 
-    # ---- 5: PPO epochs ----------------------------------------------------------------------
-    def optimize(self, ro: Rollout, advantages: Tensor, returns: Tensor, update: int) -> dict:
+    # ---- 4: the step ------------------------------------------------------------------------
+    def optimize(self, ro: Rollout, adv: Advantages, update: int) -> dict:
         """``ppo_epochs`` passes of shuffled minibatches over the whole batch, one optimizer step each.
 
         Each process takes its contiguous share of every minibatch, in microbatches; their gradients
@@ -291,98 +367,60 @@ class PPOTrainer:
         the one-process step on the same minibatch."""
         cfg = self.cfg
         lr = linear_anneal(update, self.num_updates, cfg.lr) if cfg.anneal_lr else cfg.lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        query_responses = ro.query_responses
-        attn = query_responses != self.pad_id
+        set_lr(self.optimizer, lr)
+        attn = ro.query_responses != self.pad_id
         generator = torch.Generator().manual_seed(self.seed * 7_919 + update)
-        sums: dict[str, float] = {}
-        count = 0
+        records: list[dict[str, float]] = []
         self.policy.train()
-        trainable = [p for p in self.policy.parameters() if p.requires_grad]
         for _ in range(cfg.ppo_epochs):
             # each minibatch cut into one share per process, each share into microbatches
             for shares in minibatch_indices(cfg.batch_size, cfg.nminibatches, self.minibatch_share, generator):
-                micros = shares[self.rank].split(cfg.microbatch_size)
-                self.optimizer.zero_grad(set_to_none=True)
-                bad_loss = None
-                for i, micro in enumerate(micros):
-                    micro = micro.to(self.device)
-                    # gradients are averaged over processes once, after the share's last microbatch
-                    last = i == len(micros) - 1
-                    with nullcontext() if last else self.accelerator.no_sync(self.train_module):
-                        with self._ctx():
-                            logprobs, entropy, vpred = self.train_module(
-                                query_responses[micro],
-                                attn[micro],
-                                self.query_length,
-                                self.task.temperature,
-                                self.pad_id,
-                                self.freeze if self.use_trunk else 0,
-                                ro.trunk[micro] if self.use_trunk else None,
-                            )
-                        mask = ro.mask[micro]
-                        pg_loss, pg_stats = policy_loss(
-                            logprobs.float(), ro.logprobs[micro], advantages[micro], cfg.cliprange, mask
-                        )
-                        vf_loss, vf_stats = value_loss(
-                            vpred.float(), ro.values[micro], returns[micro], cfg.cliprange_value, mask
-                        )
-                        entropy_mean = masked_mean(entropy, mask)
-                        loss = pg_loss + cfg.vf_coef * vf_loss - cfg.entropy_coef * entropy_mean
-                        if bad_loss is None and not torch.isfinite(loss):
-                            bad_loss = (pg_loss.item(), vf_loss.item())
-                        self.accelerator.backward(loss * len(micro) / self.minibatch_share)
-                    record = {
-                        "loss/policy": pg_loss.item(),
-                        "loss/value": vf_loss.item(),
-                        "loss/total": loss.item(),
-                        "policy/entropy": entropy_mean.item(),
-                        "policy/approxkl": pg_stats["approxkl"].item(),
-                        "policy/clipfrac": pg_stats["clipfrac"].item(),
-                        "policy/ratio_mean": pg_stats["ratio_mean"].item(),
-                        "val/clipfrac": vf_stats["clipfrac"].item(),
-                    }
-                    for key, value in record.items():
-                        sums[key] = sums.get(key, 0.0) + value
-                    sums["policy/ratio_max"] = max(sums.get("policy/ratio_max", 0.0), pg_stats["ratio_max"].item())
-                    count += 1
-                self.step_if_finite(trainable, bad_loss, update)
+                records += accumulate_and_step(
+                    self.accelerator,
+                    self.train_module,
+                    self.optimizer,
+                    [micro.to(self.device) for micro in shares[self.rank].split(cfg.microbatch_size)],
+                    lambda micro: self.loss(ro, adv, micro, attn),
+                    lambda what, detail: self.non_finite(what, detail, update),
+                    cfg.max_grad_norm,
+                    self.policy,
+                )
         self.policy.eval()
-        # every process's microbatches: the statistics of the one-process run
-        keys = sorted(sums)
-        local = torch.tensor([[sums[k] for k in keys] + [count]], dtype=torch.float64, device=self.device)
+        return {**self.mean_over_processes(records), "lr": lr}
+
+    def mean_over_processes(self, records: list[dict[str, float]]) -> dict[str, float]:
+        """Every process's microbatch statistics: their means (``policy/ratio_max``: their maximum),
+        the statistics of the one-process run."""
+        keys = sorted(records[0])
+        sums = {key: 0.0 for key in keys}
+        for record in records:
+            for key in keys:
+                sums[key] = max(sums[key], record[key]) if key == "policy/ratio_max" else sums[key] + record[key]
+        local = torch.tensor([[sums[k] for k in keys] + [len(records)]], dtype=torch.float64, device=self.device)
         every = distributed.gather_rows(self.accelerator, local)
-        stats = {
+        return {
             key: every[:, i].max().item()
             if key == "policy/ratio_max"
             else (every[:, i].sum() / every[:, -1].sum()).item()
             for i, key in enumerate(keys)
         }
-        stats["lr"] = lr
-        return stats
 
-    def step_if_finite(self, trainable: list[Tensor], bad_loss: tuple[float, float] | None, update: int) -> None:
-        """Clip (``ppo.max_grad_norm``) and step, unless a loss or the gradient of any process is not
-        finite: then every process raises, before the step, so no NaN reaches a weight."""
-        if distributed.any_process(self.accelerator, bad_loss is not None):
-            where = f"policy {bad_loss[0]}, value {bad_loss[1]}" if bad_loss else "on another process"
-            raise NonFiniteError(
+    def non_finite(self, what: str, detail: Any, update: int) -> NonFiniteError:
+        """The error every process raises when a loss (``detail``: the microbatch's statistics, or
+        None when another process saw it) or a gradient (the parameters) is not finite."""
+        if what == "loss":
+            where = (
+                f"policy {detail['loss/policy']}, value {detail.get('loss/value')}" if detail else "on another process"
+            )
+            return NonFiniteError(
                 f"PPO loss became non-finite at update {update} ({where}). {self.last_good()} "
                 "Likely causes: a learning rate too high for this model (ppo.lr), fp16/bf16 overflow (run in "
                 "fp32), or non-finite rewards; ppo.max_grad_norm bounds the step."
             )
-        # a finite loss can still give a non-finite gradient (an fp16/bf16 overflow in the
-        # backward pass); one step with it would put NaN into every trainable weight
-        bad = distributed.non_finite_gradients(self.accelerator, self.policy)
-        if bad:
-            raise NonFiniteError(
-                f"Non-finite gradient at update {update} ({', '.join(bad[:3])}...). {self.last_good()} "
-                "Likely causes: fp16/bf16 overflow (run in fp32) or a learning rate too high (ppo.lr)."
-            )
-        if self.cfg.max_grad_norm is not None:  # the norm over every process's gradient, sharded or not
-            self.accelerator.clip_grad_norm_(trainable, self.cfg.max_grad_norm)
-        self.optimizer.step()
+        return NonFiniteError(
+            f"Non-finite gradient at update {update} ({', '.join(detail[:3])}...). {self.last_good()} "
+            "Likely causes: fp16/bf16 overflow (run in fp32) or a learning rate too high (ppo.lr)."
+        )
 
     def last_good(self) -> str:
         return (
@@ -391,7 +429,7 @@ class PPOTrainer:
             else "Nothing was written (no checkpointing)."
         )
 
-    # ---- the loop ---------------------------------------------------------------------------
+    # ---- checkpoints ------------------------------------------------------------------------
     def resume_if_possible(self) -> None:
         if self.checkpointer is None:
             return
@@ -411,16 +449,41 @@ class PPOTrainer:
 
     def save_checkpoint(self, update: int) -> None:
         """Every process hands in its part (weights and optimizer state gathered whole, its random
-        generators); process 0 writes them."""
+        generators); process 0 writes them, with a snapshot of the LM weights training changed."""
         weights = distributed.full_state(self.policy, trainable_only=True)
         optimizer_state = distributed.full_optimizer_state(self.policy, self.optimizer)
         rng = gather_object([rng_state()])
         kl_state, history = self.kl_ctl.state_dict(), self.history
 
         def write() -> None:
-            self.checkpointer.save(update, weights, optimizer_state, kl_state, rng, history)
+            snapshot = self.policy.lm_snapshot(weights)
+            self.checkpointer.save(update, weights, snapshot, optimizer_state, kl_state, rng, history)
 
         distributed.on_main_process(self.accelerator, write, "write the checkpoint")
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def record(
+        self, update: int, ro: Rollout, adv: Advantages, opt_stats: dict, mean_kl: float, kl_coef: float
+    ) -> dict:
+        """What the update logs and checkpoints (a function of the inputs alone: no timing)."""
+        record = {
+            "update": update + 1,
+            "episodes": (update + 1) * self.cfg.batch_size,
+            "objective/score": ro.scores.mean().item(),
+            "objective/score_std": ro.scores.std().item(),
+            "objective/kl": mean_kl,
+            "objective/kl_coef": kl_coef,
+            "objective/non_score_reward": (adv.non_score.sum(-1)).mean().item(),
+            "objective/valid_fraction": ro.valid.float().mean().item(),
+            "response/length": (ro.truncated != self.pad_id).sum(-1).float().mean().item(),
+        }
+        if ro.values is not None:
+            record["val/mean"] = masked_mean(ro.values, ro.mask).item()
+            record["returns/mean"] = masked_mean(adv.returns, ro.mask).item()
+        record |= {**ro.stats, **opt_stats}
+        if not all(math.isfinite(v) for v in record.values() if isinstance(v, float)):
+            raise NonFiniteError(f"Non-finite statistics at update {update}: {record}. {self.last_good()}")
+        return record
 
     def train(self, progress: bool = True) -> list[dict]:
         self.resume_if_possible()
@@ -435,31 +498,14 @@ class PPOTrainer:
         for update in range(self.start_update, self.num_updates):
             started = time.perf_counter()
             ro = self.rollout(update)
-            rewards, non_score, advantages, returns = self.advantages(ro)
+            adv = self.advantages(ro)
             t_train = time.perf_counter()
-            opt_stats = self.optimize(ro, advantages, returns, update)
-            kl_per_seq = (kl_penalty(ro.logprobs, ro.ref_logprobs, self.cfg.kl.estimator) * ro.mask).sum(-1)
-            mean_kl = kl_per_seq.mean().item()
+            opt_stats = self.optimize(ro, adv, update)
+            mean_kl = (kl_penalty(ro.logprobs, ro.ref_logprobs, self.cfg.kl.estimator) * ro.mask).sum(-1).mean().item()
             kl_coef = self.kl_ctl.value
             self.kl_ctl.update(mean_kl, self.cfg.batch_size)
             elapsed = time.perf_counter() - started
-            record = {
-                "update": update + 1,
-                "episodes": (update + 1) * self.cfg.batch_size,
-                "objective/score": ro.scores.mean().item(),
-                "objective/score_std": ro.scores.std().item(),
-                "objective/kl": mean_kl,
-                "objective/kl_coef": kl_coef,
-                "objective/non_score_reward": (non_score.sum(-1)).mean().item(),
-                "objective/valid_fraction": ro.valid.float().mean().item(),
-                "response/length": (ro.truncated != self.pad_id).sum(-1).float().mean().item(),
-                "val/mean": masked_mean(ro.values, ro.mask).item(),
-                "returns/mean": masked_mean(returns, ro.mask).item(),
-                **ro.stats,
-                **opt_stats,
-            }
-            if not all(math.isfinite(v) for v in record.values() if isinstance(v, float)):
-                raise NonFiniteError(f"Non-finite statistics at update {update}: {record}. {self.last_good()}")
+            record = self.record(update, ro, adv, opt_stats, mean_kl, kl_coef)
             self.history.append(record)
             self.timings.append(
                 {
