@@ -4,6 +4,7 @@ estimate per response token; its checkpoint snapshot and how it is saved."""
 from __future__ import annotations
 
 import copy
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -75,7 +76,9 @@ class PolicyWithValue(nn.Module):
             target_modules=targets,
             layers_to_transform=list(range(from_layer, len(layers))),
         )
-        object.__setattr__(self, "adapter", get_peft_model(self.lm, config))  # lm is wrapped in place
+        with warnings.catch_warnings():  # peft 0.21 reads an attribute transformers 5 deprecates: not ours to fix
+            warnings.simplefilter("ignore", FutureWarning)
+            object.__setattr__(self, "adapter", get_peft_model(self.lm, config))  # lm is wrapped in place
 
     def adapter_disabled(self):
         """Inside the block ``lm`` is the base model (the reference policy): the adapter is off."""
