@@ -71,7 +71,7 @@ def cmd_lineage(args) -> int:
 
     if args.verify:
         return verify_cli(args.path)
-    return lineage_cli(args.path, as_json=args.json)
+    return lineage_cli(args.path, as_json=args.json, namespace=args.namespace)
 
 
 def cmd_export_preferences(args) -> int:
@@ -121,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="emit an OpenLineage-shaped run event")
+    p.add_argument(
+        "--namespace",
+        default=None,
+        help="the OpenLineage namespace (default: $OPENLINEAGE_NAMESPACE, else made from the git remote "
+        "origin, e.g. dvc://github.com/org/repo, else dvc://local)",
+    )
     p.add_argument(
         "--verify",
         action="store_true",

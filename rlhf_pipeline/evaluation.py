@@ -44,7 +44,24 @@ def win_rate(policy_scores: Tensor | np.ndarray, base_scores: Tensor | np.ndarra
     return float(np.mean((policy_scores > base_scores) + 0.5 * (policy_scores == base_scores)))
 
 
-def paired_improvement(policy_scores, base_scores) -> tuple[float, float]:
+# below this standard deviation (relative to the scores' scale, at least 1) the base's scores are
+# all alike and a difference divided by it is float noise blown up, not an improvement
+DEGENERATE_STD = 1e-6
+
+
+def undefined_scale(base_scores) -> str | None:
+    """Why base-σ units are undefined for ``base_scores`` (their spread is ~0), or None."""
+    base_scores = np.asarray(base_scores, dtype=float)
+    std = float(base_scores.std())
+    if std > DEGENERATE_STD * max(1.0, float(np.abs(base_scores).mean())):
+        return None
+    return (
+        f"the base's scores have a standard deviation of {std:.3g} (every base response scored alike), "
+        "so an improvement in base-σ units is undefined"
+    )
+
+
+def paired_improvement(policy_scores, base_scores) -> tuple[float, float] | tuple[None, None]:
     r"""Improvement of the policy over the base on the same queries, in units of the base's std,
     and its standard error.
 
@@ -55,11 +72,14 @@ def paired_improvement(policy_scores, base_scores) -> tuple[float, float]:
     ``s_b`` is the base scores' std (population); ``sd`` of the differences is the sample std
     (n - 1). Pairing removes the between-query variance that two independent samples would carry;
     the uncertainty of ``s_b`` itself is left out (a scale, the same for every checkpoint).
+    ``(None, None)`` when ``s_b`` is ~0 (:func:`undefined_scale` says why).
     """
     policy_scores, base_scores = np.asarray(policy_scores, dtype=float), np.asarray(base_scores, dtype=float)
     if policy_scores.shape != base_scores.shape or policy_scores.size < 2:
         raise ValueError("paired_improvement needs two arrays of the same shape with at least 2 entries")
-    scale = max(float(base_scores.std()), 1e-8)
+    if undefined_scale(base_scores):
+        return None, None
+    scale = float(base_scores.std())
     differences = policy_scores - base_scores
     return float(differences.mean() / scale), float(differences.std(ddof=1) / np.sqrt(differences.size) / scale)
 
@@ -144,22 +164,27 @@ def summarize(base: SampleSet, policy: SampleSet) -> dict:
         "valid/base": base.valid.float().mean().item(),
         "valid/policy": policy.valid.float().mean().item(),
     }
-    proxy_gain, proxy_stderr = paired_improvement(policy.proxy.numpy(), base.proxy.numpy())
-    metrics.update({"proxy/improvement_in_base_std": proxy_gain, "proxy/improvement_stderr_in_base_std": proxy_stderr})
+    metrics.update(_improvement("proxy", policy.proxy.numpy(), base.proxy.numpy()))
     if base.gold is not None and policy.gold is not None:
-        gold_gain, gold_stderr = paired_improvement(policy.gold, base.gold)
         metrics.update(
             {
                 "gold/base_mean": float(base.gold.mean()),
                 "gold/base_std": float(base.gold.std()),
                 "gold/policy_mean": float(policy.gold.mean()),
-                "gold/improvement_in_base_std": gold_gain,
-                "gold/improvement_stderr_in_base_std": gold_stderr,
+                **_improvement("gold", policy.gold, base.gold),
                 "gold/queries": int(base.gold.size),
                 "win_rate/gold": win_rate(policy.gold, base.gold),
             }
         )
     return metrics
+
+
+def _improvement(score: str, policy_scores, base_scores) -> dict:
+    """``score``'s paired improvement metrics: null, with ``<score>/improvement_undefined`` saying
+    why, when the base's scores have no spread."""
+    gain, stderr = paired_improvement(policy_scores, base_scores)
+    reason = {f"{score}/improvement_undefined": undefined_scale(base_scores)} if gain is None else {}
+    return {f"{score}/improvement_in_base_std": gain, f"{score}/improvement_stderr_in_base_std": stderr, **reason}
 
 
 def curve_point(update: int, sample: SampleSet, base: SampleSet) -> dict:
@@ -175,9 +200,13 @@ def curve_point(update: int, sample: SampleSet, base: SampleSet) -> dict:
         "proxy": sample.proxy.mean().item(),
         "gold": None if sample.gold is None else float(sample.gold.mean()),
     }
-    point["proxy_std_units"], point["proxy_stderr"] = paired_improvement(sample.proxy.numpy(), base.proxy.numpy())
+    scored = {"proxy": (sample.proxy.numpy(), base.proxy.numpy())}
     if sample.gold is not None and base.gold is not None:
-        point["gold_std_units"], point["gold_stderr"] = paired_improvement(sample.gold, base.gold)
+        scored["gold"] = (sample.gold, base.gold)
+    for key, (mine, theirs) in scored.items():  # no std-unit keys where base-σ is undefined
+        gain, stderr = paired_improvement(mine, theirs)
+        if gain is not None:
+            point[f"{key}_std_units"], point[f"{key}_stderr"] = gain, stderr
     return point
 
 
@@ -218,9 +247,8 @@ def overoptimization_plot(points: list[dict], path: str | Path, shipped_update: 
     points = sorted(points, key=lambda p: p["update"])
     xs = [p["sqrt_kl"] for p in points]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    series = [("proxy", "o-", "proxy (reward model)")]
-    if all("gold_std_units" in p for p in points):
-        series.append(("gold", "s-", "gold (labeler)"))
+    series = [("proxy", "o-", "proxy (reward model)"), ("gold", "s-", "gold (labeler)")]
+    series = [s for s in series if all(f"{s[0]}_std_units" in p for p in points)]
     for key, style, label in series:
         ys = [p[f"{key}_std_units"] for p in points]
         ax.errorbar(xs, ys, yerr=[p[f"{key}_stderr"] for p in points], fmt=style, capsize=3, label=label)
@@ -234,13 +262,17 @@ def overoptimization_plot(points: list[dict], path: str | Path, shipped_update: 
                 markersize=14,
                 markerfacecolor="none",
                 markeredgecolor="black",
-                label="shipped policy" if key == "proxy" else None,
+                label="shipped policy" if key == series[0][0] else None,
             )
+    if not series:
+        note = "undefined: the base's scores have no spread (see metrics/evaluation.json)"
+        ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=8, wrap=True)
     ax.axhline(0.0, color="grey", linewidth=0.8)
     ax.set_xlabel("sqrt(KL(policy || base))  [nats^0.5]")
     ax.set_ylabel("improvement over the base  [base std]")
     ax.set_title("Reward over-optimisation across PPO checkpoints")
-    ax.legend()
+    if series:
+        ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -108,21 +108,48 @@ def backbone_of(model: nn.Module) -> nn.Module:
     return model.base_model
 
 
-def transformer_layers(backbone: nn.Module) -> nn.ModuleList:
-    for name in ("layers", "h", "blocks"):
-        layers = getattr(backbone, name, None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    raise PipelineError(f"Cannot find the transformer blocks of {type(backbone).__name__} to freeze them.")
+# where the common families keep their blocks, relative to the backbone (``model.base_model``)
+BLOCK_PATHS = ("layers", "h", "blocks", "decoder.layers", "language_model.layers", "transformer.h")
 
 
-def freeze_lower_layers(backbone: nn.Module, num_layers: int) -> int:
+def transformer_layers(backbone: nn.Module, parameter: str = "ppo.freeze_layers") -> nn.ModuleList:
+    """The backbone's stack of transformer blocks, lowest first.
+
+    The usual attribute paths first (Llama, Qwen, Mistral, Gemma: ``layers``; GPT-2, Falcon, Bloom: ``h``;
+    OPT: ``decoder.layers``); else the shallowest module list with ``num_hidden_layers`` blocks of one
+    class. ``parameter`` names the setting that needs the blocks, for the message when none are found."""
+    for path in BLOCK_PATHS:
+        found = backbone
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if isinstance(found, nn.ModuleList) and len(found) > 0:
+            return found
+    config = getattr(backbone, "config", None)
+    expected = getattr(getattr(config, "get_text_config", lambda: config)(), "num_hidden_layers", None)
+    stacks = [
+        (name.count("."), module)
+        for name, module in backbone.named_modules()
+        if isinstance(module, nn.ModuleList)
+        and len(module) == expected
+        and len({type(block) for block in module}) == 1
+    ]
+    if stacks:
+        return min(stacks, key=lambda depth_module: depth_module[0])[1]
+    raise PipelineError(
+        f"{parameter} needs the transformer blocks of {type(backbone).__name__}, but none were found (looked "
+        f"for {', '.join(BLOCK_PATHS)}, and for any list of {expected} blocks of one class). Set {parameter} "
+        "to its no-split value (0, or null for reward.train.num_layers) to train this model whole, or report "
+        "the architecture so its block path can be added to rlhf_pipeline.models.BLOCK_PATHS."
+    )
+
+
+def freeze_lower_layers(backbone: nn.Module, num_layers: int, parameter: str = "ppo.freeze_layers") -> int:
     """Freeze the input embeddings and the lowest ``num_layers`` blocks; returns trainable params."""
     if num_layers <= 0:
         return sum(p.numel() for p in backbone.parameters() if p.requires_grad)
-    layers = transformer_layers(backbone)
+    layers = transformer_layers(backbone, parameter)
     if num_layers > len(layers):
-        raise PipelineError(f"freeze_layers={num_layers} but the model has only {len(layers)} blocks.")
+        raise PipelineError(f"{parameter} is {num_layers} but the model has only {len(layers)} blocks.")
     backbone.get_input_embeddings().weight.requires_grad_(False)
     for layer in layers[:num_layers]:
         layer.requires_grad_(False)

@@ -92,10 +92,13 @@ class RewardModel(nn.Module):
                 raise ValueError("pooling='mean' needs query_length to find the response tokens")
             response_mask = mask.clone()
             response_mask[:, :query_length] = False
-            return self.head(masked_mean_hidden(hidden, response_mask)).squeeze(-1).float()
         last = last_true_index(mask)
-        h_last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-        return self.head(h_last).squeeze(-1).float()
+        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        if self.pooling == "mean":
+            # an empty response is scored at the query's last token, as score_best_of_n does
+            empty = ~response_mask.any(-1, keepdim=True)
+            pooled = torch.where(empty, pooled, masked_mean_hidden(hidden, response_mask))
+        return self.head(pooled).squeeze(-1).float()
 
     def forward(self, query_responses: Tensor, query_length: int | None = None) -> Tensor:
         return self.normalize(self.raw_scores(query_responses, query_length))
@@ -107,10 +110,18 @@ class RewardModel(nn.Module):
         mask (:func:`packed_best_of_n_mask`) lets sample k see only the query and itself, with
         positions that continue the query. The query is therefore computed once and shared by the N
         samples (gradients flow into it from all of them), in a single forward pass whose scores
-        equal :meth:`forward` on each concatenated query+sample.
+        equal :meth:`forward` on each concatenated query+sample. A model with sliding-window
+        attention whose window is shorter than the packed row scores each query+sample on its own.
         """
         batch, n, resp_len = samples.shape
         query_len = queries.shape[1]
+        window = attention_window(self.backbone.config)
+        if window is not None and query_len + n * resp_len > window:
+            # A packed row longer than the sliding window would see keys (by index) that scoring alone
+            # would not, and vice versa: the mask cannot say both, so score each query + sample alone.
+            joined = torch.cat([queries.repeat_interleave(n, 0), samples.reshape(batch * n, resp_len)], 1)
+            raw = self.raw_scores(joined, query_len).view(batch, n)
+            return self.normalize(raw) if normalized else raw
         q_mask = queries != self.pad_token_id
         r_mask = samples != self.pad_token_id
         q_positions = position_ids_from_mask(q_mask)
@@ -220,7 +231,7 @@ class RewardModel(nn.Module):
 
         backbone = AutoModel.from_pretrained(str(base_dir), dtype=torch.float32)
         if num_layers is not None:
-            layers = transformer_layers(backbone)
+            layers = transformer_layers(backbone, "reward.train.num_layers")
             if not 0 <= num_layers <= len(layers):
                 raise PipelineError(
                     f"reward.train.num_layers is {num_layers} but the base model has {len(layers)} blocks."
@@ -314,6 +325,19 @@ def last_true_index(mask: Tensor) -> Tensor:
     """Index of the last True in each row of a (B, T) mask (0 if none)."""
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     return torch.where(mask, positions, torch.zeros_like(positions)).max(dim=1).values
+
+
+def attention_window(config) -> int | None:
+    """The sliding attention window of a model (Mistral, Gemma2/3, Phi3, Qwen2 with
+    ``use_sliding_window``), or None when every layer attends to the whole sequence."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and not any("sliding" in str(kind) for kind in layer_types):
+        return None
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
 
 
 def packed_best_of_n_mask(query_mask: Tensor, response_mask: Tensor) -> Tensor:

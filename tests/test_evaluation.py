@@ -10,6 +10,7 @@ from rlhf_pipeline.evaluation import (
     SampleSet,
     curve_point,
     length_stats,
+    overoptimization_plot,
     paired_improvement,
     sequence_kl,
     summarize,
@@ -111,6 +112,24 @@ def test_curve_point_puts_proxy_and_gold_on_the_base_std_scale():
     assert point["gold_std_units"] == pytest.approx(1.0) and point["gold_stderr"] == pytest.approx(2.0)
     origin = curve_point(0, base, base)
     assert origin["proxy_std_units"] == 0.0 and origin["gold_stderr"] == 0.0
+
+
+def test_a_base_without_spread_makes_base_std_units_undefined(tmp_path):
+    """Every base response scored alike (a degenerate reward model): the improvement is reported as
+    null with the reason, not as a difference divided by ~0 (once 2e7 base σ)."""
+    base = sample_set([0.25, 0.25 + 1e-9, 0.25], [0.1, 0.3, 0.2], [0.0] * 3, [True] * 3, [[1]] * 3)
+    policy = sample_set([0.5, 0.2, 0.9], [0.4, 0.2, 0.5], [1.0] * 3, [True] * 3, [[1]] * 3)
+    assert paired_improvement(policy.proxy.numpy(), base.proxy.numpy()) == (None, None)
+    metrics = summarize(base, policy)
+    assert metrics["proxy/improvement_in_base_std"] is None
+    assert metrics["proxy/improvement_stderr_in_base_std"] is None
+    assert "every base response scored alike" in metrics["proxy/improvement_undefined"]
+    assert metrics["gold/improvement_in_base_std"] == pytest.approx(2.041241, abs=1e-5)  # gold has one: mean difference 1/6 over a base std of sqrt(0.02 / 3)
+    assert "gold/improvement_undefined" not in metrics
+    point = curve_point(3, policy, base)
+    assert "proxy_std_units" not in point and point["gold_std_units"] == pytest.approx(2.041241, abs=1e-5)
+    overoptimization_plot([curve_point(0, base, base), point], tmp_path / "curve.png")  # gold only: drawn
+    assert (tmp_path / "curve.png").stat().st_size > 0
 
 
 def test_summarize_without_a_gold_labeler_has_no_gold_metrics():

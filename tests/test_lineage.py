@@ -7,6 +7,7 @@ The repo is built and reproduced once per module; tests that modify it work on a
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import os
@@ -183,17 +184,15 @@ def test_json_is_an_openlineage_run_event(repo, monkeypatch, capsys):
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     assert event["eventType"] == "COMPLETE"
     assert event["schemaURL"].endswith("#/$defs/RunEvent")
-    assert event["job"]["namespace"] == "dvc://proj"
+    assert event["job"]["namespace"] == "dvc://local"  # no remote, nothing configured
     assert event["job"]["name"] == "train_policy"
     assert event["job"]["facets"]["sourceCode"] == {
         **event["job"]["facets"]["sourceCode"],
         "language": "shell",
         "sourceCode": lock["train_policy"]["cmd"],
     }
-    assert (
-        event["job"]["facets"]["sourceCodeLocation"]["version"]
-        == _git(repo, "log", "-1", "--format=%H", "--", "dvc.lock").strip()
-    )
+    assert "sourceCodeLocation" not in event["job"]["facets"]  # a local checkout is no location for others
+    assert str(repo) not in json.dumps(event) and repo.name not in event["job"]["namespace"]
     run = event["run"]
     uuid.UUID(run["runId"])
     assert _lineage_json(capsys, "models/policy")["run"]["runId"] == run["runId"]  # deterministic
@@ -228,7 +227,7 @@ def test_json_is_an_openlineage_run_event(repo, monkeypatch, capsys):
         "source.txt",
         "scripts/prefs.py",
     }
-    assert all(d["namespace"] == "dvc://proj" for d in event["inputs"])
+    assert all(d["namespace"] == "dvc://local" for d in event["inputs"])
     source = inputs["source.txt"]
     assert source["hash"] == _source_md5() and source["producedBy"] is None and source["source"] is True
     assert source["trackedBy"] == "source.txt.dvc" and source["stale"] is False
@@ -377,6 +376,60 @@ def test_an_exponent_float_in_params_equals_the_locked_float(work, capsys):
     Path("params.yaml").write_text(text.replace("lr: 0.1", "lr: 1.0e-1"))
     assert "1.0e-1" in Path("params.yaml").read_text()
     assert _lineage_json(capsys, "models/policy")["run"]["facets"]["paramsDiff"]["changes"] == {}
+
+
+@pytest.mark.parametrize(
+    ("remote", "uri", "namespace"),
+    [
+        ("https://ci:s3cret@github.com/org/rlhf.git", "https://github.com/org/rlhf.git", "dvc://github.com/org/rlhf"),
+        ("git@github.com:org/rlhf.git", "ssh://git@github.com/org/rlhf.git", "dvc://github.com/org/rlhf"),
+        (
+            "ssh://git@host.example:2222/srv/rlhf/",
+            "ssh://git@host.example:2222/srv/rlhf/",
+            "dvc://host.example/srv/rlhf",
+        ),
+        ("/srv/git/rlhf.git", None, None),
+        ("file:///srv/git/rlhf.git", None, None),
+        ("../rlhf", None, None),
+    ],
+)
+def test_a_remote_is_shared_without_credentials_and_a_local_path_never(remote, uri, namespace):
+    from rlhf_pipeline.lineage.record import remote_namespace, shareable_remote
+
+    assert shareable_remote(remote) == uri
+    if uri:
+        assert remote_namespace(uri) == namespace
+
+
+def test_lineage_travels_with_the_remote_not_the_folder(repo, tmp_path, monkeypatch, capsys):
+    """Two clones in different folders give the same namespace, job and run ids; the event time is the
+    producing run's, not the time of the call; a configured namespace wins."""
+    events = []
+    for folder in ("first", "second/deeper"):
+        copy = tmp_path / folder
+        shutil.copytree(repo, copy, symlinks=True)
+        _git(copy, "remote", "add", "origin", "https://ci:s3cret@github.com/org/rlhf.git")
+        monkeypatch.chdir(copy)
+        events.append(_lineage_json(capsys, "models/policy"))
+        assert str(copy) not in json.dumps(events[-1]) and "s3cret" not in json.dumps(events[-1])
+        _validate_event(events[-1])
+    first, second = events
+    assert first["job"]["namespace"] == second["job"]["namespace"] == "dvc://github.com/org/rlhf"
+    assert first["run"]["runId"] == second["run"]["runId"]
+    location = first["job"]["facets"]["sourceCodeLocation"]
+    assert location["url"] == "https://github.com/org/rlhf.git" and location["path"] == "dvc.lock"
+    assert location["version"] == _git(repo, "log", "-1", "--format=%H", "--", "dvc.lock").strip()
+
+    newest = max(f.stat().st_mtime for f in (repo / "models/policy").rglob("*") if f.is_file())
+    produced = dt.datetime.fromisoformat(first["eventTime"].replace("Z", "+00:00")).timestamp()
+    assert abs(produced - newest) < 0.01  # copytree keeps mtimes: the run's time, in both clones
+    assert first["eventTime"] == second["eventTime"]
+
+    monkeypatch.setenv("OPENLINEAGE_NAMESPACE", "team-rlhf")
+    assert _lineage_json(capsys, "models/policy")["job"]["namespace"] == "team-rlhf"
+    capsys.readouterr()
+    assert lineage_cli("models/policy", namespace="cli-name") == 0
+    assert "namespace    cli-name" in capsys.readouterr().out
 
 
 OPENLINEAGE_SPEC = Path(__file__).parent / "openlineage"  # the published spec, vendored with its licence

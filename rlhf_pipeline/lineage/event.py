@@ -7,10 +7,8 @@ this module, which describes each of them as an extension of the spec's ``RunFac
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import uuid
-from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.errors import PipelineError
@@ -31,8 +29,21 @@ def facet(name: str, **fields: Any) -> dict[str, Any]:
     return {"_producer": PRODUCER, "_schemaURL": schema, **fields}
 
 
-def build_lineage(path: str | os.PathLike) -> dict[str, Any]:
-    """The OpenLineage RunEvent for the stage run that produced ``path``."""
+LOCAL_NAMESPACE = "dvc://local"
+NAMESPACE_ENV = "OPENLINEAGE_NAMESPACE"  # the variable openlineage-python's client reads for the same purpose
+
+
+def namespace_of(git: dict[str, Any], configured: str | None = None) -> str:
+    """The project's OpenLineage namespace, the same in every clone: a configured name (``--namespace`` or
+    $OPENLINEAGE_NAMESPACE), else one made from the git remote, else ``dvc://local``."""
+    configured = configured or os.environ.get(NAMESPACE_ENV)
+    if configured:
+        return configured
+    return record.remote_namespace(git["url"]) if git.get("url") else LOCAL_NAMESPACE
+
+
+def build_lineage(path: str | os.PathLike, namespace: str | None = None) -> dict[str, Any]:
+    """The OpenLineage RunEvent for the stage run that produced ``path`` (``namespace``: see ``namespace_of``)."""
     from dvc.lock import LockError
 
     repo, rel = record.open_repo(path)
@@ -46,40 +57,38 @@ def build_lineage(path: str | os.PathLike) -> dict[str, Any]:
         raise PipelineError(record.not_produced_message(repo, str(path), rel))
     try:
         with repo.lock:  # DVC's stage status needs it; held only while reading
-            return _event(repo, *found, rel)
+            return _event(repo, *found, rel, namespace)
     except LockError as error:
         raise PipelineError(
             f"{path}: DVC's lock is held by another dvc command ({error}); run `rlhf lineage` again when it finishes."
         ) from None
 
 
-def _event(repo, stage, out, rel: str) -> dict[str, Any]:
-    name, namespace = record.stage_name(stage), f"dvc://{os.path.basename(repo.root_dir)}"
+def _event(repo, stage, out, rel: str, configured_namespace: str | None) -> dict[str, Any]:
+    name = record.stage_name(stage)
     recorded_in = record.record_file(stage)
     order = record.upstream_stages(repo, stage)
     params_files = sorted({record.repo_path(repo, d) for s in order for d in record.params_deps(s)})
     git = record.git_facts(repo.root_dir, recorded_in, params_files)
-    # the spec wants a URI in url (an scp-style remote such as git@host:org/repo goes in repoUrl)
-    remote = git.get("url") or ""
-    location = {"url": remote if "://" in remote else Path(repo.root_dir).resolve().as_uri(), "path": recorded_in}
-    location |= ({"repoUrl": remote} if remote else {}) | ({"version": git["commit"]} if git.get("commit") else {})
+    namespace = namespace_of(git, configured_namespace)
+    job_facets = {"sourceCode": facet("SourceCodeJobFacet", language="shell", sourceCode=_command(repo, stage, out))}
+    if git.get("url"):  # only a remote others can reach: a local checkout's path means nothing elsewhere
+        location = {"url": git["url"], "repoUrl": git["url"], "path": recorded_in}
+        location |= {"version": git["commit"]} if git.get("commit") else {}
+        job_facets["sourceCodeLocation"] = facet("SourceCodeLocationJobFacet", type="git", **location)
     outputs = [_dataset(repo, o, stage, namespace, producedBy=name, metric=bool(o.metric)) for o in stage.outs]
-    command = record.command(stage) or f"dvc add {record.repo_path(repo, out)}"
     locked_outs = sorted(
         f"{record.repo_path(repo, o)}={o.hash_info.value if o.hash_info else None}" for o in stage.outs
     )
     return {
         "eventType": "COMPLETE",
-        "eventTime": dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z"),
+        "eventTime": record.produced_at(stage),
         "producer": PRODUCER,
         "schemaURL": RUN_EVENT_SCHEMA,
         "job": {
             "namespace": namespace,
             "name": name,
-            "facets": {
-                "sourceCode": facet("SourceCodeJobFacet", language="shell", sourceCode=command),
-                "sourceCodeLocation": facet("SourceCodeLocationJobFacet", type="git", **location),
-            },
+            "facets": job_facets,
         },
         "run": {
             # deterministic: the same stage run (the same locked outputs) always gets the same id
@@ -89,6 +98,10 @@ def _event(repo, stage, out, rel: str) -> dict[str, Any]:
         "inputs": _inputs(repo, order, namespace),
         "outputs": outputs,
     }
+
+
+def _command(repo, stage, out) -> str:
+    return record.command(stage) or f"dvc add {record.repo_path(repo, out)}"
 
 
 def _run_facets(repo, stage, order: list, artifact: dict, git: dict) -> dict[str, Any]:

@@ -4,12 +4,14 @@ file) compares with the workspace."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import posixpath
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from rlhf_pipeline.errors import PipelineError
 
@@ -261,16 +263,69 @@ def git(root: str, *args: str) -> str | None:
     return proc.stdout.rstrip() if proc.returncode == 0 else None
 
 
+def produced_at(stage) -> str:
+    """When the stage run that wrote ``stage``'s outputs finished: the newest modification time among its
+    output files (a .dvc file's: the tracked data's), else the record file's; ISO 8601 in UTC.
+
+    The artifact is the evidence: the time a lineage report is asked for says nothing about the run."""
+    times = []
+    for out in stage.outs:
+        top = Path(out.fs_path)
+        if top.is_dir():
+            times += [f.stat().st_mtime for f in top.rglob("*") if f.is_file()]
+        elif top.is_file():
+            times.append(top.stat().st_mtime)
+    if not times and Path(stage.path).is_file():
+        times.append(Path(stage.path).stat().st_mtime)
+    moment = dt.datetime.fromtimestamp(max(times), dt.UTC) if times else dt.datetime.fromtimestamp(0, dt.UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def shareable_remote(remote: str | None) -> str | None:
+    """``remote`` as a URI another machine can use, without credentials; None for a local path.
+
+    An scp-style remote (``git@host:org/repo``) becomes ``ssh://git@host/org/repo``; a password or token
+    in an http(s) URL is dropped; a remote that is a path or ``file://`` URI names this machine only."""
+    if not remote:
+        return None
+    if "://" not in remote:
+        user_host, colon, path = remote.partition(":")
+        if not colon or "/" in user_host or not path or len(user_host) == 1:  # a path (or C:\ on Windows)
+            return None
+        return f"ssh://{user_host}/{path.lstrip('/')}"
+    parsed = urlsplit(remote)
+    if parsed.scheme == "file" or not parsed.hostname:
+        return None
+    host = parsed.hostname + (f":{parsed.port}" if parsed.port else "")
+    if parsed.scheme == "ssh" and parsed.username:
+        host = f"{parsed.username}@{host}"
+    return urlunsplit((parsed.scheme, host, parsed.path, "", ""))
+
+
+def remote_namespace(uri: str) -> str:
+    """The OpenLineage namespace of a project whose git remote is ``uri``: the same for every clone."""
+    parsed = urlsplit(uri)
+    path = parsed.path.rstrip("/").removesuffix(".git")
+    return f"dvc://{parsed.hostname}{path}"
+
+
 def git_facts(root: str, recorded_in: str, params_files: list[str]) -> dict[str, Any]:
-    """The last commit that changed the lock (or .dvc) file, and whether the tree moved on since."""
+    """The last commit that changed the lock (or .dvc) file, and whether the tree moved on since.
+
+    ``url`` is the origin remote as a shareable URI, or None: a local path is never reported."""
     if git(root, "rev-parse", "--is-inside-work-tree") is None:
-        return {"recordFile": recorded_in, "commit": None, "dirty": None, "note": f"{root} is not in a git work tree"}
+        return {
+            "recordFile": recorded_in,
+            "commit": None,
+            "dirty": None,
+            "note": "the project is not in a git work tree",
+        }
     status = git(root, "status", "--porcelain", "--untracked-files=no") or ""
     facts: dict[str, Any] = {
         "recordFile": recorded_in,
         "commit": git(root, "log", "-1", "--format=%H", "--", recorded_in) or None,
         "head": git(root, "rev-parse", "HEAD"),
-        "url": git(root, "config", "--get", "remote.origin.url") or Path(root).resolve().as_uri(),
+        "url": shareable_remote(git(root, "config", "--get", "remote.origin.url")),
         "dirtyFiles": sorted({line[3:].split(" -> ")[-1].strip('"') for line in status.splitlines() if len(line) > 3}),
     }
     if facts["commit"] is None:

@@ -43,6 +43,7 @@ def _summary(event: dict[str, Any]) -> list[str]:
         f"Lineage of {artifact['path']}",
         f"  stage        {job['name']}  (recorded in {run['dvcStages']['stages'][0]['recordedIn']})",
         f"  command      {job['facets']['sourceCode']['sourceCode']}",
+        f"  namespace    {job['namespace']}  (run finished {event['eventTime']})",
         f"  output       {artifact['output']}  md5 {out.get('hash')}{_size(out)}",
     ]
     if artifact["path"] != artifact["output"]:
@@ -121,8 +122,8 @@ def render_text(event: dict[str, Any]) -> str:
     )
 
 
-def lineage_cli(path: str, as_json: bool = False) -> int:
-    """``rlhf lineage PATH [--json]``: the report, or the OpenLineage event."""
-    event = build_lineage(path)
+def lineage_cli(path: str, as_json: bool = False, namespace: str | None = None) -> int:
+    """``rlhf lineage PATH [--json] [--namespace NAME]``: the report, or the OpenLineage event."""
+    event = build_lineage(path, namespace)
     print(json.dumps(event, indent=2, default=str) if as_json else render_text(event))
     return 0

@@ -65,7 +65,7 @@ class PolicyWithValue(nn.Module):
         the blocks below keep none, so they stay the reference model's (the trunk split holds)."""
         from peft import LoraConfig, get_peft_model
 
-        layers = transformer_layers(backbone_of(self.lm))
+        layers = transformer_layers(backbone_of(self.lm), "ppo.lora")
         targets = lora.target_modules
         if targets == "all-linear":  # peft refuses its own "all-linear" with layers_to_transform
             targets = sorted({name.rsplit(".", 1)[-1] for name, m in layers[0].named_modules() if _is_linear(m)})
