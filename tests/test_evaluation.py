@@ -124,7 +124,8 @@ def test_a_base_without_spread_makes_base_std_units_undefined(tmp_path):
     assert metrics["proxy/improvement_in_base_std"] is None
     assert metrics["proxy/improvement_stderr_in_base_std"] is None
     assert "every base response scored alike" in metrics["proxy/improvement_undefined"]
-    assert metrics["gold/improvement_in_base_std"] == pytest.approx(2.041241, abs=1e-5)  # gold has one: mean difference 1/6 over a base std of sqrt(0.02 / 3)
+    # gold has a spread: mean difference 1/6 over a base std of sqrt(0.02 / 3)
+    assert metrics["gold/improvement_in_base_std"] == pytest.approx(2.041241, abs=1e-5)
     assert "gold/improvement_undefined" not in metrics
     point = curve_point(3, policy, base)
     assert "proxy_std_units" not in point and point["gold_std_units"] == pytest.approx(2.041241, abs=1e-5)
