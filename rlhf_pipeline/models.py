@@ -129,9 +129,7 @@ def transformer_layers(backbone: nn.Module, parameter: str = "ppo.freeze_layers"
     stacks = [
         (name.count("."), module)
         for name, module in backbone.named_modules()
-        if isinstance(module, nn.ModuleList)
-        and len(module) == expected
-        and len({type(block) for block in module}) == 1
+        if isinstance(module, nn.ModuleList) and len(module) == expected and len({type(block) for block in module}) == 1
     ]
     if stacks:
         return min(stacks, key=lambda depth_module: depth_module[0])[1]
