@@ -64,10 +64,14 @@ def usage_snippet(target: str, kind: str, reward_pooling: str | None = None) -> 
         project = f"""```python
 from rlhf_pipeline.reward import RewardModel
 
-reward_model = RewardModel.load("{target}")  # scores (queries, responses) token ids; see rlhf_pipeline.reward
+reward_model = RewardModel.load("{target}")
+print(reward_model.score(["The movie was"], [" a delight from start to end."]))  # normalised rewards
 ```"""
         if reward_pooling != "last":
-            return project + "\n\nIt pools the mean over the response tokens, which no stock transformers class does."
+            return project + (
+                "\n\nIt pools the mean over the response tokens, which no stock transformers class does: "
+                "a stock `AutoModel*` load of this folder fails, naming `RewardModel.load`."
+            )
         return f"""```python
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -77,7 +81,7 @@ inputs = tokenizer(["The movie was great fun"], return_tensors="pt", padding=Tru
 score = model(**inputs).logits[:, 0] + model.config.reward_offset  # the normalised reward PPO used
 ```
 
-or, on token ids, with this package:
+or with this package:
 
 {project}"""
     trained = kind == "policy"

@@ -46,6 +46,9 @@ POOLINGS = get_args(RewardPooling)
 POOLING_DESCRIPTIONS = {"last": "last non-pad token", "mean": "mean over response tokens"}
 CONFIG_FILE = "reward_config.json"
 BACKBONE_DIR = "backbone"  # where a mean-pooling model's backbone goes (no stock class computes it)
+# config.json of a mean-pooling model: no stock class computes its score, so a stock load must fail,
+# and transformers' message quotes the model type: it names the loader to use
+UNLOADABLE_MODEL_TYPE = "rlhf_pipeline_mean_pooled_reward (load it with rlhf_pipeline.reward.RewardModel.load)"
 OFFSET_KEY = "reward_offset"  # in config.json of a stock export: normalised score = logits + this
 
 
@@ -72,6 +75,7 @@ class RewardModel(nn.Module):
         # one-element vectors, not scalars: FSDP shards no 0-d parameter
         self.gain = nn.Parameter(torch.ones(1))
         self.bias = nn.Parameter(torch.zeros(1))
+        self.tokenizer = None  # set by load() from the model's folder; score() needs it
 
     # ----------------------------------------------------------------------------------------
     def normalize(self, raw: Tensor) -> Tensor:
@@ -152,6 +156,29 @@ class RewardModel(nn.Module):
         raw = self.head(pooled).squeeze(-1).float()
         return self.normalize(raw) if normalized else raw
 
+    @torch.no_grad()
+    def score(self, queries: list[str], responses: list[str]) -> list[float]:
+        """The normalised reward of each ``responses[i]`` as a continuation of ``queries[i]``, from text.
+
+        Texts are tokenized without special tokens, queries padded on the left and responses on the
+        right, as the pipeline lays out query + response; PPO's penalty for a response the task's
+        truncation rule refuses is not applied here (see :func:`task_scores`)."""
+        if self.tokenizer is None:
+            raise PipelineError("RewardModel.score needs a tokenizer: load the model with RewardModel.load(path).")
+        if len(queries) != len(responses):
+            raise ValueError(f"score: {len(queries)} queries but {len(responses)} responses")
+        device = self.head.weight.device
+
+        def padded(texts: list[str], left: bool) -> Tensor:
+            ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+            width = max(1, *(len(row) for row in ids))
+            fill = [[self.pad_token_id] * (width - len(row)) for row in ids]
+            rows = [pad + row if left else row + pad for row, pad in zip(ids, fill)]
+            return torch.tensor(rows, dtype=torch.long, device=device)
+
+        queries_t, responses_t = padded(queries, left=True), padded(responses, left=False)
+        return self.score_best_of_n(queries_t, responses_t[:, None, :])[:, 0].tolist()
+
     # ----------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         """The backbone and head as Hugging Face files, and the project's own head file (raw head,
@@ -159,14 +186,16 @@ class RewardModel(nn.Module):
 
         ``pooling='last'`` writes a stock ``<Arch>ForSequenceClassification`` (see
         :meth:`as_sequence_classifier`), so ``AutoModelForSequenceClassification`` loads it.
-        ``pooling='mean'`` has no stock class: the backbone goes in ``backbone/`` and the folder
-        itself has no ``config.json``, so a stock load fails loudly instead of adding a random head.
+        ``pooling='mean'`` has no stock class: the backbone goes in ``backbone/`` and the folder's
+        ``config.json`` names a model type no library knows, so a stock load fails loudly, naming
+        :meth:`load`, instead of adding a random head.
         """
         directory = Path(directory)
         if self.pooling == "last":
             self.as_sequence_classifier().save_pretrained(directory)
         else:
             self.backbone.save_pretrained(directory / BACKBONE_DIR)
+            (directory / "config.json").write_text(json.dumps({"model_type": UNLOADABLE_MODEL_TYPE}, indent=2) + "\n")
         tensors = {
             "head.weight": self.head.weight.detach().cpu().contiguous(),
             "head.bias": self.head.bias.detach().cpu().contiguous(),
@@ -312,6 +341,10 @@ class RewardModel(nn.Module):
             model.head.bias.copy_(tensors["head.bias"])
             model.gain.copy_(tensors["gain"][0])
             model.bias.copy_(tensors["bias"][0])
+        if (directory / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            model.tokenizer = AutoTokenizer.from_pretrained(str(directory))
         return model.to(device).eval()
 
 

@@ -132,6 +132,8 @@ def main(params: Params) -> None:
 
 
 def _fmt(value) -> str:
+    if isinstance(value, str):  # a reason, e.g. why an improvement is undefined
+        return value
     return "n/a" if value is None else f"{value:.3f}"
 
 

@@ -75,6 +75,8 @@ def sh(args, cwd, check=True, timeout=900, **extra_env):
         "GIT_COMMITTER_NAME": "t",
         "GIT_COMMITTER_EMAIL": "t@t",
     }
+    if "PATH" in extra_env:  # a caller's own PATH (another interpreter first) wins
+        env["PATH"] = extra_env["PATH"]
     env.pop("RLHF_PROJECT_ROOT", None)
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
@@ -513,3 +515,43 @@ def test_damaged_bytes_are_found_and_never_trained_on(project, tmp_path):
     assert refused.returncode != 0 and "exited with 7" in output
     assert "snapshots/update_00002.safetensors does not match its recorded sha256" in output
     assert (clone / "dvc.lock").read_text() == lock_before  # nothing was recorded as good
+
+
+def test_a_non_editable_install_trains_the_policy(project, tmp_path):
+    """`pip install .` (a wheel in a scratch environment's site-packages, reusing this environment's
+    dependencies) runs train_policy of the tiny pipeline from the project's checkout and writes the
+    same bytes as the editable install: nothing a stage reads (its code hash included) is looked up
+    beside the installed package as if it were the checkout."""
+    root, _ = project
+    source = tmp_path / "source"  # a copy to build from: pip builds in-tree, and the checkout stays clean
+    source.mkdir()
+    for item in ("pyproject.toml", "README.md", "LICENSE"):
+        if (REPO / item).exists():
+            shutil.copy(REPO / item, source / item)
+    shutil.copytree(REPO / "rlhf_pipeline", source / "rlhf_pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    venv = tmp_path / "venv"
+    sh([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    dependencies = next(Path(p) for p in sys.path if p.endswith("site-packages") and Path(p, "torch").is_dir())
+    # a path in a .pth file is added without reading the .pth files inside it, so the editable
+    # install's finder there stays out: rlhf_pipeline comes from the wheel
+    (site / "dependencies.pth").write_text(f"{dependencies}\n")
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation"]
+    sh([*pip, "--target", str(site), str(source)], tmp_path)
+
+    clone = tmp_path / "clone"
+    shutil.copytree(root, clone, symlinks=True)
+    shutil.rmtree(clone / "checkpoints" / "policy")  # else train_policy resumes from its final checkpoint
+    path = f"{venv / 'bin'}:{BIN}:{os.environ['PATH']}"  # `python` is the scratch one, `dvc` this one's
+    scratch = {"PATH": path, "PYTHONPATH": ""}  # nothing of the checkout on the path, as for a user
+    where = "import rlhf_pipeline, sys; print(rlhf_pipeline.__file__, sys.prefix)"
+    found = sh(["python", "-c", where], clone / "stages", **scratch).stdout.split()  # the stages' sys.path[0]
+    assert found == [str(site / "rlhf_pipeline" / "__init__.py"), str(venv)]
+    result = sh(["dvc", "repro", "--force", "--single-item", "train_policy"], clone, **scratch)
+    assert ran_stages(result) == {"train_policy"}
+    for output in ("models/policy", "checkpoints/policy", "dvclive/train_policy"):
+        assert file_digests(clone / output) == file_digests(root / output), output
+    assert sh(["dvc", "status", "train_policy"], clone, **scratch).stdout.strip() in (
+        "",
+        "Data and pipelines are up to date.",
+    )

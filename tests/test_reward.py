@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_pipeline.errors import NonFiniteError
+from rlhf_pipeline.errors import NonFiniteError, PipelineError
 from rlhf_pipeline.models import freeze_lower_layers, load_tokenizer
 from rlhf_pipeline.params.reward import RewardTrainParams
 from rlhf_pipeline.reward import (
@@ -171,14 +171,36 @@ def test_last_pooling_saves_a_stock_sequence_classifier_that_scores_like_the_pro
 
 def test_mean_pooling_cannot_be_loaded_as_a_stock_classifier(tiny_base_dir, pad, tmp_path):
     """No stock class pools a mean over the response: loading one must fail, not add a random head."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModel, AutoModelForSequenceClassification
 
     rm = make_rm(tiny_base_dir, pad, "mean")
     rm.save(tmp_path)
-    with pytest.raises((OSError, ValueError), match="config.json"):
-        AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    for stock in (AutoModelForSequenceClassification, AutoModel):
+        with pytest.raises(ValueError, match=r"RewardModel\.load"):  # the message names the loader to use
+            stock.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no stock Hugging Face class"):
         rm.as_sequence_classifier()
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_text_in_score_out_from_the_saved_folder(tiny_base_dir, pad, tmp_path, pooling):
+    """RewardModel.load(dir).score(queries, responses), the card's snippet: texts tokenized without
+    special tokens, queries left-padded, responses right-padded, scores equal to the token-id scorer."""
+    rm = make_rm(tiny_base_dir, pad, pooling)
+    fit_normalization(rm, torch.tensor([0.0, 1.0, 4.0]), 0.5, 2.0)
+    rm.save(tmp_path)
+    tokenizer = load_tokenizer(tiny_base_dir)
+    tokenizer.save_pretrained(tmp_path)  # as the train_reward stage does
+    loaded = RewardModel.load(tmp_path)
+    queries, responses = ["the film", "a long and winding query"], [" was fine.", " ok"]
+    scores = loaded.score(queries, responses)
+    assert isinstance(scores, list) and len(scores) == 2
+    for query, response, score in zip(queries, responses, scores):
+        q = torch.tensor([tokenizer(query, add_special_tokens=False)["input_ids"]])
+        r = torch.tensor([[tokenizer(response, add_special_tokens=False)["input_ids"]]])
+        assert score == pytest.approx(rm.score_best_of_n(q, r)[0, 0].item(), abs=1e-5)  # padding changes nothing
+    with pytest.raises(PipelineError, match=r"needs a tokenizer: load the model with RewardModel\.load"):
+        rm.score(queries, responses)
 
 
 def train_on_largest_first_token(rm, queries, samples, **overrides):
