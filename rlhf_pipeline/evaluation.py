@@ -57,7 +57,7 @@ def undefined_scale(base_scores) -> str | None:
         return None
     return (
         f"the base's scores have a standard deviation of {std:.3g} (every base response scored alike), "
-        "so an improvement in base-σ units is undefined"
+        "so an improvement in units of the base's standard deviation is undefined"
     )
 
 
