@@ -87,9 +87,9 @@ def sh(args, cwd, check=True, timeout=900, **extra_env):
     return result
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory, tiny_base_dir):
-    root = tmp_path_factory.mktemp("e2e")
+def build_project(root: Path, model_dir: Path, params_overrides: dict) -> Path:
+    """A fresh git + DVC project at ``root`` with this repo's pipeline, ``model_dir`` as the local
+    base-model source and TINY_PARAMS updated with ``params_overrides`` (every key spelled out)."""
     for item in ("dvc.yaml", "stages", "rlhf_pipeline", "data/labels", "data/raw", "data/models", ".dvcignore"):
         source = REPO / item
         if source.is_dir():
@@ -97,11 +97,12 @@ def project(tmp_path_factory, tiny_base_dir):
         elif source.exists():
             (root / item).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(source, root / item)
-    # The tiny source model (a local directory source, where dvc.yaml tracks it; base_model keeps its
-    # dedicated pad token).
-    shutil.copytree(tiny_base_dir, root / TINY_SOURCE)
+    # The source model is a local directory source, where dvc.yaml tracks it.
+    shutil.copytree(model_dir, root / TINY_SOURCE)
     params = json.loads(json.dumps(TINY_PARAMS))
     params["base_model"] = {"source": TINY_SOURCE}
+    for section, values in params_overrides.items():
+        params.setdefault(section, {}).update(values)
     # DVC tracks params by key, so params.yaml spells out every key (the schema fills defaults).
     (root / "params.yaml").write_text(yaml.safe_dump(parse_params(params).model_dump(mode="json"), sort_keys=False))
     (root / ".gitignore").write_text(f"/models/\n/checkpoints/\n/dvclive/\n/{TINY_SOURCE}/\n")
@@ -112,6 +113,12 @@ def project(tmp_path_factory, tiny_base_dir):
     sh(["dvc", "config", "plots.html_template", template], root)
     sh(["git", "add", "-A"], root)
     sh(["git", "commit", "-qm", "tiny project"], root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, tiny_base_dir):
+    root = build_project(tmp_path_factory.mktemp("e2e"), tiny_base_dir, {})  # base_model keeps the dedicated pad
     result = sh(["dvc", "repro"], root, **{RECORD_READS_ENV: str(root.parent / f"{root.name}-reads")})
     sh(["git", "add", "-A"], root)
     sh(["git", "commit", "-qm", "repro"], root)
