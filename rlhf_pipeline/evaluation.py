@@ -203,10 +203,8 @@ def curve_point(update: int, sample: SampleSet, base: SampleSet) -> dict:
     scored = {"proxy": (sample.proxy.numpy(), base.proxy.numpy())}
     if sample.gold is not None and base.gold is not None:
         scored["gold"] = (sample.gold, base.gold)
-    for key, (mine, theirs) in scored.items():  # no std-unit keys where base-σ is undefined
-        gain, stderr = paired_improvement(mine, theirs)
-        if gain is not None:
-            point[f"{key}_std_units"], point[f"{key}_stderr"] = gain, stderr
+    for key, (mine, theirs) in scored.items():  # null where base-σ is undefined (charts skip nulls)
+        point[f"{key}_std_units"], point[f"{key}_stderr"] = paired_improvement(mine, theirs)
     return point
 
 
@@ -248,7 +246,7 @@ def overoptimization_plot(points: list[dict], path: str | Path, shipped_update: 
     xs = [p["sqrt_kl"] for p in points]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     series = [("proxy", "o-", "proxy (reward model)"), ("gold", "s-", "gold (labeler)")]
-    series = [s for s in series if all(f"{s[0]}_std_units" in p for p in points)]
+    series = [s for s in series if all(p.get(f"{s[0]}_std_units") is not None for p in points)]
     for key, style, label in series:
         ys = [p[f"{key}_std_units"] for p in points]
         ax.errorbar(xs, ys, yerr=[p[f"{key}_stderr"] for p in points], fmt=style, capsize=3, label=label)

@@ -138,7 +138,7 @@ def _fmt(value) -> str:
 
 
 def _with_error(point: dict, key: str) -> str:
-    if f"{key}_std_units" not in point:
+    if point.get(f"{key}_std_units") is None:
         return "n/a"
     return f"{point[f'{key}_std_units']:+.3f} +- {point[f'{key}_stderr']:.3f}"
 
