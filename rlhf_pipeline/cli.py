@@ -62,7 +62,7 @@ def cmd_profile(args) -> int:
 def cmd_validate_preferences(args) -> int:
     from rlhf_pipeline.contract import validate_file_cli  # loads Great Expectations: only when this command runs
 
-    return validate_file_cli(args.path, params_path=args.params, result_path=args.result)
+    return validate_file_cli(args.path, params_path=args.params, result_path=args.result, docs_dir=args.docs)
 
 
 def cmd_lineage(args) -> int:
@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--params", default="params.yaml", help="bounds come from data.validation here (defaults if missing)"
     )
     p.add_argument("--result", default=None, help="also write the GX JSON result here")
+    p.add_argument("--docs", default=None, help="also write Great Expectations Data Docs (offline HTML) to this folder")
     p.set_defaults(func=cmd_validate_preferences)
 
     p = sub.add_parser(

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.datadocs import write_data_docs
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import read_table, replace_surrogates, write_json
 from rlhf_pipeline.models import load_tokenizer
@@ -436,12 +437,17 @@ def optional_tokenizer(directory: str | Path = "models/base"):
 
 
 def validate_file_cli(
-    path: str, params_path: str = "params.yaml", result_path: str | None = None, tokenizer_dir: str = "models/base"
+    path: str,
+    params_path: str = "params.yaml",
+    result_path: str | None = None,
+    tokenizer_dir: str = "models/base",
+    docs_dir: str | None = None,
 ) -> int:
     """``rlhf validate-preferences FILE``: contract check of a user preference file.
 
     Prints ``ok: N rows passed M expectations`` or the failure summary; writes the GX JSON to
-    ``result_path`` if given; returns 0 (passed) or 3 (refused).
+    ``result_path`` and Great Expectations Data Docs to ``docs_dir`` if given; returns 0 (passed)
+    or 3 (refused).
     """
     import pandas as pd
 
@@ -461,5 +467,8 @@ def validate_file_cli(
     )
     if result_path:
         write_json(result_path, result.gx_json)
+    if docs_dir:
+        index = write_data_docs({Path(path).stem: result.gx_json}, docs_dir, f"{path}: preference-data contract")
+        print(f"Data Docs: {index}")
     print(format_summary(result, title=f"{path} ({fmt.replace('_', '-')})"))
     return 0 if result.success else DataContractError.exit_code

@@ -1,8 +1,9 @@
 """Stage validate_preferences: the Great Expectations contract on data/preferences -> data/validation.
 
 Always writes ``data/validation/result.json`` (GX results per split) and ``summary.json``
-(``{"success", "rows", "splits", "failures"}``); exits 3 when the contract fails, so nothing
-downstream trains on bad labels. ``min_rows`` applies to the train split.
+(``{"success", "rows", "splits", "failures"}``), and Great Expectations Data Docs of the run in
+``data/validation_docs/`` (``index.html``, readable offline); exits 3 when the contract fails, so
+nothing downstream trains on bad labels. ``min_rows`` applies to the train split.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from datasets import load_from_disk
 
 from rlhf_pipeline.contract import format_summary, optional_tokenizer, summary_payload, validate_dataframe
+from rlhf_pipeline.datadocs import write_data_docs
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import atomic_dir, read_json, write_json
 from rlhf_pipeline.params import StageParams
@@ -21,7 +23,7 @@ from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.preferences import PAIRED_FORMATS, display_names, internal_to_flat
 from rlhf_pipeline.runner import run_stage
 
-BASE, PREFS, OUT = "models/base", "data/preferences", "data/validation"
+BASE, PREFS, OUT, DOCS = "models/base", "data/preferences", "data/validation", "data/validation_docs"
 
 
 class Params(StageParams):
@@ -53,6 +55,7 @@ def main(params: Params) -> None:
     with atomic_dir(OUT) as tmp:
         write_json(tmp / "result.json", {name: r.gx_json for name, r in results.items()})
         write_json(tmp / "summary.json", summary)
+    write_data_docs({name: r.gx_json for name, r in results.items()}, DOCS, f"{PREFS}: preference-data contract")
     text = "\n".join(format_summary(r, title=f"{PREFS} {name}") for name, r in results.items())
     if not summary["success"]:
         raise DataContractError(f"the preference data failed its contract (details in {OUT}/summary.json):\n{text}")

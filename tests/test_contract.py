@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -202,6 +203,39 @@ def test_validate_preferences_stage(project, capsys):
     summary = read_json(project / "data" / "validation" / "summary.json")
     assert summary["success"] is False and summary["failures"][0]["check"].startswith("distinct samples")
     assert sorted(p.name for p in (project / "data").iterdir()) == before
+    docs = (project / "data" / "validation_docs" / "index.html").read_text()
+    assert '<a href="train.html">train</a></td><td class="status-danger">FAILED' in docs
+    assert "distinct" in (project / "data" / "validation_docs" / "train.html").read_text().lower()
+
+
+def test_data_docs_are_gx_pages_readable_offline(tmp_path, capsys, chromium):
+    """`rlhf validate-preferences FILE --docs DIR`: Great Expectations' own validation-result page
+    for the file, with every verdict in the HTML; it fetches nothing (drawn in headless Chromium with
+    every host unresolvable, no request but the page itself, no script error) and is the same bytes
+    on a second run."""
+    from headless_browser import HeadlessChromium, page_url
+
+    rows = pairwise_rows()
+    rows[5]["rejected"] = "bell \u0007"
+    code, out = check(tmp_path, capsys, rows, docs_dir=str(tmp_path / "docs"))
+    assert code == 3 and f"Data Docs: {tmp_path / 'docs' / 'index.html'}" in out
+    page = (tmp_path / "docs" / "prefs.html").read_text()
+    assert "Expectation Validation Result" in page and "Unsuccessful Expectations" in page
+    assert page.count('class="status-danger"') >= 1 and page.count('class="status-success"') >= 10
+    fetching = [tag for tag in re.findall(r"<(?:link|script|img)\b[^>]*>", page) if "src=" in tag or "href=" in tag]
+    assert fetching == []
+    first = {p.name: p.read_bytes() for p in (tmp_path / "docs").iterdir()}
+    check(tmp_path, capsys, rows, docs_dir=str(tmp_path / "docs"))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "docs").iterdir()} == first
+
+    visible = "({ready: document.readyState, text: document.body.innerText})"
+    with HeadlessChromium(chromium) as browser:
+        for name in ("index.html", "prefs.html"):
+            report = browser.load(page_url(tmp_path / "docs" / name), visible, "v.ready === 'complete'", timeout_s=30)
+            assert [url for url in report.requested if not url.startswith("file://")] == []
+            assert report.failed == [] and report.errors == []
+            assert ("FAILED" if name == "index.html" else "Unsuccessful Expectations") in report.result["text"]
+            assert name == "index.html" or "✘" in report.result["text"]
 
 
 @pytest.mark.parametrize("margin", [float("inf"), float("-inf")])
