@@ -35,8 +35,14 @@ def check_params_file(path: str | os.PathLike, root: str | os.PathLike) -> None:
 
 
 def cmd_check_params(args) -> int:
-    check_params_file(args.path, Path(args.path).resolve().parent)  # against the dvc.yaml next to the file
-    print("ok")
+    root = Path(args.path).resolve().parent  # against the dvc.yaml next to the file
+    check_params_file(args.path, root)
+    skipped = []
+    if not read_params_file(args.path):
+        skipped.append("the file sets nothing: every value is the schema's default")
+    if not (root / "dvc.yaml").is_file():
+        skipped.append(f"no dvc.yaml in {root}, so whether it spells out every key a stage tracks was not checked")
+    print("ok" + "".join(f"\nnote: {note}" for note in skipped))
     return 0
 
 

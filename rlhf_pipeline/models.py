@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import ParamsError, PipelineError
 from rlhf_pipeline.io import verify_checksums
 
 # The folders this process has checked: a stage loads the base model's tokenizer and weights
@@ -75,6 +75,25 @@ def load_causal_lm(path: str | os.PathLike, device: torch.device | str = "cpu", 
     if dropout is not None:
         set_dropout(model, dropout)
     return model.to(device)
+
+
+def require_context(path: str | os.PathLike, query_length: int, response_length: int) -> None:
+    """Refuse (params.yaml's exit code) queries + responses longer than the model at ``path`` can
+    attend to: positions past ``max_position_embeddings`` would index past its position table, or
+    past the context its rotary embeddings were trained for."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path))
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit and query_length + response_length > limit:
+        raise ParamsError(
+            "params.yaml",
+            [
+                f"data.queries.query_length + task.response_length: {query_length} + {response_length} = "
+                f"{query_length + response_length} tokens, more than the {limit} positions the base model "
+                f"attends to ({path}/config.json max_position_embeddings); shorten one of them"
+            ],
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import ParamsError, PipelineError
 from rlhf_pipeline.io import LOCAL_MODELS, content_hash, local_model_dir, sha256_file
 from rlhf_pipeline.modelcard import read_card
 
@@ -171,11 +171,19 @@ def load_source_model(source: str, revision: str | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=torch.float32)
-    except OSError as error:
-        if path is not None:
-            raise PipelineError(
-                f"base_model.source '{source}' is a directory but not a loadable model: {error}"
+    except (OSError, ValueError) as error:
+        if path is not None:  # a folder that is not a model: no retry can fix it
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ParamsError(
+                "params.yaml",
+                [
+                    f"base_model.source: '{source}' is a folder but not a model transformers can load "
+                    f"(it needs config.json with a model_type, the weights and the tokenizer files; "
+                    f"transformers said: {first_line})"
+                ],
             ) from None
+        if isinstance(error, ValueError):
+            raise
         raise _hub_failure(source, error) from None
     if path is None:  # a hub id is its own upstream
         return model, tokenizer, {"source": source, "revision": revision, "upstream": source}

@@ -16,7 +16,7 @@ from datasets import Dataset, DatasetDict, load_from_disk
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import get_labeler
-from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_context, require_dir
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.data import SIMULATED, DataParams
 from rlhf_pipeline.params.task import TaskParams
@@ -114,6 +114,7 @@ def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
 def main(params: Params) -> None:
     cfg = params.data.preferences
     require_dir(BASE, "base_model")
+    require_context(BASE, params.data.queries.query_length, params.task.response_length)
     tokenizer = load_tokenizer(BASE)
     splits, metrics = simulated_splits(params, tokenizer) if cfg.source == SIMULATED else user_splits(params, tokenizer)
     for name, columns in splits.items():

@@ -13,7 +13,7 @@ from rlhf_pipeline.io import atomic_dir, content_hash, write_json
 from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.logging import open_live
 from rlhf_pipeline.modelcard import write_card
-from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_context, require_dir
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.ppo import PPOParams
@@ -71,6 +71,7 @@ def main(params: Params) -> None:
         torch.use_deterministic_algorithms(True, warn_only=plan.device.type == "cuda")
     tokenizer = load_tokenizer(BASE)
     queries = load_queries(QUERIES, "train", tokenizer.pad_token_id)
+    require_context(BASE, queries.shape[1], params.task.response_length)
     frozen_device = "cpu" if cfg.offload_frozen else plan.device
     # with LoRA the reference is the policy's own base weights (its adapter off): no second copy
     ref_model = load_causal_lm(BASE, frozen_device) if cfg.lora is None else None

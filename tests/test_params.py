@@ -76,6 +76,26 @@ def broken(path: str, value, **also):
         ("ppo.samples_per_query", 3, "ppo.samples_per_query: must divide ppo.batch_size (32)"),
         ("ppo.lora", {"rank": 0}, "ppo.lora.rank: Input should be greater than 0"),
         ("ppo.lora", {"rank": 4, "target_modules": "all"}, "ppo.lora.target_modules"),
+        # strict types: a boolean is not a number, a string not a length
+        ("ppo.lr", True, "ppo.lr: Input should be a valid number"),
+        ("seed", True, "seed: Input should be a valid integer"),
+        ("data.queries.query_length", "24", "data.queries.query_length: Input should be a valid integer"),
+        # sizes and counts a typo could blow up
+        (
+            "data.queries.query_length",
+            1_000_000_000,
+            "data.queries.query_length: Input should be less than or equal to 131072",
+        ),
+        ("ppo.total_episodes", 1e30, "ppo.total_episodes: Input should be a valid integer"),
+        ("ppo.total_episodes", 10**12, "ppo.total_episodes: Input should be less than or equal to 100000000"),
+        (
+            "data.corpus.num_passages",
+            10**12,
+            "data.corpus.num_passages: Input should be less than or equal to 100000000",
+        ),
+        # crons that never fire, or have a sixth field
+        ("schedule.cron", "0 3 30 2 *", "schedule.cron: Value error, does not fire within the next year"),
+        ("schedule.cron", "0 3 * * 1 2026", "schedule.cron: Value error, not a 5-field cron expression"),
     ],
 )
 def test_each_rule_is_refused_with_its_key_path(path, value, expected):
@@ -217,3 +237,44 @@ def test_a_critic_free_estimator_refuses_a_value_model():
         "ppo.value_model: 'separate' builds a value model, which ppo.advantage 'grpo' has no use for; set it to "
         "'shared' (ignored) or use ppo.advantage 'gae' (got 'separate')"
     ]
+
+
+def test_yaml_nested_too_deep_is_refused_with_exit_2(tmp_path):
+    deep = tmp_path / "params.yaml"
+    deep.write_text("seed: " + "[" * 20_000 + "]" * 20_000 + "\n")  # the YAML composer would recurse
+    result = run_cli("check-params", str(deep))
+    assert result.returncode == 2 and "nests values more than 16 levels deep" in result.stderr
+    assert "Traceback" not in result.stderr and "RecursionError" not in result.stderr
+    deep.write_text("ppo: {lr: " + "[" * 40 + "]" * 40 + "}\n")
+    assert "more than 16 levels deep" in run_cli("check-params", str(deep)).stderr
+
+
+def test_check_params_outside_a_project_says_which_checks_it_could_not_run(tmp_path):
+    (tmp_path / "params.yaml").write_text("")
+    result = run_cli("check-params", str(tmp_path / "params.yaml"), cwd=tmp_path)
+    assert result.returncode == 0
+    assert result.stdout.splitlines() == [
+        "ok",
+        "note: the file sets nothing: every value is the schema's default",
+        f"note: no dvc.yaml in {tmp_path}, so whether it spells out every key a stage tracks was not checked",
+    ]
+
+
+def test_a_context_longer_than_the_base_model_s_is_refused(tiny_base_dir):
+    from rlhf_pipeline.models import require_context
+
+    require_context(tiny_base_dir, 200, 56)  # the tiny Llama attends to 256 positions
+    with pytest.raises(ParamsError, match=r"200 \+ 57 = 257 tokens, more than the 256 positions") as info:
+        require_context(tiny_base_dir, 200, 57)
+    assert info.value.exit_code == 2 and "max_position_embeddings" in str(info.value)
+
+
+def test_a_base_model_folder_that_is_not_a_model_is_a_params_error(tmp_path, monkeypatch):
+    from rlhf_pipeline.sources import load_source_model
+
+    (tmp_path / "data/models/notes").mkdir(parents=True)
+    (tmp_path / "data/models/notes/readme.txt").write_text("not a model\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ParamsError, match="is a folder but not a model transformers can load") as info:
+        load_source_model("data/models/notes")
+    assert info.value.exit_code == 2 and "base_model.source: 'data/models/notes'" in str(info.value)

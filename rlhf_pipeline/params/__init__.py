@@ -28,14 +28,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rlhf_pipeline.errors import ParamsError
 
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1, description="numpy's seeds are 32-bit.")]
+
+# Upper bounds for sizes and counts: far above anything this pipeline trains (a user can reach them
+# on purpose), far below what would exhaust memory or run for ever by a typo (1e12 passages).
+MAX_TOKENS = 131_072  # a length in tokens: the longest context of current open models
+MAX_BATCH = 65_536  # rows in one batch
+MAX_ROWS = 100_000_000  # rows, labels, episodes, samples over a whole run
+MAX_SMALL = 10_000  # epochs, samples per query, layers, ranks, table rows
 Model = TypeVar("Model", bound=BaseModel)
 
 
 class Strict(BaseModel):
     """Unknown keys are refused: a typo in params.yaml must not silently fall back to a default.
-    So are .inf and .nan: no parameter of this pipeline means anything when not finite."""
+    So are .inf and .nan: no parameter of this pipeline means anything when not finite. Types are
+    strict: ``true`` is not the number 1, ``"24"`` is not a length."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, strict=True)
 
 
 class KeyProblems:
@@ -131,10 +139,31 @@ def read_params_file(path: str | os.PathLike = "params.yaml") -> Any:
             str(path),
             [f"<file>: {path} is not UTF-8 text (byte {data[error.start]:#04x} on line {line}); save it as UTF-8"],
         ) from None
+    too_deep = f"<file>: {path} nests values more than {MAX_DEPTH} levels deep (params.yaml needs 4)"
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as error:
         raise ParamsError(str(path), [f"<file>: {path} is not valid YAML: {error}".replace("\n", " ")]) from None
+    except RecursionError:  # the YAML composer recurses once per level
+        raise ParamsError(str(path), [too_deep]) from None
+    if _depth(raw) > MAX_DEPTH:
+        raise ParamsError(str(path), [too_deep])
+    return raw
+
+
+MAX_DEPTH = 16
+
+
+def _depth(value: Any) -> int:
+    """How deep mappings and lists nest in ``value`` (iteratively: a deep value must not recurse)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth <= MAX_DEPTH and isinstance(item, dict | list):
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 class StageParams(Strict):

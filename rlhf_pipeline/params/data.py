@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhf_pipeline.params import Strict
+from rlhf_pipeline.params import MAX_BATCH, MAX_ROWS, MAX_SMALL, MAX_TOKENS, Strict
 
 GENERATED = "generated"  # data.corpus.source: passages sampled from the base model
 SIMULATED = "simulated"  # data.preferences.source: labels from a simulated labeler (the gold score)
@@ -20,17 +20,19 @@ class CorpusParams(Strict):
     )
     text_column: str = "text"
     split: str = "train"
-    num_passages: int = Field(2048, gt=0)
-    passage_tokens: int = Field(96, gt=0, description="New tokens sampled per generated passage.")
+    num_passages: int = Field(2048, gt=0, le=MAX_ROWS)
+    passage_tokens: int = Field(96, gt=0, le=MAX_TOKENS, description="New tokens sampled per generated passage.")
     temperature: float = Field(1.0, gt=0.0)
-    batch_size: int = Field(64, gt=0, description="Passages per generation batch.")
+    batch_size: int = Field(64, gt=0, le=MAX_BATCH, description="Passages per generation batch.")
     samples_per_prompt: int = Field(
-        1, gt=0, description="Generated passages per topic prompt, sharing one prefill of the prompt."
+        1, gt=0, le=MAX_SMALL, description="Generated passages per topic prompt, sharing one prefill of the prompt."
     )
 
 
 class QueriesParams(Strict):
-    query_length: int = Field(64, gt=0, description="Query tokens; a longer chat prompt keeps its last ones.")
+    query_length: int = Field(
+        64, gt=0, le=MAX_TOKENS, description="Query tokens; a longer chat prompt keeps its last ones."
+    )
     prompts: str | None = Field(
         None,
         description="task.chat only: a .jsonl/.parquet file (or hub dataset) whose 'prompt' column holds the PPO "
@@ -49,18 +51,22 @@ class PreferencesParams(Strict):
         "dataset in pairwise (prompt, chosen, rejected) or best-of-N (query, sample0.., best) format.",
     )
     split: str = "train"
-    num_samples: int = Field(4, ge=2, description="Responses per query (best-of-N).")
-    num_labels: int = Field(4992, gt=0, description="Train queries to label (reference: 4992 sentiment labels).")
-    num_test_labels: int = Field(256, gt=0, description="Held-out test queries labelled for RM test accuracy.")
+    num_samples: int = Field(4, ge=2, le=MAX_SMALL, description="Responses per query (best-of-N).")
+    num_labels: int = Field(
+        4992, gt=0, le=MAX_ROWS, description="Train queries to label (reference: 4992 sentiment labels)."
+    )
+    num_test_labels: int = Field(
+        256, gt=0, le=MAX_ROWS, description="Held-out test queries labelled for RM test accuracy."
+    )
     labeler: Literal["vader"] = "vader"
     label_temperature: float = Field(0.0, ge=0.0, description="0: argmax; >0: sample best ~ softmax(score/T).")
-    batch_size: int = Field(32, gt=0, description="Queries per generation batch.")
+    batch_size: int = Field(32, gt=0, le=MAX_BATCH, description="Queries per generation batch.")
 
 
 class ValidationParams(Strict):
-    min_rows: int = Field(64, gt=0)
-    max_text_chars: int = Field(4000, gt=0)
-    max_tokens: int = Field(512, gt=0, description="Upper bound on tokens of a query or sample.")
+    min_rows: int = Field(64, gt=0, le=MAX_ROWS)
+    max_text_chars: int = Field(4000, gt=0, le=MAX_ROWS)
+    max_tokens: int = Field(512, gt=0, le=MAX_TOKENS, description="Upper bound on tokens of a query or sample.")
     max_label_share: float = Field(
         0.95, gt=0.0, le=1.0, description="Most common 'best' index share above this is degenerate."
     )

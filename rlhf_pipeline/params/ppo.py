@@ -6,14 +6,14 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.params import Strict, refuse
+from rlhf_pipeline.params import MAX_BATCH, MAX_ROWS, MAX_SMALL, Strict, refuse
 
 
 class KLParams(Strict):
     adaptive: bool = True
     init_coef: float = Field(0.15, ge=0.0)
     target: float = Field(6.0, gt=0.0)
-    horizon: int = Field(10000, gt=0)
+    horizon: int = Field(10000, gt=0, le=MAX_ROWS)
     estimator: Literal["k1", "k3"] = "k1"
 
 
@@ -21,7 +21,7 @@ class LoraParams(Strict):
     """A LoRA adapter (peft) on the policy instead of a full fine-tune: the reference log-probs come
     from the same model with the adapter off (no second copy), and models/policy is saved merged."""
 
-    rank: int = Field(8, gt=0, description="LoRA rank r.")
+    rank: int = Field(8, gt=0, le=MAX_SMALL, description="LoRA rank r.")
     alpha: float = Field(16.0, gt=0.0, description="LoRA alpha: the update is scaled by alpha / rank.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
     target_modules: Literal["all-linear"] | list[str] = Field(
@@ -36,24 +36,31 @@ CRITIC_FREE = ("rloo", "grpo")  # estimators that learn no value function
 
 
 class PPOParams(Strict):
-    total_episodes: int = Field(1_000_000, gt=0, description="Episodes over the whole run, all processes together.")
+    total_episodes: int = Field(
+        1_000_000, gt=0, le=MAX_ROWS, description="Episodes over the whole run, all processes together."
+    )
     batch_size: int = Field(
         512,
         gt=0,
+        le=MAX_BATCH,
         description="Episodes per rollout/update over all processes (global, as in lm-human-preference-details): "
         "with N processes each samples and scores a contiguous batch_size/N, and the rollout is gathered, so "
         "advantages, whitening and the KL controller see the whole batch and every step equals the one-process step.",
     )
     nminibatches: int = Field(
-        1, gt=0, description="Optimizer steps per PPO epoch; each minibatch (batch_size/nminibatches) is global too."
+        1,
+        gt=0,
+        le=MAX_BATCH,
+        description="Optimizer steps per PPO epoch; each minibatch (batch_size/nminibatches) is global too.",
     )
     microbatch_size: int = Field(
         512,
         gt=0,
+        le=MAX_BATCH,
         description="Episodes per forward/backward on one process (gradient accumulation); memory, not maths. "
         "With N processes it must divide batch_size/nminibatches/N.",
     )
-    ppo_epochs: int = Field(4, gt=0)
+    ppo_epochs: int = Field(4, gt=0, le=MAX_SMALL)
     lr: float = Field(1.0e-5, gt=0.0)
     anneal_lr: bool = True
     adam_eps: float = Field(1.0e-5, gt=0.0)
@@ -79,6 +86,7 @@ class PPOParams(Strict):
     samples_per_query: int = Field(
         1,
         gt=0,
+        le=MAX_SMALL,
         description="Responses sampled per query in a rollout (sharing one prefill); batch_size counts responses, "
         "so an update sees batch_size / samples_per_query queries. Reference: 1.",
     )
@@ -103,11 +111,13 @@ class PPOParams(Strict):
         description="shared: zero-init scalar head on the policy backbone (reference); "
         "separate: a value model initialised from the reward model (TRL style).",
     )
-    freeze_layers: int = Field(0, ge=0, description="Freeze embeddings and the lowest K blocks of the policy.")
+    freeze_layers: int = Field(
+        0, ge=0, le=MAX_SMALL, description="Freeze embeddings and the lowest K blocks of the policy."
+    )
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     offload_frozen: bool = Field(False, description="Keep reference/reward models on CPU between uses.")
-    checkpoint_every: int = Field(10, gt=0, description="Updates between checkpoints.")
+    checkpoint_every: int = Field(10, gt=0, le=MAX_ROWS, description="Updates between checkpoints.")
     deterministic: bool = Field(True, description="torch deterministic algorithms (bit-identical resume on CPU).")
 
     @model_validator(mode="after")

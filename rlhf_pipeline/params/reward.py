@@ -6,23 +6,25 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.params import Strict, refuse
+from rlhf_pipeline.params import MAX_BATCH, MAX_ROWS, MAX_SMALL, Strict, refuse
 
 RewardPooling = Literal["last", "mean"]  # reward-head input; rlhf_pipeline.reward reads the choices from here
 
 
 class RewardTrainParams(Strict):
     lr: float = Field(5.0e-5, gt=0.0)
-    epochs: int = Field(1, gt=0, description="Reference: one epoch, LR annealed linearly to 0.")
+    epochs: int = Field(1, gt=0, le=MAX_SMALL, description="Reference: one epoch, LR annealed linearly to 0.")
     batch_size: int = Field(
         32,
         gt=0,
+        le=MAX_BATCH,
         description="Labels per optimizer step, over all processes (global, as in the references): with N "
         "processes each takes a contiguous batch_size/N of every batch, and the step equals the one-process step.",
     )
     microbatch_size: int = Field(
         32,
         gt=0,
+        le=MAX_BATCH,
         description="Labels per forward/backward on one process (gradient accumulation); memory, not maths.",
     )
     adam_eps: float = Field(1.0e-5, gt=0.0)
@@ -39,13 +41,16 @@ class RewardTrainParams(Strict):
     num_layers: int | None = Field(
         None,
         ge=0,
+        le=MAX_SMALL,
         description="Keep only the base model's lowest N blocks (null: all, the reference); "
         "the head then reads the final norm of block N's output.",
     )
-    freeze_layers: int = Field(0, ge=0, description="Freeze embeddings and the lowest K transformer blocks.")
+    freeze_layers: int = Field(
+        0, ge=0, le=MAX_SMALL, description="Freeze embeddings and the lowest K transformer blocks."
+    )
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     normalize_before: bool = True
-    normalize_before_samples: int = Field(256, gt=0)
+    normalize_before_samples: int = Field(256, gt=0, le=MAX_ROWS)
     margin_column: str | None = Field("margin", description="Optional per-row margin column (pairwise data).")
     pooling: RewardPooling = Field(
         "last", description="Head input: the last token's hidden state (reference) or the mean over response tokens."
@@ -71,11 +76,15 @@ class RewardNormalizeParams(Strict):
     normalize_samples: int = Field(
         256,
         gt=0,
+        le=MAX_ROWS,
         description="Base-model samples used to fit gain and bias, on train queries drawn without replacement "
         "(reshuffled when they run out): the train split's size draws every query once.",
     )
     eval_samples: int = Field(
-        256, gt=0, description="Fresh base-model samples (fresh responses to redrawn train queries) to check the fit."
+        256,
+        gt=0,
+        le=MAX_ROWS,
+        description="Fresh base-model samples (fresh responses to redrawn train queries) to check the fit.",
     )
     truncate: bool = Field(
         False,
@@ -84,7 +93,7 @@ class RewardNormalizeParams(Strict):
     )
     target_mean: float = 0.0
     target_std: float = Field(1.0, gt=0.0)
-    batch_size: int = Field(32, gt=0)
+    batch_size: int = Field(32, gt=0, le=MAX_BATCH)
 
 
 class RewardParams(Strict):

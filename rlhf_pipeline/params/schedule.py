@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 from pydantic import Field, field_validator
 
 from rlhf_pipeline.params import Strict
@@ -21,10 +22,20 @@ class ScheduleParams(Strict):
     def _valid_cron(cls, value: str) -> str:
         # croniter is what Prefect's CronSchedule validates with (vendored there); like Prefect,
         # refuse its random/hashed extensions (R, H), which a deployment would reject
-        if not croniter.is_valid(value) or any(field.upper() in ("R", "H") for field in value.split()):
+        fields = value.split()
+        if len(fields) != 5 or not croniter.is_valid(value) or any(f.upper() in ("R", "H") for f in fields):
             raise ValueError(
                 "not a 5-field cron expression such as '0 3 * * 1' (minute hour day-of-month month day-of-week)"
             )
+        # a valid cron can still name a day that never comes (30 February) or comes every four
+        # years (29 February): a retraining schedule must fire within the coming year
+        start = dt.datetime.now(dt.UTC).replace(tzinfo=None)
+        try:
+            following = croniter(value, start).get_next(dt.datetime)
+        except (CroniterBadDateError, ValueError):  # croniter gives up searching after some years
+            following = None
+        if following is None or following - start > dt.timedelta(days=366):
+            raise ValueError("does not fire within the next year (e.g. 30 or 29 February): check the day fields")
         return value
 
     @field_validator("timezone")

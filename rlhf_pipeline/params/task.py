@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.params import Strict, refuse
+from rlhf_pipeline.params import MAX_TOKENS, Strict, refuse
 
 
 class TaskParams(Strict):
@@ -15,11 +15,13 @@ class TaskParams(Strict):
         "prompt (data.queries.prompts), and responses stop at the template's end-of-turn token, which the reward "
         "model scores; false: the OAI text-continuation task on the corpus (reference).",
     )
-    response_length: int = Field(24, gt=0)
+    response_length: int = Field(24, gt=0, le=MAX_TOKENS)
     temperature: float = Field(0.7, gt=0.0)
     stop_at_eos: bool = Field(False, description="False: fixed-length sampling that ignores EOS (reference).")
     truncate_token: str | None = Field(".", description="Cut the response after this token; null disables.")
-    truncate_after: int = Field(16, ge=0, description="Search for truncate_token from this response index on.")
+    truncate_after: int = Field(
+        16, ge=0, le=MAX_TOKENS, description="Search for truncate_token from this response index on."
+    )
     penalty_reward: float = Field(-1.0, description="Score of a response with no truncate_token.")
 
     @model_validator(mode="after")
