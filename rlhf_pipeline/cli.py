@@ -13,11 +13,14 @@ import rlhf_pipeline.offline  # noqa: F401  (first: the rlhf command runs offlin
 
 import argparse
 import os
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_pipeline import __version__
-from rlhf_pipeline.errors import ParamsError, PipelineError
+from rlhf_pipeline.errors import ParamsError, PipelineError, StorageError
 from rlhf_pipeline.io import atomic_file
 from rlhf_pipeline.params import read_params_file
 from rlhf_pipeline.params.schema import parse_params
@@ -68,7 +71,8 @@ def cmd_profile(args) -> int:
 def cmd_validate_preferences(args) -> int:
     from rlhf_pipeline.contract import validate_file_cli  # loads Great Expectations: only when this command runs
 
-    return validate_file_cli(args.path, params_path=args.params, result_path=args.result, docs_dir=args.docs)
+    with writing(args.result or args.docs or "the result"):
+        return validate_file_cli(args.path, params_path=args.params, result_path=args.result, docs_dir=args.docs)
 
 
 def cmd_lineage(args) -> int:
@@ -80,10 +84,26 @@ def cmd_lineage(args) -> int:
     return lineage_cli(args.path, as_json=args.json, namespace=args.namespace)
 
 
+@contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """An OS error while writing a command's output (the path is under a file, in /proc, not
+    writable) as one paragraph with the output's exit code, not a traceback."""
+    try:
+        yield
+    except PipelineError:
+        raise
+    except OSError as error:
+        raise StorageError(
+            f"could not write {path}: {error.strerror or error}. Choose a path in a folder you can write to; "
+            "nothing was written."
+        ) from None
+
+
 def cmd_export_preferences(args) -> int:
     from rlhf_pipeline.preferences import export_pairwise  # loads torch and datasets: only when this command runs
 
-    count = export_pairwise(args.input, args.split, args.output)
+    with writing(args.output):
+        count = export_pairwise(args.input, args.split, args.output)
     print(f"{args.output}: {count} pairs (prompt, chosen, rejected) from {args.input} [{args.split}]")
     return 0
 
@@ -91,7 +111,13 @@ def cmd_export_preferences(args) -> int:
 def cmd_plots_page(args) -> int:
     from rlhf_pipeline.plots_page import write_offline_page_template  # loads vl-convert: only when this runs
 
-    path = write_offline_page_template(args.root)
+    if not Path(args.root, ".dvc").is_dir():
+        raise PipelineError(
+            f"{args.root} is not a DVC project (it has no .dvc folder): run `rlhf plots-page` in the project's root, "
+            "or pass --root with it."
+        )
+    with writing(Path(args.root, ".dvc")):
+        path = write_offline_page_template(args.root)
     print(f"{path}: `dvc plots show` and `dvc plots diff` now draw with no network (.dvc/config plots.html_template)")
     return 0
 
@@ -163,6 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+    except BrokenPipeError:  # `rlhf lineage ... | head -1`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        code = 128 + signal.SIGPIPE
     except PipelineError as error:
         code = report_error(error, f"rlhf {args.command}")
     except Exception as error:

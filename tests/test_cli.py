@@ -77,6 +77,36 @@ def test_export_preferences_writes_trls_pairwise_format(tmp_path, capsys):
     assert validate_file_cli(str(target), params_path=str(tmp_path / "none.yaml")) == 0
     assert run_cli("export-preferences", str(tmp_path / "pairs.csv"), "--input", str(tmp_path / "prefs")) == 1
     assert "write .jsonl or .parquet" in capsys.readouterr().err
+    # an output under a file, or in /proc: one paragraph, the output's exit code, nothing written
+    for bad in (target / "pairs.jsonl", Path("/proc/pairs.jsonl")):
+        assert run_cli("export-preferences", str(bad), "--input", str(tmp_path / "prefs")) == 5
+        err = capsys.readouterr().err
+        assert err.startswith(f"rlhf export-preferences: error: could not write {bad}: ") and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pairs.jsonl", "prefs"]
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
+    """`rlhf ... | head -1`: the reader is gone; no BrokenPipeError traceback, the shell's SIGPIPE status."""
+    (tmp_path / "params.yaml").write_text("")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # as `head` does once it has its line
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "rlhf_pipeline.cli", "check-params", str(tmp_path / "params.yaml")],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141 and result.stderr == ""
+
+
+def test_plots_page_refuses_a_folder_that_is_not_a_dvc_project(tmp_path, capsys):
+    assert run_cli("plots-page", "--root", str(tmp_path / "none")) == 1
+    assert "is not a DVC project (it has no .dvc folder)" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
 
 
 REPO = Path(__file__).resolve().parents[1]
