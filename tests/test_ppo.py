@@ -495,10 +495,19 @@ def test_a_damaged_checkpoint_is_detected_and_training_starts_clean(
         weights.write_bytes(weights.read_bytes()[:100])
     else:
         (directory / "state/meta.json").write_text("{not json")
+    damaged = {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
     assert Checkpointer(directory, "test").prepare() is False
     err = capsys.readouterr().err
-    assert f"the checkpoint in {directory / 'state'} is unusable (" in err and "starting again from update 0" in err
-    assert not (directory / "state").exists()
+    aside = tmp_path / "ck.damaged-1"
+    assert f"the checkpoint in {directory / 'state'} is unusable (" in err and "training starts again from update 0" in err
+    assert f"it was moved to {aside}" in err
+    assert not (directory / "state").exists() and directory.is_dir()
+    # set aside whole, snapshots included, for a post-mortem; a second damaged one goes beside it
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == damaged
+    checkpointed_run(tiny_base_dir, reward_model, queries, directory)
+    (directory / "state/meta.json").write_text("{not json")
+    assert Checkpointer(directory, "test").prepare() is False
+    assert (tmp_path / "ck.damaged-2" / "state" / "meta.json").read_text() == "{not json"
 
 
 def test_an_intact_checkpoint_passes_its_checksums(tiny_base_dir, reward_model, queries, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import shutil
 import sys
@@ -85,16 +86,25 @@ class Checkpointer:
         problem = self._damage()
         if problem is None:
             return True
-        if problem:
+        if problem:  # damaged: kept for a post-mortem, beside the output (DVC does not track it)
+            aside = self._set_aside()
             print(
-                f"train_policy: warning: the checkpoint in {self.state_dir} is unusable ({problem}); "
-                "starting again from update 0.",
+                f"train_policy: warning: the checkpoint in {self.state_dir} is unusable ({problem}); it was moved "
+                f"to {aside} (delete it when you no longer need it) and training starts again from update 0.",
                 file=sys.stderr,
             )
-        if self.directory.exists():
+        elif self.directory.exists():  # another run's (other params or code): nothing to resume
             shutil.rmtree(self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         return False
+
+    def _set_aside(self) -> Path:
+        """Move the damaged checkpoint folder to the first free ``<name>.damaged-N`` beside it."""
+        number = 1
+        while (aside := self.directory.with_name(f"{self.directory.name}.damaged-{number}")).exists():
+            number += 1
+        os.replace(self.directory, aside)
+        return aside
 
     def _damage(self) -> str | None:
         """None if the state can be resumed; '' if there is none (or of other params); else what is wrong."""
