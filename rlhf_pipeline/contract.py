@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.datadocs import write_data_docs
-from rlhf_pipeline.errors import DataContractError, PipelineError
+from rlhf_pipeline.errors import DataContractError
 from rlhf_pipeline.io import read_table, replace_surrogates, write_json
 from rlhf_pipeline.models import load_tokenizer
-from rlhf_pipeline.params import Strict, read_params_file, validate
-from rlhf_pipeline.params.data import DataParams, ValidationParams
+from rlhf_pipeline.params import Seed, Strict, read_params_file, validate
+from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.preferences import (
     BAD_CHARACTERS,
     PAIRED_FORMATS,
@@ -43,6 +43,7 @@ from rlhf_pipeline.preferences import (
     split_by_column,
     to_flat_frame,
 )
+from rlhf_pipeline.queries import split_indices
 
 INTEGER_TYPES = ["int", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "Int64", "Int32"]
 EXAMPLES = 3
@@ -180,7 +181,7 @@ def build_text_suite(validation):
         ),
         (
             gxe.ExpectColumnValuesToNotMatchRegex(column="text", regex=BAD_CHARACTERS),
-            "no invalid UTF-8 or control characters",
+            "no invalid UTF-8, control or bidirectional-override characters",
         ),
         (
             gxe.ExpectColumnValueLengthsToBeBetween(column="text", max_value=validation.max_text_chars),
@@ -244,6 +245,14 @@ def _exception_message(result) -> str | None:
     return (result.exception_info or {}).get("exception_message")
 
 
+def summarize(names: list[str], shown: int = 8) -> str:
+    """``names`` joined with commas, the first ``shown`` of a long list and how many more: a
+    file with columns sample0, sample1 and sample9999 misses 9,997 columns, not a page of them."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    return f"{', '.join(names[:shown])}, ... and {len(names) - shown:,} more"
+
+
 def _failure(result, frame, user_columns: list[str], names: dict[str, str]) -> dict[str, Any]:
     config = result.expectation_config
     kwargs = config.kwargs
@@ -256,8 +265,8 @@ def _failure(result, frame, user_columns: list[str], names: dict[str, str]) -> d
     observed = _json_safe(details.get("observed_value"))
     if config.type == "expect_table_columns_to_match_set":
         missing = set(details.get("details", {}).get("mismatched", {}).get("missing") or [])
-        shown = ", ".join(label(c) for c in kwargs["column_set"] if c in missing)
-        observed = "not found; the columns are " + ", ".join(label(c) for c in user_columns if label(c))
+        shown = summarize([label(c) for c in kwargs["column_set"] if c in missing])
+        observed = "not found; the columns are " + summarize([label(c) for c in user_columns if label(c)])
     return {
         "check": (config.meta or {}).get("check", config.type),
         "expectation": config.type,
@@ -303,6 +312,18 @@ def _text_failures(result, cells, frame, user_columns: list[str], names: dict[st
     return failures
 
 
+def hashable(value: Any) -> Any:
+    """``value`` with its lists, arrays and mappings turned into tuples (a cell of a Parquet list
+    column is a numpy array: pandas cannot count or compare it)."""
+    if hasattr(value, "tolist") and not isinstance(value, str | bytes) and getattr(value, "ndim", 0) > 0:
+        value = value.tolist()
+    if isinstance(value, list | tuple):
+        return tuple(hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((str(k), hashable(v)) for k, v in value.items())
+    return value
+
+
 def validate_dataframe(
     df,
     validation_params,
@@ -327,8 +348,10 @@ def validate_dataframe(
     frame = df.reset_index(drop=True).copy()
     for column in frame.columns:
         if not pd.api.types.is_numeric_dtype(frame[column]):
-            # object dtype: GX checks types per value, and nothing is coerced to text
-            frame[column] = pd.Series([replace_surrogates(v) for v in frame[column].tolist()], dtype=object)
+            # object dtype: GX checks types per value, and nothing is coerced to text; a list or
+            # array where a text or label belongs becomes a tuple, which the type checks refuse and
+            # the duplicate checks can hash
+            frame[column] = pd.Series([hashable(replace_surrogates(v)) for v in frame[column].tolist()], dtype=object)
     user_columns = [c for c in frame.columns if not str(c).startswith("_")]
     frame = add_helper_columns(frame, tokenizer, validation_params.max_text_chars)
     context = ephemeral_context()
@@ -415,18 +438,37 @@ def summary_payload(results: dict[str, ContractResult]) -> dict:
 # --------------------------------------------------------------------------------------------
 # rlhf validate-preferences FILE
 # --------------------------------------------------------------------------------------------
-def load_validation_params(params_path: str | Path) -> ValidationParams:
-    """``data.validation`` from ``params_path`` (its ``data`` section validated, the rest of the file
-    left to ``rlhf check-params``), or the schema defaults when the file is missing."""
+def load_data_params(params_path: str | Path) -> tuple[DataParams, int]:
+    """``data`` and ``seed`` from ``params_path`` (validated; the rest of the file is left to
+    ``rlhf check-params``), or the schema defaults when the file is missing."""
     if not Path(params_path).is_file():
-        return ValidationParams()
+        return DataParams(), _DataSection().seed
     raw = read_params_file(params_path)
-    section = {"data": raw["data"]} if isinstance(raw, dict) and "data" in raw else {}
-    return validate(_DataSection, section, str(params_path)).data.validation
+    section = {k: raw[k] for k in ("data", "seed") if k in raw} if isinstance(raw, dict) else {}
+    checked = validate(_DataSection, section, str(params_path))
+    return checked.data, checked.seed
 
 
 class _DataSection(Strict):
     data: DataParams = DataParams()
+    seed: Seed = 1  # the schema's default (params/schema.py)
+
+
+def train_rows_problem(frame, data: DataParams, seed: int, path: str) -> str | None:
+    """Why the ``preferences`` stage would refuse ``frame`` for too few train rows, or None: it
+    holds out ``data.queries.test_fraction`` of the rows (unless a ``split`` column says which),
+    and ``data.validation.min_rows`` applies to what is left for training."""
+    if "split" in frame.columns:
+        train, how = int((frame["split"].astype(str) == "train").sum()), "its split column marks"
+    else:
+        train = len(split_indices(len(frame), data.queries.test_fraction, seed)[0]) if len(frame) >= 2 else 0
+        how = f"the preferences stage holds out data.queries.test_fraction ({data.queries.test_fraction:g}), leaving"
+    if train >= data.validation.min_rows:
+        return None
+    return (
+        f"{path}: {how} {train} train row(s), fewer than data.validation.min_rows ({data.validation.min_rows}): "
+        "the preferences stage would refuse it. Add rows, or lower data.validation.min_rows."
+    )
 
 
 def optional_tokenizer(directory: str | Path = "models/base"):
@@ -451,10 +493,12 @@ def validate_file_cli(
     """
     import pandas as pd
 
-    validation = load_validation_params(params_path)
+    data, seed = load_data_params(params_path)
+    validation = data.validation
     frame = read_table(path)
     if frame.empty and not len(frame.columns):
-        raise PipelineError(f"{path} holds no rows.")
+        raise DataContractError(f"{path} holds no rows.")
+    too_few = train_rows_problem(frame, data, seed, path)  # the stage's split rule, applied here too
     if (
         "split" in frame.columns
     ):  # the same rule the preferences stage applies, so the CLI passes only what the stage takes
@@ -470,5 +514,9 @@ def validate_file_cli(
     if docs_dir:
         index = write_data_docs({Path(path).stem: result.gx_json}, docs_dir, f"{path}: preference-data contract")
         print(f"Data Docs: {index}")
-    print(format_summary(result, title=f"{path} ({fmt.replace('_', '-')})"))
-    return 0 if result.success else DataContractError.exit_code
+    title = f"{path} ({fmt.replace('_', '-')})"
+    if too_few and result.success:  # every expectation met, but the stage would still refuse it
+        print(f"{title}: FAILED: {too_few}")
+    else:
+        print(format_summary(result, title=title) + (f"\n- {too_few}" if too_few else ""))
+    return 0 if result.success and not too_few else DataContractError.exit_code

@@ -19,7 +19,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.errors import DamagedArtifactError, ParamsError, PipelineError, storage_error, storage_failure
+from rlhf_pipeline.errors import (
+    DamagedArtifactError,
+    DataContractError,
+    ParamsError,
+    PipelineError,
+    storage_error,
+    storage_failure,
+)
 
 CHECKSUMS = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` format: "<hex>  <relative path>" per file, sorted
 LOCAL_MODELS = Path("data/models")  # declared in dvc.yaml as a dependency of the stages that read local models
@@ -198,24 +205,46 @@ def replace_surrogates(value):
     return _SURROGATES.sub("\ufffd", value) if isinstance(value, str) else value
 
 
+def nesting_depth(value: Any, limit: int) -> int:
+    """How deep dicts and lists nest in ``value``, counted up to ``limit + 1`` (iteratively: a
+    value nested 100,000 deep must not recurse)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth <= limit and isinstance(item, dict | list):
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+# a preference row nests at most a list of messages of role/content mappings: 3 levels
+MAX_ROW_DEPTH = 8
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Rows of a JSON-lines file; blank lines are skipped. Invalid UTF-8 bytes and lone
-    surrogate escapes become U+FFFD (visible to the data contract) instead of crashing."""
+    surrogate escapes become U+FFFD (visible to the data contract) instead of crashing. A line
+    that is not a JSON object, or nests deeper than any row format, is refused (exit 3)."""
     rows = []
     with open(path, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
+            too_deep = f"{path}: line {number} nests values more than {MAX_ROW_DEPTH} levels deep; no row format does."
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
-                raise PipelineError(
+                raise DataContractError(
                     f"{path}: line {number} is not valid JSON ({error.msg}); each line must be one JSON object."
                 ) from None
+            except RecursionError:  # the JSON decoder recurses once per level
+                raise DataContractError(too_deep) from None
             if not isinstance(row, dict):
-                raise PipelineError(
+                raise DataContractError(
                     f"{path}: line {number} is a JSON {type(row).__name__}, not an object with named columns."
                 )
+            if nesting_depth(row, MAX_ROW_DEPTH) > MAX_ROW_DEPTH:
+                raise DataContractError(too_deep)
             rows.append({key: replace_surrogates(value) for key, value in row.items()})
     return rows
 

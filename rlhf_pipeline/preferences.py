@@ -47,12 +47,15 @@ from rlhf_pipeline.queries import pad_tokens, split_indices, tokenize_query
 PAIRWISE, BEST_OF_N, CONVERSATIONAL = "pairwise", "best_of_n", "conversational"
 PAIRED_FORMATS = (PAIRWISE, CONVERSATIONAL)  # one chosen against one rejected: best is 0 by construction
 PAIRWISE_COLUMNS = ("prompt", "chosen", "rejected")
-SAMPLE_COLUMN = re.compile(r"^sample(\d+)$")
+SAMPLE_COLUMN = re.compile(r"^sample(0|[1-9]\d*)$")  # sample0, sample1, ...: no leading zeros
+LOOKS_LIKE_SAMPLE = re.compile(r"^sample\d+$")
 VALIDATE_HINT = "Run `rlhf validate-preferences FILE` for a full report of the problems in a preference file."
 
-# Characters the data contract refuses: C0/C1 control characters other than \t and \n, DEL, and
-# the marks of invalid UTF-8: U+FFFD (what undecodable bytes become) and lone surrogates.
-BAD_CHARACTERS = r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufffd]"
+# Characters the data contract refuses: C0/C1 control characters other than \t and \n, DEL, the
+# bidirectional embeddings, overrides and isolates (U+202A-U+202E, U+2066-U+2069: they reorder how
+# the text around them displays, so a reviewer reads other text than the model gets), and the marks
+# of invalid UTF-8: U+FFFD (what undecodable bytes become) and lone surrogates.
+BAD_CHARACTERS = r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff\ufffd]"
 _BAD_CHARACTERS_RE = re.compile(BAD_CHARACTERS)
 # A text must hold at least one character that shows: not whitespace and not a format character
 # that renders as nothing (soft hyphen, zero-width space/joiners, directional marks, word joiner,
@@ -241,11 +244,25 @@ def detect_format(frame, where: str) -> str:
     """``pairwise``, ``conversational`` or ``best_of_n`` from the columns (and, for the first two, the
     kind of value in ``chosen``); PipelineError naming the columns if none fits."""
     columns = [str(c) for c in frame.columns]
-    if any(c in columns for c in PAIRWISE_COLUMNS):
+    odd = [c for c in columns if LOOKS_LIKE_SAMPLE.match(c) and not SAMPLE_COLUMN.match(c)]
+    if odd:
+        raise DataContractError(
+            f"{where}: column(s) {', '.join(odd)} look like sample columns but are not named sample0, sample1, ... "
+            "(no leading zeros); rename them, so that each sample has one column."
+        )
+    pairwise = [c for c in PAIRWISE_COLUMNS if c in columns]
+    best_of_n = [c for c in ("query", "best", *sample_columns(columns)) if c in columns]
+    if pairwise and best_of_n:
+        raise DataContractError(
+            f"{where}: mixes pairwise columns ({', '.join(pairwise)}) and best-of-N columns "
+            f"({', '.join(best_of_n[:4])}{', ...' if len(best_of_n) > 4 else ''}): one file holds one format; split "
+            "it into a pairwise file (prompt, chosen, rejected) and a best-of-N one (query, sample0, ..., best)."
+        )
+    if pairwise:
         return CONVERSATIONAL if is_conversational(frame) else PAIRWISE
     if "query" in columns or sample_columns(columns):
         return BEST_OF_N
-    raise PipelineError(
+    raise DataContractError(
         f"{where}: cannot tell the preference format from its columns {columns}. Use pairwise columns "
         f"(prompt, chosen, rejected, optional margin; texts, or lists of role/content messages) or best-of-N "
         "columns (query, sample0, sample1, ..., best)."
@@ -286,13 +303,13 @@ def tokenize_response(tokenizer, text: str, response_length: int) -> list[int]:
 def _require_text(frame, columns: list[str], where: str) -> None:
     missing = [c for c in columns if c not in frame.columns]
     if missing:
-        raise PipelineError(
+        raise DataContractError(
             f"{where}: missing column(s) {missing}; its columns are {list(map(str, frame.columns))}. {VALIDATE_HINT}"
         )
     for column in columns:
         bad = [i for i, v in enumerate(frame[column].tolist()) if not isinstance(v, str)]
         if bad:
-            raise PipelineError(
+            raise DataContractError(
                 f"{where}: column {column!r} has {len(bad)} null or non-text value(s) (first at row {bad[0]}). "
                 f"{VALIDATE_HINT}"
             )
@@ -351,13 +368,13 @@ def best_of_n_to_internal(
     expected = [f"sample{i}" for i in range(max(len(names), 2))]
     _require_text(frame, ["query", *expected], where)
     if "best" not in frame.columns:
-        raise PipelineError(
+        raise DataContractError(
             f"{where}: missing column 'best' (index of the preferred sample); its columns are "
             f"{list(map(str, frame.columns))}. {VALIDATE_HINT}"
         )
     best = frame["best"].tolist()
     if any(not isinstance(b, (int, np.integer)) or not 0 <= b < len(expected) for b in best):
-        raise PipelineError(f"{where}: column 'best' must hold integers in [0, {len(expected)}). {VALIDATE_HINT}")
+        raise DataContractError(f"{where}: column 'best' must hold integers in [0, {len(expected)}). {VALIDATE_HINT}")
     samples = list(zip(*(frame[c].tolist() for c in expected)))
     return _internal(tokenizer, frame["query"].tolist(), samples, best, _margins(frame), query_length, response_length)
 
@@ -455,7 +472,7 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
             frames = {"all": frames["train"]}
     first = next(iter(frames.values()))
     if len(first) == 0:
-        raise PipelineError(f"data.preferences.source: {source} has no rows.")
+        raise DataContractError(f"data.preferences.source: {source} has no rows.")
     fmt = detect_format(first, source)
     if "all" not in frames:
         return frames, fmt
@@ -463,7 +480,7 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
     if "split" in frame.columns:
         return split_by_column(frame, source), fmt
     if len(frame) < 2:
-        raise PipelineError(f"{source}: at least 2 rows are needed to hold out a test split.")
+        raise DataContractError(f"{source}: at least 2 rows are needed to hold out a test split.")
     train_idx, test_idx = split_indices(len(frame), test_fraction, seed)
     return {
         "train": frame.iloc[train_idx].reset_index(drop=True),

@@ -92,11 +92,11 @@ DEFECTS = {
     ),
     "control character": (
         with_row(pairwise_rows(), 5, chosen="bell \x07 here"),
-        "no invalid UTF-8 or control characters [column chosen]",
+        "no invalid UTF-8, control or bidirectional-override characters [column chosen]",
     ),
     "lone surrogate": (
         with_row(pairwise_rows(), 6, prompt="bad \ud800 escape"),
-        "no invalid UTF-8 or control characters [column prompt]",
+        "no invalid UTF-8, control or bidirectional-override characters [column prompt]",
     ),
     "chosen == rejected": (
         with_row(pairwise_rows(), 7, rejected="A kind and helpful answer 7."),
@@ -147,7 +147,7 @@ def test_invalid_utf8_bytes_in_file(tmp_path, capsys):
     path.write_bytes(raw)
     assert validate_file_cli(str(path), params_path=str(tmp_path / "none.yaml")) == 3
     out = capsys.readouterr().out
-    assert "no invalid UTF-8 or control characters [column rejected]: 1 row(s)" in out
+    assert "no invalid UTF-8, control or bidirectional-override characters [column rejected]: 1 row(s)" in out
     assert "row 11:" in out and "\\ufffd" in out  # the example row, escaped
 
 
@@ -205,7 +205,8 @@ def test_validate_preferences_stage(project, capsys):
     assert sorted(p.name for p in (project / "data").iterdir()) == before
     docs = (project / "data" / "validation_docs" / "index.html").read_text()
     assert '<a href="train.html">train</a></td><td class="status-danger">FAILED' in docs
-    assert "distinct" in (project / "data" / "validation_docs" / "train.html").read_text().lower()
+    page = (project / "data" / "validation_docs" / "train.html").read_text()
+    assert "unique across columns" in page and '<span class="status-danger">✘</span>' in page
 
 
 def test_data_docs_are_gx_pages_readable_offline(tmp_path, capsys, chromium):
@@ -303,3 +304,82 @@ def test_best_of_1000_costs_the_same_expectations_as_pairwise():
     [failure] = result.failures
     assert failure["column"] == "sample700" and failure["count"] == 1
     assert failure["examples"] == [{"row": 5, "query": "Query 5.", "sample700": "bell \x07 here", "best": 5}]
+
+
+def hostile_file(tmp_path, case: str):
+    """A preference file that once crashed or slipped through (hostile inputs, round 3)."""
+    pairs, folder = pairwise_rows(), tmp_path / "data" / "labels"
+    folder.mkdir(parents=True, exist_ok=True)
+    if case == "mixed formats":
+        return write_jsonl(folder / "mixed.jsonl", pairs[:40] + best_of_n_rows()[:40])
+    if case == "nested 100,000 deep":
+        path = folder / "deep.jsonl"
+        deep = '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + ', "chosen": "a", "rejected": "b"}\n'
+        path.write_text(deep + "".join(json.dumps(r) + "\n" for r in pairs[1:]))
+        return path
+    if case == "best as lists":
+        path = folder / "bestlist.parquet"
+        pd.DataFrame([{**r, "best": [0, 1]} for r in best_of_n_rows()]).to_parquet(path)
+        return path
+    if case == "sample01 beside sample1":
+        return write_jsonl(folder / "zeropad.jsonl", [{**r, "sample01": "x"} for r in best_of_n_rows()])
+    raise ValueError(case)
+
+
+FILE_CASES = {
+    "mixed formats": "mixes pairwise columns (prompt, chosen, rejected) and best-of-N columns",
+    "nested 100,000 deep": "line 1 nests values more than 8 levels deep",
+    "best as lists": "column 'best' must hold integers",
+    "sample01 beside sample1": "column(s) sample01 look like sample columns but are not named sample0",
+}
+
+
+@pytest.mark.parametrize("case", sorted(FILE_CASES))
+def test_a_hostile_file_is_refused_by_the_cli_and_the_stage_alike(project, capsys, case):
+    """Each file: exit 3 from `rlhf validate-preferences` and from the preferences stage (not 1, which
+    the retrain flow would retry), one paragraph, no traceback."""
+    from rlhf_pipeline.cli import main
+
+    path = hostile_file(project, case)
+    with pytest.raises(SystemExit) as exit_:
+        main(["validate-preferences", str(path), "--params", str(project / "params.yaml")])
+    code, cli = exit_.value.code, capsys.readouterr()
+    assert code == 3 and "Traceback" not in cli.err + cli.out
+    if case != "best as lists":  # the CLI's contract names the column's type instead: tested below
+        assert FILE_CASES[case] in cli.out + cli.err
+    project.write_params(**{"data.preferences.source": str(path.relative_to(project)), "data.validation.min_rows": 20})
+    assert run_stage_script("preferences") == 3
+    stage = capsys.readouterr()
+    assert FILE_CASES[case] in stage.err and "Traceback" not in stage.err
+
+
+def test_the_cli_reports_lists_where_labels_belong_and_summarises_long_column_lists(tmp_path, capsys):
+    code, out = check(tmp_path, capsys, [{**r, "best": [0, 1]} for r in best_of_n_rows()], name="p.parquet")
+    assert code == 3 and "best type (integer) [column best]: 80 row(s)" in out and "best=(0, 1)" in out
+    sparse = [{**r, "sample9999": "late"} for r in best_of_n_rows()]
+    code, out = check(tmp_path, capsys, sparse)
+    assert code == 3 and len(out) < 2000
+    assert (
+        "[column sample4, sample5, sample6, sample7, sample8, sample9, sample10, sample11, ... and 9,987 more]" in out
+    )
+
+
+def test_a_bidirectional_override_is_refused_like_a_control_character(tmp_path, capsys):
+    rows = pairwise_rows()
+    rows[3]["chosen"] = "pay \u202eelbuod\u202c now"  # displays reordered: what a reviewer reads is not the text
+    code, out = check(tmp_path, capsys, rows)
+    assert code == 3 and "control or bidirectional-override characters [column chosen]: 1 row(s)" in out
+
+
+def test_the_cli_applies_the_stage_s_train_split_and_row_minimum(tmp_path, capsys):
+    """96 pairwise rows pass every expectation, but the stage holds out test_fraction 0.5 and would
+    refuse the 48 train rows left under min_rows 64: the CLI says so, exit 3."""
+    rows = pairwise_rows(96)
+    code, out = check(tmp_path, capsys, rows, params={"min_rows": 64})
+    assert code == 0  # the reference's test_fraction (0.1) leaves 86 train rows
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"data": {"queries": {"test_fraction": 0.5}, "validation": {"min_rows": 64}}}))
+    write_jsonl(tmp_path / "prefs.jsonl", rows)
+    code = validate_file_cli(str(tmp_path / "prefs.jsonl"), params_path=str(params))
+    out = capsys.readouterr().out
+    assert code == 3 and "leaving 48 train row(s), fewer than data.validation.min_rows (64)" in out

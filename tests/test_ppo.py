@@ -499,7 +499,9 @@ def test_a_damaged_checkpoint_is_detected_and_training_starts_clean(
     assert Checkpointer(directory, "test").prepare() is False
     err = capsys.readouterr().err
     aside = tmp_path / "ck.damaged-1"
-    assert f"the checkpoint in {directory / 'state'} is unusable (" in err and "training starts again from update 0" in err
+    assert (
+        f"the checkpoint in {directory / 'state'} is unusable (" in err and "training starts again from update 0" in err
+    )
     assert f"it was moved to {aside}" in err
     assert not (directory / "state").exists() and directory.is_dir()
     # set aside whole, snapshots included, for a post-mortem; a second damaged one goes beside it

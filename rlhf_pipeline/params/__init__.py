@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlhf_pipeline.errors import ParamsError
+from rlhf_pipeline.io import nesting_depth
 
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1, description="numpy's seeds are 32-bit.")]
 
@@ -35,6 +36,7 @@ MAX_TOKENS = 131_072  # a length in tokens: the longest context of current open 
 MAX_BATCH = 65_536  # rows in one batch
 MAX_ROWS = 100_000_000  # rows, labels, episodes, samples over a whole run
 MAX_SMALL = 10_000  # epochs, samples per query, layers, ranks, table rows
+MAX_DEPTH = 16  # how deep a params file may nest (params.yaml itself: 4 levels)
 Model = TypeVar("Model", bound=BaseModel)
 
 
@@ -146,24 +148,9 @@ def read_params_file(path: str | os.PathLike = "params.yaml") -> Any:
         raise ParamsError(str(path), [f"<file>: {path} is not valid YAML: {error}".replace("\n", " ")]) from None
     except RecursionError:  # the YAML composer recurses once per level
         raise ParamsError(str(path), [too_deep]) from None
-    if _depth(raw) > MAX_DEPTH:
+    if nesting_depth(raw, MAX_DEPTH) > MAX_DEPTH:
         raise ParamsError(str(path), [too_deep])
     return raw
-
-
-MAX_DEPTH = 16
-
-
-def _depth(value: Any) -> int:
-    """How deep mappings and lists nest in ``value`` (iteratively: a deep value must not recurse)."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if depth <= MAX_DEPTH and isinstance(item, dict | list):
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 class StageParams(Strict):
