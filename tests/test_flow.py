@@ -202,6 +202,35 @@ def test_transient_failure_is_retried_and_valid_data_ingested(project: Path, tmp
     assert {row["metric"] for row in table} == {"reward", "eval.n"}
 
 
+def test_the_bytes_validated_are_the_bytes_ingested(project: Path, tmp_path: Path):
+    """An exporter still writing: a row is appended to the incoming file while the validator runs.
+    The flow validated a private copy and renames that copy into place: the appended (unchecked)
+    row never reaches data/labels, and nothing is left beside the target."""
+    incoming = tmp_path / "incoming.jsonl"
+    checked = '{"chosen": "checked", "rejected": "x"}\n'
+    incoming.write_text(checked)
+    writer = tmp_path / "validator_appends.py"
+    writer.write_text(
+        "import sys\n"
+        f'open({str(incoming)!r}, \'a\').write(\'{{"chosen": "unchecked", "rejected": "x"}}\\n\')\n'
+        "text = open(sys.argv[1]).read()\n"
+        "assert 'unchecked' not in text, 'the validator saw the appended row'\n"
+        "print('ok')\n"
+    )
+    state = retrain(
+        repo=str(project), incoming=str(incoming), validate_command=[PY, str(writer)], return_state=True, **FAST
+    )
+    assert state.is_completed(), state.message
+    assert "unchecked" in incoming.read_text()  # the writer did append
+    assert (project / "data/labels/preferences.jsonl").read_text() == checked
+    assert sorted(p.name for p in (project / "data/labels").iterdir()) == [
+        ".gitignore",
+        "README.md",
+        "preferences.jsonl",
+        "preferences.jsonl.dvc",
+    ]
+
+
 def test_invalid_preferences_fail_the_run_before_any_stage(project: Path, tmp_path: Path):
     before = (project / "data/labels/preferences.jsonl").read_text()
     bad = tmp_path / "bad.jsonl"

@@ -166,7 +166,8 @@ def dvc_status(repo: str) -> dict[str, Any]:
 
 @task(name="ingest-preferences", cache_policy=NO_CACHE)
 def ingest_preferences(repo: str, incoming: str, target: str, validate_command: list[str]) -> dict[str, Any]:
-    """Validate the incoming file, then copy it atomically over ``target`` and ``dvc add`` it."""
+    """Copy the incoming file privately, validate that copy, then rename it over ``target`` and
+    ``dvc add`` it: the bytes checked are the bytes ingested, even while an exporter still writes."""
     logger = get_run_logger()
     root = Path(repo).resolve()
     source = _newest_preference_file(Path(incoming).expanduser().resolve())
@@ -179,29 +180,31 @@ def ingest_preferences(repo: str, incoming: str, target: str, validate_command: 
             f"{destination.suffix}: pass a preferences_target with the same extension",
             2,
         )
-    logger.info("validating %s", source)
-    check = capture([*validate_command, str(source)], root, timeout=3600)
-    if check.returncode != 0:
-        summary = "\n".join(part.strip() for part in (check.output, check.stderr) if part.strip())
-        raise InvalidPreferences(
-            f"incoming preference file {source} failed validation (exit {check.returncode}); "
-            f"nothing was replaced.\n{summary}",
-            exit_code=3 if check.returncode == 3 else 1,
-        )
-    unchanged = destination.is_file() and filecmp.cmp(source, destination, shallow=False)
-    if not unchanged:
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent)
-        try:
-            with os.fdopen(fd, "wb") as out, source.open("rb") as src:
-                shutil.copyfileobj(src, out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, destination)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        logger.info("copied %s -> %s", source, destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    # the private copy keeps the suffix (the validator reads the format from it) and sits beside the
+    # target, so that putting it in place is one rename on one file system
+    fd, name = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=destination.suffix, dir=destination.parent)
+    private = Path(name)
+    try:
+        with os.fdopen(fd, "wb") as out, source.open("rb") as src:
+            shutil.copyfileobj(src, out)
+            out.flush()
+            os.fsync(out.fileno())
+        logger.info("validating %s (a private copy of %s)", private.name, source)
+        check = capture([*validate_command, str(private)], root, timeout=3600)
+        if check.returncode != 0:
+            summary = "\n".join(part.strip() for part in (check.output, check.stderr) if part.strip())
+            raise InvalidPreferences(
+                f"incoming preference file {source} failed validation (exit {check.returncode}); "
+                f"nothing was replaced.\n{summary.replace(str(private), str(source))}",
+                exit_code=3 if check.returncode == 3 else 1,
+            )
+        unchanged = destination.is_file() and filecmp.cmp(private, destination, shallow=False)
+        if not unchanged:
+            os.replace(private, destination)
+            logger.info("copied %s -> %s (the validated bytes)", source, destination)
+    finally:
+        private.unlink(missing_ok=True)
     tracked = "stage output (not dvc-added)"
     if not is_stage_output(root, destination):
         dvc_file = destination.with_name(destination.name + ".dvc")
