@@ -158,6 +158,10 @@ def test_stage_order_and_exit_code_parsing(project: Path):
     dvc_error = "boom\nERROR: failed to reproduce 'x': failed to run: python s.py, exited with 3"
     assert stage_exit_code(CommandResult(255, dvc_error)) == 3
     assert stage_exit_code(CommandResult(255, "ERROR: Unable to acquire lock")) == 1
+    # DVC's own writes failing for storage (the stage itself ran): exit 5, never retried
+    for reason in ("[Errno 28] No space left on device", "[Errno 1] Operation not permitted: 'models/x'"):
+        assert stage_exit_code(CommandResult(255, f"ERROR: unexpected error - {reason}")) == 5
+    assert stage_exit_code(CommandResult(255, f"{dvc_error}\nNo space left on device")) == 3  # the stage's own code
     assert stage_exit_code(CommandResult(0, "")) == 0
     missing = (
         "Traceback (most recent call last):\nModuleNotFoundError: No module named 'torch'\nERROR: failed to "
@@ -229,6 +233,33 @@ def test_the_bytes_validated_are_the_bytes_ingested(project: Path, tmp_path: Pat
         "preferences.jsonl",
         "preferences.jsonl.dvc",
     ]
+
+
+def test_outputs_dvc_failed_to_cache_fail_the_stage_with_exit_5(project: Path, monkeypatch):
+    """`dvc repro` with a full cache can exit 0 after printing "No space left on device", leaving
+    dvc.lock recording outputs its cache does not hold: the flow checks DVC's status after each stage
+    and stops (exit 5, storage, not retried) instead of going on to push a lock without its data."""
+    import shutil
+
+    import flows.retrain.flow as flow_module
+
+    real_stream = flow_module.stream
+
+    def cache_fills_up(cmd, cwd, logger):
+        result = real_stream(cmd, cwd, logger)
+        if "train_reward" in cmd:  # DVC ran the stage, then could not write its output to the cache
+            shutil.rmtree(project / ".dvc" / "cache")
+            return CommandResult(0, result.output + "\nERROR: [Errno 28] No space left on device\n")
+        return result
+
+    monkeypatch.setattr(flow_module, "stream", cache_fills_up)
+    state = retrain(repo=str(project), return_state=True, **FAST)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert error.exit_code == 5
+    assert "DVC stage 'train_reward' ran, but DVC did not save its outputs as dvc.lock records them" in str(error)
+    assert "models/reward/model.txt: not in cache" in str(error) and "No space left on device" in str(error)
+    assert _counters(project).get("train_policy") is None and _counters(project)["train_reward"] == 1  # no retry
 
 
 def test_invalid_preferences_fail_the_run_before_any_stage(project: Path, tmp_path: Path):

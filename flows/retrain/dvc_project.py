@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.errors import EXIT_CODE_MEANINGS, NOT_RETRIED_EXIT_CODES, MissingPackageError
+from rlhf_pipeline.errors import (
+    EXIT_CODE_MEANINGS,
+    NOT_RETRIED_EXIT_CODES,
+    MissingPackageError,
+    StorageError,
+    storage_failure,
+)
 from rlhf_pipeline.lineage.record import LOCK_COPY, LOCK_FILE, lock_problem, stage_name
 
 DEFAULT_LOCAL_REMOTE = "localremote"
@@ -122,6 +128,21 @@ def stale_stages(root: Path) -> dict[str, Any]:
     """DVC's status of every stage and tracked file: ``{}`` when all are up to date."""
     with open_repo(root) as dvc_repo:
         return dvc_repo.status()
+
+
+def unsaved_outputs(root: Path, stage: str) -> list[str]:
+    """``stage``'s outputs that dvc.lock records but the workspace or DVC's cache does not hold as
+    recorded (``PATH: not in cache``, ``PATH: modified``): what a `dvc repro` that hit a full or
+    read-only cache leaves behind while it exits 0."""
+    with open_repo(root) as dvc_repo:
+        status = dvc_repo.status(targets=[f"{Path(root) / 'dvc.yaml'}:{stage}"])  # not relative to the cwd
+    return [
+        f"{path}: {state}"
+        for entries in status.values()
+        for entry in entries
+        if isinstance(entry, dict)
+        for path, state in (entry.get("changed outs") or {}).items()
+    ]
 
 
 def workspace_metrics(root: Path) -> dict[str, dict[str, Any]]:
@@ -236,13 +257,17 @@ def stage_exit_code(result: CommandResult) -> int:
     """The stage command's exit status, from DVC's "failed to reproduce ... exited with N".
 
     DVC itself exits 255 whatever the stage returned; when the message is missing (DVC failed
-    before running the command, e.g. a lock held by another process) the failure counts as 1. A
-    stage that died of a missing module counts as exit 6: reinstalling, not retrying, fixes it.
+    before or after running the command, e.g. a lock held by another process) the failure counts
+    as 1, or as 5 when DVC's own writes failed for storage (a full disk or cache, a read-only or
+    immutable file): freeing space, not retrying, fixes that. A stage that died of a missing
+    module counts as exit 6: reinstalling, not retrying, fixes it.
     """
     if result.returncode == 0:
         return 0
     text = result.output + "\n" + result.stderr
     found = _EXITED_WITH.findall(text)
+    if not found and storage_failure(RuntimeError(text)):
+        return StorageError.exit_code  # DVC's own writes (cache, checkout, dvc.lock) failed for storage
     code = int(found[-1]) if found else 1
     return MissingPackageError.exit_code if code == 1 and _MISSING_MODULE.search(text) else code
 

@@ -33,9 +33,16 @@ from flows.retrain.dvc_project import (
     stage_order,
     stale_stages,
     stream,
+    unsaved_outputs,
 )
 from flows.retrain.report import publish_summary
-from rlhf_pipeline.errors import NOT_RETRIED_EXIT_CODES, DamagedArtifactError, ParamsError
+from rlhf_pipeline.errors import (
+    EXIT_CODE_MEANINGS,
+    NOT_RETRIED_EXIT_CODES,
+    DamagedArtifactError,
+    ParamsError,
+    StorageError,
+)
 from rlhf_pipeline.lineage.verify import verify_paths
 from rlhf_pipeline.params import format_validation_error
 from rlhf_pipeline.params.schedule import ScheduleParams
@@ -126,6 +133,20 @@ def reproduce_stage(repo: str, stage: str) -> dict[str, Any]:
         restore_lock_copy(Path(repo), logger, had_lock)
         code = stage_exit_code(result)
         raise StageFailed(stage_failure_message(stage, code, result.output, attempt), exit_code=code, stage=stage)
+    # DVC can exit 0 after failing to save outputs to its cache ("No space left on device"):
+    # dvc.lock then records outputs the cache does not hold, and a later checkout loses them
+    unsaved = unsaved_outputs(Path(repo), stage)
+    if unsaved:
+        listed = "\n".join(f"- {item}" for item in unsaved[:OUTPUT_TAIL_LINES])
+        errors = [line for line in result.output.splitlines() if line.startswith("ERROR")][-OUTPUT_TAIL_LINES:]
+        raise StageFailed(
+            f"DVC stage '{stage}' ran, but DVC did not save its outputs as dvc.lock records them "
+            f"({StorageError.exit_code}: {EXIT_CODE_MEANINGS[StorageError.exit_code]}; not retried). Free space "
+            f"in the DVC cache (or make it writable), then run the stage again.\n{listed}"
+            + ("\nDVC said:\n" + "\n".join(errors) if errors else ""),
+            exit_code=StorageError.exit_code,
+            stage=stage,
+        )
     ran = f"Running stage '{stage}" in result.output
     return {"stage": stage, "result": "ran" if ran else "up to date", "attempts": attempt}
 
