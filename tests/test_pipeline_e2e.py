@@ -102,7 +102,12 @@ def build_project(root: Path, model_dir: Path, params_overrides: dict) -> Path:
     params = json.loads(json.dumps(TINY_PARAMS))
     params["base_model"] = {"source": TINY_SOURCE}
     for section, values in params_overrides.items():
-        params.setdefault(section, {}).update(values)
+        for key, value in values.items():  # one level deeper too: data.corpus, data.preferences, ...
+            target = params.setdefault(section, {})
+            if isinstance(value, dict) and isinstance(target.get(key), dict):
+                target[key] = {**target[key], **value}
+            else:
+                target[key] = value
     # DVC tracks params by key, so params.yaml spells out every key (the schema fills defaults).
     (root / "params.yaml").write_text(yaml.safe_dump(parse_params(params).model_dump(mode="json"), sort_keys=False))
     (root / ".gitignore").write_text(f"/models/\n/checkpoints/\n/dvclive/\n/{TINY_SOURCE}/\n")
