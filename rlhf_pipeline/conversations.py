@@ -18,6 +18,7 @@ plain pairwise data (chosen != rejected, lengths, duplicates, bad characters).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -123,22 +124,28 @@ def _row(row: dict, implicit: bool) -> tuple[list, list, list] | tuple[str, str]
 
 def checked_conversations(frame, where: str) -> list[tuple[list, list, list]]:
     """(prompt, chosen, rejected) message lists per row; DataContractError naming each bad row and field."""
-    implicit = "prompt" not in frame.columns
     rows, problems = [], []
-    for index, row in enumerate(frame.to_dict("records")):
-        result = _row(row, implicit)
+    records = frame.to_dict("records")
+    for index, row in enumerate(records):
+        # each row its own layout: a file may hold both (pandas fills a row's missing prompt with NaN)
+        result = _row(row, implicit=_no_prompt(row.get("prompt")))
         if isinstance(result[0], str):
             problems.append(f"row {index}, field {result[0]}: {result[1]}")
         else:
             rows.append(result)
     if problems:
-        layout = "implicit-prompt (chosen/rejected conversations)" if implicit else "standard (prompt/chosen/rejected)"
         raise _refusal(
-            f"{where}: {len(problems)} of {len(frame)} row(s) are not valid {layout} conversations "
+            f"{where}: {len(problems)} of {len(frame)} row(s) are not valid conversations: a prompt, chosen and "
+            "rejected, or (no prompt) chosen and rejected conversations that share their prompt "
             f"(messages are {{role, content}} objects, roles {', '.join(ROLES)})",
             problems,
         )
     return rows
+
+
+def _no_prompt(value: Any) -> bool:
+    """A row without a prompt (absent, null, or the NaN pandas puts where another row had one)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def require_chat_template(tokenizer, where: str) -> None:

@@ -133,7 +133,10 @@ def test_the_contract_checks_the_replies_as_it_checks_pairwise_texts(chat_tokeni
     checks = {f["check"]: f for f in result.failures}
     assert not result.success
     assert "distinct samples in a row (chosen != rejected)" in checks
-    assert any("control characters" in name and "chosen" in str(f["column"]) for name, f in checks.items())
+    assert any(
+        "control or bidirectional-override characters" in name and "chosen" in str(f["column"])
+        for name, f in checks.items()
+    )
 
 
 def test_preferences_stage_reads_conversational_jsonl(project, tiny_chat_base_dir):
@@ -232,3 +235,21 @@ def test_a_bad_prompt_file_is_refused_naming_row_and_field(tmp_path):
         caught.value
     )
     assert "row 2, field prompt: is not a text or a list of messages" in str(caught.value)
+
+
+def test_the_readme_s_chat_example_reads_as_written(chat_tokenizer, tmp_path):
+    """The README's two rows, one with a prompt and one without (its prompt is the conversations'
+    shared part), in one file: each row is read in its own layout."""
+    from pathlib import Path
+
+    from rlhf_pipeline.io import read_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("cat > data/labels/chat.jsonl <<'JSONL'\n", 1)[1].split("\nJSONL\n", 1)[0]
+    (tmp_path / "chat.jsonl").write_text(block + "\n")
+    frame = read_table(tmp_path / "chat.jsonl")
+    assert detect_format(frame, "chat.jsonl") == CONVERSATIONAL
+    pairs = to_text_pairs(frame, "chat.jsonl", chat_tokenizer)
+    assert pairs["chosen"].tolist() == ["Wonderful, I loved it.", "Bright and happy."]
+    assert pairs["rejected"].tolist() == ["Dull.", "Grey."]
+    assert "Describe your day." in pairs["prompt"][1] and "How was the film?" in pairs["prompt"][0]
