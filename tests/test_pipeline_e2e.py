@@ -229,8 +229,10 @@ def test_plots_show_the_ppo_objective_and_the_overoptimisation_curve(project):
     plots = json.loads(sh(["dvc", "plots", "show", "--json"], root).stdout)["data"]
     assert not [name for name in plots if "/" in name and name != "evaluation/samples.json"], list(plots)
     objective = plots[OBJECTIVE][0]["content"]
-    series = {row["filename::field"] for row in objective["data"]["values"]}
-    assert series == {"score.tsv::score", "kl.tsv::kl", "kl_coef.tsv::kl_coef"}
+    # the template's `series` is the file name without .tsv: one panel per file
+    series = {(row["filename"], row["field"]) for row in objective["data"]["values"]}
+    assert series == {("score.tsv", "score"), ("kl.tsv", "kl"), ("kl_coef.tsv", "kl_coef")}
+    assert objective["transform"][0]["as"] == "series"
     assert len(objective["data"]["values"]) == 3 * (
         TINY_PARAMS["ppo"]["total_episodes"] // TINY_PARAMS["ppo"]["batch_size"]
     )

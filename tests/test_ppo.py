@@ -310,11 +310,13 @@ def policy_project(tiny_base_dir, reward_model, queries, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("policy_project")
     shutil.copytree(tiny_base_dir, root / "models/base")
-    # the CPU default's reward layout: mean pooling, backbone in backbone/, no top-level config.json
+    # the CPU default's reward layout: mean pooling, backbone in backbone/, a top-level config.json
+    # that only names RewardModel.load (stock AutoModel loaders refuse it with that name)
     mean_pooling = RewardModel(reward_model.backbone, reward_model.pad_token_id, "mean")
     mean_pooling.head.load_state_dict(reward_model.head.state_dict())
     mean_pooling.save(root / "models/reward")
-    assert not (root / "models/reward/config.json").exists()
+    assert (root / "models/reward/backbone/config.json").exists()
+    assert "RewardModel.load" in (root / "models/reward/config.json").read_text()
     load_tokenizer(tiny_base_dir).save_pretrained(root / "models/reward")
     write_checksums(root / "models/reward")  # what normalize_reward writes: stages check it before loading
     rows = {"query_ids": queries.tolist(), "query": ["q"] * len(queries)}
