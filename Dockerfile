@@ -23,6 +23,14 @@ FROM ${BASE_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Where the torch index cannot be reached: mount a folder of wheels into the build and name it, e.g.
+#   podman build -v /opt/wheels:/opt/wheels:ro --build-arg PIP_FIND_LINKS=/opt/wheels \
+#       --build-arg TORCH_INDEX_URL=https://pypi.org/simple .
+# (pip prefers the local 2.13.0+cpu wheel to PyPI's 2.13.0; both satisfy torch==2.13.0.)
+ARG PIP_FIND_LINKS=
+# Behind a TLS-intercepting proxy: mount the host's CA bundle and name it (build time only), e.g.
+#   -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/host-ca.crt:ro --build-arg PIP_CERT=/etc/ssl/host-ca.crt
+ARG PIP_CERT=
 
 # Offline and quiet, like rlhf_pipeline/offline.py (which also sets them, but only for Python that
 # imports the package; dvc and prefect started directly need them too).

@@ -2,6 +2,8 @@
 # Build the Dockerfile, then run the tiny profile's whole pipeline inside the image (not CI).
 #
 #   docker/build_and_check.sh [BASE_IMAGE]     # default: the Dockerfile's python:3.11-slim
+#   WHEELS=/opt/wheels docker/build_and_check.sh ...   # torch from a local wheel folder
+#   CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt ...   # pip behind a TLS-intercepting proxy
 #
 # The pipeline runs as a build step of an image FROM the one just built (`podman build
 # --isolation=chroot`), so the check needs no `podman run` (blocked in some VMs): it is the
@@ -14,7 +16,18 @@ BASE=${1:-python:3.11-slim}
 ISOLATION=()
 if [ "$ENGINE" = podman ]; then ISOLATION=(--isolation=chroot --format docker); fi
 
-$ENGINE build "${ISOLATION[@]}" --build-arg "BASE_IMAGE=$BASE" -t rlhf-pipeline .
+# WHEELS=/dir: a folder holding the torch wheel, for hosts that cannot reach the torch index
+WHEEL_ARGS=()
+if [ -n "${WHEELS:-}" ]; then
+    WHEEL_ARGS=(-v "$WHEELS:$WHEELS:ro" --build-arg "PIP_FIND_LINKS=$WHEELS"
+        --build-arg "TORCH_INDEX_URL=https://pypi.org/simple")
+fi
+# CA_BUNDLE=/file: the host's CA bundle, for pip behind a TLS-intercepting proxy
+if [ -n "${CA_BUNDLE:-}" ]; then
+    WHEEL_ARGS+=(-v "$CA_BUNDLE:/etc/ssl/host-ca.crt:ro" --build-arg "PIP_CERT=/etc/ssl/host-ca.crt")
+fi
+
+$ENGINE build "${ISOLATION[@]}" "${WHEEL_ARGS[@]}" --build-arg "BASE_IMAGE=$BASE" -t rlhf-pipeline .
 
 CHECK=$(mktemp -d)
 trap 'rm -rf "$CHECK"' EXIT
