@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
+import math
+
 import torch
 from scipy.stats import spearmanr
 
@@ -79,7 +81,15 @@ def main(params: Params) -> None:
     if labeler is not None:
         texts = tokenizer.batch_decode(eval_responses, skip_special_tokens=True)
         gold = labeler.score(texts)
-        metrics["gold_correlation"] = float(spearmanr(fresh.numpy(), gold).statistic)
+        correlation = float(spearmanr(fresh.numpy(), gold).statistic)
+        # a rank correlation is undefined (NaN) when either side is constant, e.g. when the gold labeller
+        # scores every sample alike; JSON has no NaN, so the metric is null with the reason beside it
+        metrics["gold_correlation"] = correlation if math.isfinite(correlation) else None
+        if not math.isfinite(correlation):
+            metrics["gold_correlation_undefined"] = (
+                f"on the {len(gold)} samples the gold labeller gave {len(set(gold))} distinct score(s) and the "
+                f"reward model {len(set(fresh.tolist()))}: a rank correlation needs both to vary"
+            )
 
     with atomic_dir(OUT, checksums=True) as tmp:
         model.save(tmp)

@@ -207,6 +207,12 @@ def test_metrics_are_declared_and_sane(project):
         assert key in metrics, key
     points = json.loads((root / "evaluation/overoptimization.json").read_text())
     assert [p["update"] for p in points] == [0, 2, 4]
+    # strict JSON (no NaN/Infinity) in every metrics file: other tools' parsers refuse those
+    for path in sorted((root / "metrics").glob("*.json")):
+        json.loads(path.read_text(), parse_constant=lambda name, path=path: pytest.fail(f"{name} in {path.name}"))
+    # the tiny run's gold labeller scores its gibberish alike: the correlation is null, with the reason
+    reward = json.loads((root / "metrics/reward.json").read_text())
+    assert reward["gold_correlation"] is None and "1 distinct score" in reward["gold_correlation_undefined"]
 
 
 def test_second_repro_is_a_no_op(project):
