@@ -262,6 +262,75 @@ def test_outputs_dvc_failed_to_cache_fail_the_stage_with_exit_5(project: Path, m
     assert _counters(project).get("train_policy") is None and _counters(project)["train_reward"] == 1  # no retry
 
 
+# Loaded by every Python the flow starts (PYTHONPATH): unlinking a file of the given name fails as it
+# does for an immutable file (chattr +i), which this test cannot set without privileges.
+IMMUTABLE_FILE = textwrap.dedent(
+    """
+    import errno
+    import os
+
+    _name = os.environ.get("RLHF_TEST_IMMUTABLE_NAME")
+    if _name:
+        _unlink = os.unlink
+
+        def refuse(path, *args, **kwargs):
+            if os.fspath(path).endswith(_name):
+                raise PermissionError(errno.EPERM, "Operation not permitted", os.fspath(path))
+            return _unlink(path, *args, **kwargs)
+
+        os.unlink = os.remove = refuse
+    """
+)
+SEVEN_PARTS = "import pathlib, sys\nout = pathlib.Path(sys.argv[1])\nout.mkdir(parents=True, exist_ok=True)\n" + (
+    "for i in range(7):\n    (out / f'part{i}.bin').write_text(pathlib.Path(sys.argv[2]).read_text() + str(i))\n"
+)
+
+
+def test_an_output_dvc_could_only_half_delete_is_put_back_whole(project: Path, tmp_path: Path, monkeypatch):
+    """DVC deletes a stale stage's outputs before running it and stops at the first file it cannot
+    delete (an immutable file: exit 255, "Operation not permitted"), leaving part of the output in
+    place. The flow reads that as storage (exit 5, not retried), moves the partial output aside whole
+    and checks the recorded version out of DVC's cache: nothing half-deleted stays where it was."""
+    import yaml
+
+    (project / "parts.py").write_text(SEVEN_PARTS)
+    pipeline = yaml.safe_load((project / "dvc.yaml").read_text())
+    pipeline["stages"]["train_policy"] = {
+        "cmd": f"{PY} parts.py models/policy models/reward/model.txt",
+        "deps": ["parts.py", "models/reward/model.txt"],
+        "outs": ["models/policy"],
+    }
+    pipeline["stages"]["evaluate"] = _stage("evaluate", "metrics.json", ["models/policy"], metrics=True)
+    (project / "dvc.yaml").write_text(yaml.safe_dump(pipeline, sort_keys=False))
+    _git(project, "add", "-A")
+    _git(project, "commit", "-qm", "a folder output")
+    assert retrain(repo=str(project), push=False, return_state=True, **FAST).is_completed()
+    recorded = {p.name: p.read_bytes() for p in (project / "models/policy").iterdir()}
+    assert len(recorded) == 7
+
+    (project / "parts.py").write_text(SEVEN_PARTS + "# a change: train_policy is stale\n")
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(IMMUTABLE_FILE)
+    monkeypatch.setenv("PYTHONPATH", str(hooks))
+    # the last file rmtree reaches (the file system's listing order): DVC deletes the other six first
+    immutable = [entry.name for entry in os.scandir(project / "models/policy")][-1]
+    monkeypatch.setenv("RLHF_TEST_IMMUTABLE_NAME", immutable)
+
+    state = retrain(repo=str(project), retries=3, return_state=True, **FAST)
+
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert error.exit_code == 5 and "not retried" in str(error), str(error)
+    aside = project / ".dvc/tmp/incomplete/models/policy-1"
+    assert "models/policy: not as dvc.lock records it; moved whole to .dvc/tmp/incomplete/models/policy-1" in str(error)
+    assert [p.name for p in aside.iterdir()] == [immutable]  # what DVC could not delete
+    assert {p.name: p.read_bytes() for p in (project / "models/policy").iterdir()} == recorded
+    # stale because its code changed, nothing else: its output is whole again
+    status = json.loads(_dvc(project, "status", "--json", "train_policy").stdout)
+    assert status == {"train_policy": [{"changed deps": {"parts.py": "modified"}}]}, status
+
+
 def test_invalid_preferences_fail_the_run_before_any_stage(project: Path, tmp_path: Path):
     before = (project / "data/labels/preferences.jsonl").read_text()
     bad = tmp_path / "bad.jsonl"

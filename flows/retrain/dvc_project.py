@@ -145,6 +145,52 @@ def unsaved_outputs(root: Path, stage: str) -> list[str]:
     ]
 
 
+INCOMPLETE_DIR = Path(".dvc/tmp/incomplete")  # DVC ignores .dvc/tmp; git does too (.dvc/.gitignore)
+
+
+def put_back_recorded_outputs(root: Path, stage: str) -> list[str]:
+    """After ``dvc repro`` of ``stage`` failed for storage: each output of the stage that dvc.lock
+    records but the workspace no longer holds as recorded (DVC deleted part of it before it hit an
+    immutable or unwritable file, or could not finish a checkout) is moved whole to
+    ``.dvc/tmp/incomplete/PATH-N``, and the recorded version is checked out of DVC's cache in its place.
+    Nothing partial is left where an output was: the output is as dvc.lock says, or absent when the
+    cache cannot give it back. Returns one line per output it touched, for the failure message."""
+    from dvc.exceptions import DvcException
+
+    root = Path(root)
+    target = f"{root / 'dvc.yaml'}:{stage}"  # not relative to the cwd
+    with open_repo(root) as dvc_repo:
+        changed = {
+            path: state
+            for entries in dvc_repo.status(targets=[target]).values()
+            for entry in entries
+            if isinstance(entry, dict)
+            for path, state in (entry.get("changed outs") or {}).items()
+            if state in ("modified", "deleted")
+        }
+    lines = []
+    for path, state in changed.items():
+        where = root / path
+        if state == "modified" and where.exists():
+            number = 1 + sum(1 for _ in (root / INCOMPLETE_DIR / path).parent.glob(f"{where.name}-*"))
+            aside = root / INCOMPLETE_DIR / f"{path}-{number}"
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(where, aside)  # a rename of the whole output: works beside an immutable file inside it
+            lines.append(f"- {path}: not as dvc.lock records it; moved whole to {aside.relative_to(root)}")
+    if not changed:
+        return lines
+    try:
+        with open_repo(root) as dvc_repo:
+            dvc_repo.checkout(targets=[target], force=True)
+        lines.append(f"- {', '.join(changed)}: the version dvc.lock records is back in place, from DVC's cache")
+    except (DvcException, OSError) as error:
+        lines.append(
+            f"- {', '.join(changed)}: could not be checked out of DVC's cache ({error}); absent until "
+            f"`dvc checkout {stage}` succeeds"
+        )
+    return lines
+
+
 def workspace_metrics(root: Path) -> dict[str, dict[str, Any]]:
     """``{metrics file: {dotted.metric: value}}`` of the workspace, as DVC reads them."""
     from dvc.utils.flatten import flatten

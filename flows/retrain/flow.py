@@ -25,6 +25,7 @@ from flows.retrain.dvc_project import (
     dvc_command,
     is_stage_output,
     keep_lock_copy,
+    put_back_recorded_outputs,
     recover_unreadable_lock,
     restore_lock_copy,
     rlhf_command,
@@ -132,7 +133,14 @@ def reproduce_stage(repo: str, stage: str) -> dict[str, Any]:
         # leaves a truncated file (unreadable, or readable with records lost)
         restore_lock_copy(Path(repo), logger, had_lock)
         code = stage_exit_code(result)
-        raise StageFailed(stage_failure_message(stage, code, result.output, attempt), exit_code=code, stage=stage)
+        message = stage_failure_message(stage, code, result.output, attempt)
+        if code == StorageError.exit_code:
+            # DVC deletes a stage's outputs before running it and stops at the first file it cannot
+            # delete: put the recorded outputs back rather than leave part of one in place
+            put_back = put_back_recorded_outputs(Path(repo), stage)
+            if put_back:
+                message += "\nThe stage's outputs after the failure:\n" + "\n".join(put_back)
+        raise StageFailed(message, exit_code=code, stage=stage)
     # DVC can exit 0 after failing to save outputs to its cache ("No space left on device"):
     # dvc.lock then records outputs the cache does not hold, and a later checkout loses them
     unsaved = unsaved_outputs(Path(repo), stage)
