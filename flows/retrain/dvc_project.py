@@ -130,19 +130,24 @@ def stale_stages(root: Path) -> dict[str, Any]:
         return dvc_repo.status()
 
 
-def unsaved_outputs(root: Path, stage: str) -> list[str]:
-    """``stage``'s outputs that dvc.lock records but the workspace or DVC's cache does not hold as
-    recorded (``PATH: not in cache``, ``PATH: modified``): what a `dvc repro` that hit a full or
-    read-only cache leaves behind while it exits 0."""
+def changed_outputs(root: Path, stage: str) -> dict[str, str]:
+    """``{path: state}`` of ``stage``'s outputs that the workspace or DVC's cache does not hold as
+    dvc.lock records them (state: ``modified``, ``deleted``, ``not in cache``), from DVC's status."""
     with open_repo(root) as dvc_repo:
         status = dvc_repo.status(targets=[f"{Path(root) / 'dvc.yaml'}:{stage}"])  # not relative to the cwd
-    return [
-        f"{path}: {state}"
+    return {
+        path: state
         for entries in status.values()
         for entry in entries
         if isinstance(entry, dict)
         for path, state in (entry.get("changed outs") or {}).items()
-    ]
+    }
+
+
+def unsaved_outputs(root: Path, stage: str) -> list[str]:
+    """``PATH: state`` for each output of ``stage`` not held as recorded: what a `dvc repro` that hit a
+    full or read-only cache leaves behind while it exits 0."""
+    return [f"{path}: {state}" for path, state in changed_outputs(root, stage).items()]
 
 
 INCOMPLETE_DIR = Path(".dvc/tmp/incomplete")  # DVC ignores .dvc/tmp; git does too (.dvc/.gitignore)
@@ -158,30 +163,25 @@ def put_back_recorded_outputs(root: Path, stage: str) -> list[str]:
     from dvc.exceptions import DvcException
 
     root = Path(root)
-    target = f"{root / 'dvc.yaml'}:{stage}"  # not relative to the cwd
-    with open_repo(root) as dvc_repo:
-        changed = {
-            path: state
-            for entries in dvc_repo.status(targets=[target]).values()
-            for entry in entries
-            if isinstance(entry, dict)
-            for path, state in (entry.get("changed outs") or {}).items()
-            if state in ("modified", "deleted")
-        }
+    changed = {path: state for path, state in changed_outputs(root, stage).items() if state in ("modified", "deleted")}
+    if not changed:
+        return []
     lines = []
     for path, state in changed.items():
         where = root / path
         if state == "modified" and where.exists():
             number = 1 + sum(1 for _ in (root / INCOMPLETE_DIR / path).parent.glob(f"{where.name}-*"))
             aside = root / INCOMPLETE_DIR / f"{path}-{number}"
-            aside.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(where, aside)  # a rename of the whole output: works beside an immutable file inside it
+            try:
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(where, aside)  # a rename of the whole output: works beside an immutable file inside it
+            except OSError as error:  # e.g. the output on another file system than .dvc/tmp
+                lines.append(f"- {path}: not as dvc.lock records it, and could not be moved aside ({error})")
+                continue
             lines.append(f"- {path}: not as dvc.lock records it; moved whole to {aside.relative_to(root)}")
-    if not changed:
-        return lines
     try:
         with open_repo(root) as dvc_repo:
-            dvc_repo.checkout(targets=[target], force=True)
+            dvc_repo.checkout(targets=[f"{root / 'dvc.yaml'}:{stage}"], force=True)
         lines.append(f"- {', '.join(changed)}: the version dvc.lock records is back in place, from DVC's cache")
     except (DvcException, OSError) as error:
         lines.append(
