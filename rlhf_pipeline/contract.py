@@ -40,10 +40,9 @@ from rlhf_pipeline.preferences import (
     detect_format,
     display_names,
     sample_columns,
-    split_by_column,
+    split_rows,
     to_flat_frame,
 )
-from rlhf_pipeline.queries import split_indices
 
 INTEGER_TYPES = ["int", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "Int64", "Int32"]
 EXAMPLES = 3
@@ -454,14 +453,13 @@ class _DataSection(Strict):
     seed: Seed = 1  # the schema's default (params/schema.py)
 
 
-def train_rows_problem(frame, data: DataParams, seed: int, path: str) -> str | None:
-    """Why the ``preferences`` stage would refuse ``frame`` for too few train rows, or None: it
-    holds out ``data.queries.test_fraction`` of the rows (unless a ``split`` column says which),
-    and ``data.validation.min_rows`` applies to what is left for training."""
-    if "split" in frame.columns:
-        train, how = int((frame["split"].astype(str) == "train").sum()), "its split column marks"
+def train_rows_problem(train: int, by_column: bool, data: DataParams, path: str) -> str | None:
+    """Why the ``preferences`` stage would refuse a file with ``train`` train rows, or None: it
+    holds out ``data.queries.test_fraction`` of the rows (unless a ``split`` column says which:
+    ``by_column``), and ``data.validation.min_rows`` applies to what is left for training."""
+    if by_column:
+        how = "its split column marks"
     else:
-        train = len(split_indices(len(frame), data.queries.test_fraction, seed)[0]) if len(frame) >= 2 else 0
         how = f"the preferences stage holds out data.queries.test_fraction ({data.queries.test_fraction:g}), leaving"
     if train >= data.validation.min_rows:
         return None
@@ -498,11 +496,12 @@ def validate_file_cli(
     frame = read_table(path)
     if frame.empty and not len(frame.columns):
         raise DataContractError(f"{path} holds no rows.")
-    too_few = train_rows_problem(frame, data, seed, path)  # the stage's split rule, applied here too
-    if (
-        "split" in frame.columns
-    ):  # the same rule the preferences stage applies, so the CLI passes only what the stage takes
-        frame = pd.concat(split_by_column(frame, path).values(), ignore_index=True)
+    # the preferences stage's split rule, so that the CLI passes only what the stage takes
+    splits = split_rows(frame, path, data.queries.test_fraction, seed)
+    by_column = "split" in frame.columns
+    too_few = train_rows_problem(len(splits["train"]), by_column, data, path)
+    if by_column:  # validated as the stage sees it: without the split column (a random split keeps the file's rows)
+        frame = pd.concat(splits.values(), ignore_index=True)
     fmt = detect_format(frame, path)
     tokenizer = optional_tokenizer(tokenizer_dir)
     flat = to_flat_frame(frame, fmt, tokenizer, path)

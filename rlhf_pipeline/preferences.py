@@ -476,16 +476,21 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
     fmt = detect_format(first, source)
     if "all" not in frames:
         return frames, fmt
-    frame = frames["all"]
+    return split_rows(frames["all"], source, test_fraction, seed), fmt
+
+
+def split_rows(frame, source: str, test_fraction: float, seed: int) -> dict[str, pd.DataFrame]:  # noqa: F821
+    """The train and test rows of one user file: those its ``split`` column names, else a seeded
+    ``test_fraction`` held out at random (the rule ``rlhf validate-preferences`` applies too)."""
     if "split" in frame.columns:
-        return split_by_column(frame, source), fmt
+        return split_by_column(frame, source)
     if len(frame) < 2:
         raise DataContractError(f"{source}: at least 2 rows are needed to hold out a test split.")
     train_idx, test_idx = split_indices(len(frame), test_fraction, seed)
     return {
         "train": frame.iloc[train_idx].reset_index(drop=True),
         "test": frame.iloc[test_idx].reset_index(drop=True),
-    }, fmt
+    }
 
 
 def to_pairwise(columns) -> pd.DataFrame:  # noqa: F821
