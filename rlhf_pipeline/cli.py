@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_pipeline import __version__
+from rlhf_pipeline.environment import LOCK_FILE, environment_record, record_lines
 from rlhf_pipeline.errors import ParamsError, PipelineError, StorageError
 from rlhf_pipeline.io import atomic_file
 from rlhf_pipeline.params import read_params_file
@@ -65,6 +66,20 @@ def cmd_profile(args) -> int:
     print(
         f"{args.params} is now the {args.name} profile ({source}): run `dvc repro` (`dvc params diff` shows the change)"
     )
+    return 0
+
+
+def cmd_environment(args) -> int:
+    """The running environment against the lock: the record a model card gets; --check: exit 1 on a difference."""
+    record = environment_record(args.root)
+    print("\n".join(line.removeprefix("- ") for line in record_lines(record)))
+    if args.check and (record["lock_sha256"] is None or record["differs_from_lock"]):
+        print(
+            f"rlhf environment: the installed packages are not {Path(args.root, LOCK_FILE)}: run `make setup` "
+            "(it installs exactly the lock), or `make lock` after changing pyproject.toml.",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -137,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help="cpu (the shipped default), tiny (a quick look), reference (GPU)")
     p.add_argument("--params", default="params.yaml")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser(
+        "environment", help="the installed packages against requirements.lock (what each model card records)"
+    )
+    p.add_argument("--root", default=".", help="the project holding requirements.lock")
+    p.add_argument("--check", action="store_true", help="exit 1 when a package differs from the lock")
+    p.set_defaults(func=cmd_environment)
 
     p = sub.add_parser(
         "validate-preferences", help="run the Great Expectations contract on a preference file (either format)"

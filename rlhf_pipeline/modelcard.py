@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from rlhf_pipeline.environment import environment_record, record_lines
 from rlhf_pipeline.io import atomic_file, content_hash
 
 CARD = "README.md"
@@ -122,6 +123,7 @@ def write_card(
     base = read_card(base_dir)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     hashes = {str(p): content_hash(p) for p in inputs if Path(p).exists()}
+    environment = environment_record()
     # a mean-pooling reward model has no transformers class (rlhf_pipeline.reward loads it)
     transformers_class = kind != "reward" or reward_pooling == "last"
     metadata = {
@@ -140,6 +142,7 @@ def write_card(
         "lineage": {
             "base_model_dir": base_dir,
             "inputs": hashes,
+            "environment": environment,
         },
         **(extra_metadata or {}),
     }
@@ -148,6 +151,7 @@ def write_card(
         "- task: " + ("chat (prompts in the tokenizer's chat template)" if chat_template else "continuation"),
     ]
     lineage += [f"- input `{p}`: sha256 `{h}`" for p, h in hashes.items()]
+    lineage += record_lines(environment)
     evaluation = [f"- `{k}`: {v:.4f}" if isinstance(v, float) else f"- `{k}`: {v}" for k, v in metrics.items()]
     body = [f"# {title}", "", summary.strip(), "", "## Usage", "", usage_snippet(target, kind, reward_pooling), ""]
     body += ["## Training procedure and hyperparameters", "", "```yaml"]

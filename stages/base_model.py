@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
+from rlhf_pipeline.environment import environment_record, record_lines
 from rlhf_pipeline.io import atomic_dir
 from rlhf_pipeline.modelcard import hub_id, save_card, usage_snippet
 from rlhf_pipeline.models import count_parameters, save_tokenizer, set_dropout
@@ -47,6 +48,7 @@ def main(params: Params) -> None:
             "pad_token": cfg.pad_token,
             "pad_token_id": pad_id,
             "eos_token_id": tokenizer.eos_token_id,
+            "lineage": {"environment": environment_record()},
         }
         body = f"""# Base model
 
@@ -59,6 +61,10 @@ Materialised by the `base_model` stage from `{cfg.source}` as fp32 safetensors.
 - Source sha256: `{provenance.get("source_sha256")}` (a local folder: over every file in it)
 
 This is the frozen reference policy for PPO and the initialisation of the reward model and policy.
+
+## Lineage
+
+{chr(10).join(record_lines(metadata["lineage"]["environment"]))}
 
 ## Usage
 

@@ -43,7 +43,7 @@ def chat_rows(n: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def chat_project(tmp_path_factory, tiny_chat_base_dir):
     root = tmp_path_factory.mktemp("chat_e2e")
-    for item in ("dvc.yaml", "stages", "rlhf_pipeline", "data/raw", ".dvcignore"):
+    for item in ("dvc.yaml", "requirements.lock", "stages", "rlhf_pipeline", "data/raw", ".dvcignore"):
         source = REPO / item
         if source.is_dir():
             shutil.copytree(source, root / item, ignore=shutil.ignore_patterns("__pycache__"))

@@ -90,7 +90,8 @@ def sh(args, cwd, check=True, timeout=900, **extra_env):
 def build_project(root: Path, model_dir: Path, params_overrides: dict) -> Path:
     """A fresh git + DVC project at ``root`` with this repo's pipeline, ``model_dir`` as the local
     base-model source and TINY_PARAMS updated with ``params_overrides`` (every key spelled out)."""
-    for item in ("dvc.yaml", "stages", "rlhf_pipeline", "data/labels", "data/raw", "data/models", ".dvcignore"):
+    copied = ("dvc.yaml", "requirements.lock", "stages", "rlhf_pipeline", "data/labels", "data/raw", "data/models")
+    for item in (*copied, ".dvcignore"):
         source = REPO / item
         if source.is_dir():
             shutil.copytree(source, root / item, ignore=shutil.ignore_patterns("__pycache__"))
