@@ -83,6 +83,37 @@ def cmd_environment(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    """The registry: list the versions, run the promotion gate, assign a stage, fetch a version."""
+    import json
+
+    from rlhf_pipeline import versions  # loads GTO (and, for the gate, torch): only when this command runs
+
+    root = Path(args.root)
+    if args.action == "gate":
+        result = versions.gate(root, args.params)
+        print(json.dumps(result, indent=2, default=str) if args.json else result["markdown"] or result["outcome"])
+        return 0
+    if args.action == "assign":
+        if not args.name or not args.version:
+            raise PipelineError("rlhf models assign NAME VERSION [--stage STAGE]: name the artifact and the version.")
+        version = versions.assign_stage(root, args.name, args.version, args.stage)
+        print(f"{args.name}@{version.version} is now {args.stage} (commit {version.commit[:12]})")
+        return 0
+    if args.action == "get":
+        if not args.name or not args.out:
+            raise PipelineError(
+                "rlhf models get NAME [VERSION | --from-stage STAGE] -o DIR: name the artifact and DIR."
+            )
+        with writing(args.out):
+            got = versions.fetch(root, args.name, args.version, args.stage_filter, args.out)
+        print(f"{got['out']}: {got['artifact']}@{got['version']} ({got['files_checked']} files match its SHA256SUMS)")
+        return 0
+    rows = versions.listing(root)
+    print(json.dumps(rows, indent=2, default=str) if args.json else versions.render_listing(rows))
+    return 0
+
+
 def cmd_validate_preferences(args) -> int:
     from rlhf_pipeline.contract import validate_file_cli  # loads Great Expectations: only when this command runs
 
@@ -91,12 +122,29 @@ def cmd_validate_preferences(args) -> int:
 
 
 def cmd_lineage(args) -> int:
-    from rlhf_pipeline.lineage.render import lineage_cli  # loads DVC's repo: only when this command runs
-    from rlhf_pipeline.lineage.verify import verify_cli  # the same
+    import json
 
+    from rlhf_pipeline.lineage.diff import diff_versions, render_diff  # loads DVC's repo: only when this runs
+    from rlhf_pipeline.lineage.render import lineage_cli  # the same
+    from rlhf_pipeline.lineage.verify import verify_cli  # the same
+    from rlhf_pipeline.registry import declared_artifacts, resolve  # loads GTO: the same
+
+    if args.diff:
+        result = diff_versions(args.root, *args.diff, namespace=args.namespace)
+        print(json.dumps(result, indent=2, default=str) if args.json else render_diff(result))
+        return 0
+    if not args.path:
+        raise PipelineError("rlhf lineage PATH (or NAME@VERSION, or --diff A B): name what to trace.")
+    path, rev = args.path, args.rev
+    name = path.split("@")[0].split("#")[0]
+    if ("@" in path or "#" in path) and not Path(path).exists() and name in declared_artifacts(args.root):
+        version = resolve(args.root, path)  # a registry version: its artifact at its commit
+        path, rev = str(Path(args.root, declared_artifacts(args.root)[name]["path"])), version.commit
     if args.verify:
-        return verify_cli(args.path)
-    return lineage_cli(args.path, as_json=args.json, namespace=args.namespace)
+        if rev:
+            raise PipelineError("--verify checks the workspace's bytes; it takes no revision or version.")
+        return verify_cli(path)
+    return lineage_cli(path, as_json=args.json, namespace=args.namespace, rev=rev)
 
 
 @contextmanager
@@ -161,6 +209,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_environment)
 
     p = sub.add_parser(
+        "models",
+        help="the model registry (GTO tags): list versions with metrics, the promotion gate, assign a stage, fetch",
+    )
+    p.add_argument(
+        "action",
+        nargs="?",
+        default="list",
+        choices=["list", "gate", "assign", "get"],
+        help="list (default); gate: register HEAD's policy and promote it if the rule in promotion.* holds; "
+        "assign NAME VERSION: give VERSION a stage (a rollback); get NAME: fetch a version's bytes, checked",
+    )
+    p.add_argument("name", nargs="?", help="the artifact (policy, reward-model)")
+    p.add_argument("version", nargs="?", help="assign, get: the version (v2 or v2.0.0; get: default latest)")
+    p.add_argument("--stage", default="prod", help="assign: the stage to give (default prod)")
+    p.add_argument("--root", default=".", help="the project (a git + DVC repository)")
+    p.add_argument("--params", default="params.yaml", help="gate: the rule is promotion.* here")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--from-stage", dest="stage_filter", default=None, help="get: the version assigned this stage")
+    p.add_argument("-o", "--out", default=None, help="get: the folder to write (must not exist)")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser(
         "validate-preferences", help="run the Great Expectations contract on a preference file (either format)"
     )
     p.add_argument("path")
@@ -174,7 +244,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "lineage", help="which stage, params, inputs, commit and metrics produced a DVC-tracked artifact"
     )
-    p.add_argument("path")
+    p.add_argument("path", nargs="?", help="an artifact path, or a registry version (policy@v2, policy#prod)")
+    p.add_argument("--rev", default=None, help="read PATH as git revision REV recorded it (nothing is checked out)")
+    p.add_argument(
+        "--diff",
+        nargs=2,
+        metavar=("A", "B"),
+        help="what changed from A to B (versions such as policy@v1, or PATH@REV): preference rows, params, "
+        "code, packages, metrics",
+    )
+    p.add_argument("--root", default=".", help="the project, for registry versions and --diff")
     p.add_argument("--json", action="store_true", help="emit an OpenLineage-shaped run event")
     p.add_argument(
         "--namespace",

@@ -101,9 +101,9 @@ def main(params: Params) -> None:
     best = max(points, key=lambda p: p["gold"] if p["gold"] is not None else p["proxy"])
 
     OUT.mkdir(exist_ok=True)
-    rows = []
     decode = lambda ids: tokenizer.decode([i for i in ids if i != tokenizer.pad_token_id], skip_special_tokens=True)  # noqa: E731
-    for i in range(min(cfg.num_table_rows, len(queries))):
+    rows = []  # every held-out query: the promotion gate pairs versions on these (rlhf models gate)
+    for i in range(len(queries)):
         rows.append(
             {
                 "query": decode(queries[i].tolist()),
@@ -113,8 +113,12 @@ def main(params: Params) -> None:
                 "policy_proxy": round(policy_set.proxy[i].item(), 4),
                 "base_gold": None if base_set.gold is None else round(float(base_set.gold[i]), 4),
                 "policy_gold": None if policy_set.gold is None else round(float(policy_set.gold[i]), 4),
+                "kl": round(policy_set.kl[i].item(), 4),
             }
         )
+    with atomic_file(OUT / "responses.jsonl", "w") as handle:
+        handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    rows = [{k: v for k, v in row.items() if k != "kl"} for row in rows[: cfg.num_table_rows]]
     with atomic_file(OUT / "samples.csv", "w") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()

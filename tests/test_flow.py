@@ -567,3 +567,53 @@ def test_damaged_bytes_are_never_pushed(project: Path, tmp_path: Path):
     assert state.is_failed()
     assert "nothing was pushed" in state.message and str(cached) in state.message
     assert not (tmp_path / "remote").exists() or not any((tmp_path / "remote").rglob("*"))
+
+
+# --------------------------------------------------------------------------------------------
+# the promotion gate inside the flow, on the tiny pipeline
+# --------------------------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(tmp_path, tiny_base_dir):
+    import yaml
+    from test_pipeline_e2e import build_project, sh
+
+    root = build_project(tmp_path / "tiny", tiny_base_dir, {})
+    sh(["dvc", "repro"], root)
+    sh(["git", "add", "-A"], root)
+    sh(["git", "commit", "-qm", "first run"], root)
+
+    def set_params(**sections) -> None:
+        params = yaml.safe_load((root / "params.yaml").read_text())
+        for section, values in sections.items():
+            params[section].update(values)
+        (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        sh(["git", "commit", "-qam", "params"], root)
+
+    def run() -> tuple[dict, dict]:
+        state = retrain(repo=str(root), push=False, return_state=True, **FAST)
+        assert state.is_completed(), state.message
+        return state.result(), _artifacts(state.state_details.flow_run_id)
+
+    def prod() -> str:
+        return sh(["gto", "show", "policy#prod", "--ref"], root, check=False).stdout.strip()
+
+    # the first version meets the base model; a loose rule promotes it
+    set_params(promotion={"max_kl": None, "tolerance_se": 1000.0, "min_queries": 2})
+    report, artifacts = run()
+    assert report["promotion"] == "policy@v1.0.0 assigned prod (with reward-model@v1.0.0)"
+    decision = artifacts["promotion-decision"].data
+    assert "policy@v1.0.0 promoted to prod" in decision and "Compared with: base model" in decision
+    assert "Promotion gate: policy@v1.0.0 assigned prod" in artifacts["retrain-summary"].data
+    assert prod() == "policy@v1.0.0"
+    # nothing new: no version, prod kept
+    report, _ = run()
+    assert "no new version" in report["promotion"] and prod() == "policy@v1.0.0"
+    # a retrain past a tight KL budget: registered, not promoted, and the run still completes
+    set_params(ppo={"lr": 3.0e-4}, promotion={"max_kl": 1.0e-9})
+    report, artifacts = run()
+    assert report["status"] == "reproduced train_policy, evaluate"
+    assert report["recorded"].startswith("committed ")
+    assert "prod stays policy@v1.0.0; policy@v2.0.0 is registered, not promoted" == report["promotion"]
+    assert "not promoted: prod is unchanged" in artifacts["promotion-decision"].data
+    assert prod() == "policy@v1.0.0"
+    assert sh(["git", "status", "--porcelain", "--", "dvc.lock", "metrics", "evaluation"], root).stdout == ""

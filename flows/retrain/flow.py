@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 import shutil
 import tempfile
@@ -11,6 +12,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.runtime import task_run as task_run_runtime
@@ -48,6 +50,8 @@ from rlhf_pipeline.lineage.verify import verify_paths
 from rlhf_pipeline.params import format_validation_error
 from rlhf_pipeline.params.schedule import ScheduleParams
 from rlhf_pipeline.params.schema import load_params
+from rlhf_pipeline.registry import declared_artifacts
+from rlhf_pipeline.versions import POLICY, RUN_RECORD
 
 DEPLOYMENT_NAME = "retrain-schedule"
 DEFAULT_PREFERENCES_TARGET = "data/labels/preferences.jsonl"
@@ -250,6 +254,40 @@ def ingest_preferences(repo: str, incoming: str, target: str, validate_command: 
     return {"source": str(source), "target": target, "changed": not unchanged, "tracked": tracked}
 
 
+@task(name="record-run", cache_policy=NO_CACHE)
+def record_run(repo: str, status: str) -> str:
+    """Commit what git keeps of the run (dvc.lock, metrics/, evaluation/ and the .dvc files DVC
+    staged): a registry version is a commit, so the gate registers this one."""
+    root = Path(repo)
+    paths = [p for p in RUN_RECORD if (root / p).exists()]
+    capture(["git", "add", "--", *paths], root)
+    staged = capture(["git", "diff", "--cached", "--name-only"], root).output.split()
+    if not staged:
+        return "nothing new to commit"
+    result = capture(["git", "commit", "-q", "-m", f"retrain: {status}", "--", *sorted(set(staged))], root)
+    if result.returncode != 0:
+        raise RetrainError(f"git commit of the run's record failed:\n{result.stderr.strip() or result.output.strip()}")
+    head = capture(["git", "rev-parse", "--short", "HEAD"], root).output.strip()
+    return f"committed {len(staged)} file(s) as {head}"
+
+
+@task(name="promotion-gate", cache_policy=NO_CACHE)
+def promotion_gate(repo: str) -> dict[str, Any]:
+    """``rlhf models gate``: register the new policy and assign it prod only if the rule in
+    ``promotion.*`` holds; the decision is a markdown artifact. A rejected challenger is a
+    result, not a failure."""
+    result = capture(rlhf_command("models", "gate", "--json"), Path(repo), timeout=3600)
+    if result.returncode != 0:
+        details = "\n".join(part.strip() for part in (result.output, result.stderr) if part.strip())
+        raise RetrainError(f"the promotion gate failed (exit {result.returncode}):\n{details}", result.returncode)
+    decision = json.loads(result.output)
+    if decision.get("markdown"):
+        create_markdown_artifact(
+            markdown=decision["markdown"], key="promotion-decision", description=decision["outcome"]
+        )
+    return decision
+
+
 @task(name="dvc-push", retries=3, retry_delay_seconds=exponential_backoff(30), cache_policy=NO_CACHE)
 def dvc_push(repo: str, remote_args: list[str]) -> str:
     logger = get_run_logger()
@@ -323,6 +361,10 @@ def retrain(
                     report["stages"].append(repro(str(root), stage))
                 ran = [s["stage"] for s in report["stages"] if s["result"] == "ran"]
                 report["status"] = f"reproduced {', '.join(ran)}" if ran else "all stages up to date"
+            if POLICY in declared_artifacts(root):
+                report["recorded"] = record_run(str(root), report["status"])
+                gate = promotion_gate(str(root))
+                report["promotion"] = gate["outcome"]
             if push:
                 target = configured_remote(root, remote)
                 if target is None:

@@ -58,6 +58,10 @@ def publish_summary(
             f"- Ingested `{ingested['source']}` -> `{ingested['target']}` "
             f"({'new data' if ingested['changed'] else 'same as before'}; {ingested['tracked']})"
         )
+    if report.get("recorded"):
+        lines.append(f"- Recorded in git: {report['recorded']}")
+    if report.get("promotion"):
+        lines.append(f"- Promotion gate: {report['promotion']} (artifact `promotion-decision`)")
     lines.append(f"- Push: {report.get('push', 'not attempted')}")
     if report["stages"]:
         lines += ["", "## Stages", "", "| Stage | Result | Attempts |", "|---|---|---|"]

@@ -42,11 +42,12 @@ def namespace_of(git: dict[str, Any], configured: str | None = None) -> str:
     return record.remote_namespace(git["url"]) if git.get("url") else LOCAL_NAMESPACE
 
 
-def build_lineage(path: str | os.PathLike, namespace: str | None = None) -> dict[str, Any]:
-    """The OpenLineage RunEvent for the stage run that produced ``path`` (``namespace``: see ``namespace_of``)."""
+def build_lineage(path: str | os.PathLike, namespace: str | None = None, rev: str | None = None) -> dict[str, Any]:
+    """The OpenLineage RunEvent for the stage run that produced ``path`` (``namespace``: see ``namespace_of``),
+    as the workspace has it, or as git revision ``rev`` recorded it (nothing checked out)."""
     from dvc.lock import LockError
 
-    repo, rel = record.open_repo(path)
+    repo, rel = record.open_repo(path, rev)
     if not list(repo.index.stages):
         raise PipelineError(
             f"{path} has no recorded lineage: there is no dvc.lock (nor any .dvc file) in {repo.root_dir}. "
@@ -55,6 +56,8 @@ def build_lineage(path: str | os.PathLike, namespace: str | None = None) -> dict
     found = record.producer_of(repo, rel)
     if found is None:
         raise PipelineError(record.not_produced_message(repo, str(path), rel))
+    if rev:  # git's tree at a commit: no workspace to lock
+        return _event(repo, *found, rel, namespace)
     try:
         with repo.lock:  # DVC's stage status needs it; held only while reading
             return _event(repo, *found, rel, namespace)
@@ -69,7 +72,7 @@ def _event(repo, stage, out, rel: str, configured_namespace: str | None) -> dict
     recorded_in = record.record_file(stage)
     order = record.upstream_stages(repo, stage)
     params_files = sorted({record.repo_path(repo, d) for s in order for d in record.params_deps(s)})
-    git = record.git_facts(repo.root_dir, recorded_in, params_files)
+    git = record.git_facts(record.project_root(repo), recorded_in, params_files, record.revision(repo))
     namespace = namespace_of(git, configured_namespace)
     job_facets = {"sourceCode": facet("SourceCodeJobFacet", language="shell", sourceCode=_command(repo, stage, out))}
     if git.get("url"):  # only a remote others can reach: a local checkout's path means nothing elsewhere
@@ -123,7 +126,7 @@ def _run_facets(repo, stage, order: list, artifact: dict, git: dict) -> dict[str
         ),
         "paramsDiff": facet("ParamsDiffRunFacet", changes=changed),
         "git": facet("GitRunFacet", **git),
-        "environment": facet("EnvironmentRunFacet", **facts.environment(repo.root_dir, card_paths)),
+        "environment": facet("EnvironmentRunFacet", **facts.environment(repo, card_paths)),
         "metrics": facet("MetricsRunFacet", files=facts.read_metrics(repo, metrics)),
         "upstreamMetrics": facet("MetricsRunFacet", files=facts.read_metrics(repo, upstream)),
         "stale": facet("StaleRunFacet", stale=modified or bool(reasons), artifactModified=modified, reasons=reasons),

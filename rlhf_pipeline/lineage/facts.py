@@ -11,8 +11,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.lineage.record import is_under, repo_path, stage_name
-from rlhf_pipeline.modelcard import CARD, read_card
+from rlhf_pipeline.environment import LOCK_FILE, compare, environment_record
+from rlhf_pipeline.lineage.record import is_under, project_root, read_text, repo_path, revision, stage_name
+from rlhf_pipeline.modelcard import CARD
 
 PACKAGES = ("torch", "transformers", "datasets", "dvc", "prefect")
 VALIDATION_SUMMARY = "data/validation/summary.json"
@@ -22,15 +23,20 @@ BASE_MODEL_KEYS = ("source", "source_sha256", "source_file", "base_model", "revi
 MODEL_CARD_KEYS = ("base_model", "library_name", "device", "license", "task_mode", "chat_template_sha256")
 
 
-def card_metadata(root: str, path: str) -> tuple[str, dict] | None:
-    """(the card's path, its metadata) when ``path`` is a model folder with a README.md card, or the card itself."""
-    target = Path(root, path)
-    folder = target if target.is_dir() else target.parent if target.name == CARD else None
+def card_metadata(repo, path: str) -> tuple[str, dict] | None:
+    """(the card's path, its metadata) when ``path`` is a model folder with a README.md card, or the
+    card itself; read as ``repo`` sees it (the workspace, or DVC's cache at a revision)."""
+    from huggingface_hub import ModelCard
+
+    card = path if Path(path).name == CARD else f"{path.rstrip('/')}/{CARD}"
+    text = read_text(repo, card)
+    if not text or not text.startswith("---"):
+        return None
     try:
-        found = read_card(folder) if folder is not None else None
+        found = ModelCard(text).data.to_dict()
     except Exception:  # a damaged card must not hide the rest of the lineage
         return None
-    return ((folder / CARD).relative_to(root).as_posix(), found) if found else None
+    return (card, found) if found else None
 
 
 def read_metrics(repo, paths: list[str]) -> dict[str, Any]:
@@ -50,9 +56,12 @@ def preference_facts(repo, metrics_files: list[str]) -> dict[str, Any]:
             rows, source = sum(counts), path
             break
     validation: dict[str, Any] = {"summary": VALIDATION_SUMMARY, "success": None}
-    summary = Path(repo.root_dir, VALIDATION_SUMMARY)
-    if summary.is_file():
-        verdict = json.loads(summary.read_text()).get("success")
+    summary = read_text(repo, VALIDATION_SUMMARY)
+    if summary is not None:
+        try:
+            verdict = json.loads(summary).get("success")
+        except (ValueError, AttributeError):
+            verdict = None
         validation["success"] = verdict if isinstance(verdict, bool) else None
     else:
         validation["note"] = "no validation summary"
@@ -62,7 +71,7 @@ def preference_facts(repo, metrics_files: list[str]) -> dict[str, Any]:
 def annotate(repo, path: str, producer) -> dict[str, Any]:
     """Facts about known kinds of artifact: a base model's provenance, another model's card, preference data."""
     notes: dict[str, Any] = {}
-    if card := card_metadata(repo.root_dir, path):
+    if card := card_metadata(repo, path):
         where, found = card
         is_base = "source" in found or "source_sha256" in found or path == BASE_MODEL_DIR
         keys = BASE_MODEL_KEYS if is_base else MODEL_CARD_KEYS
@@ -76,8 +85,30 @@ def annotate(repo, path: str, producer) -> dict[str, Any]:
     return notes
 
 
-def environment(root: str, card_paths: list[str]) -> dict[str, Any]:
-    """Package versions and the device: the one a model card records, else this machine's."""
+def lock_texts(root: str) -> dict[str, str]:
+    """``{sha256: text}`` of the workspace's lock and of every version git history holds of it."""
+    import hashlib
+    import subprocess
+
+    texts = {}
+    blobs = [Path(root, LOCK_FILE).read_bytes()] if Path(root, LOCK_FILE).is_file() else []
+    log = subprocess.run(
+        ["git", "log", "--format=%H", "--all", "--", LOCK_FILE], cwd=root, capture_output=True, text=True
+    )
+    for commit in log.stdout.split() if log.returncode == 0 else []:
+        shown = subprocess.run(["git", "show", f"{commit}:{LOCK_FILE}"], cwd=root, capture_output=True)
+        if shown.returncode == 0:
+            blobs.append(shown.stdout)
+    for blob in blobs:
+        texts.setdefault(hashlib.sha256(blob).hexdigest(), blob.decode("utf-8", "replace"))
+    return texts
+
+
+def environment(repo, card_paths: list[str]) -> dict[str, Any]:
+    """The running environment (package versions, the lock it is installed from) and the device;
+    with the environment the artifact's model card records and how the two differ (``comparison``:
+    ``same`` false means the running packages are not the ones that made the artifact)."""
+    root = project_root(repo)
     env: dict[str, Any] = {}
     for package in PACKAGES:
         try:
@@ -85,9 +116,17 @@ def environment(root: str, card_paths: list[str]) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             env[package] = "not installed"
     env["python"] = platform.python_version()
-    for card in filter(None, (card_metadata(root, path) for path in card_paths)):
+    running = environment_record(root)
+    env["running"] = running
+    cards = [card for card in (card_metadata(repo, path) for path in dict.fromkeys(card_paths)) if card]
+    recorded = next((c[1].get("lineage", {}).get("environment") for c in cards if c[1].get("lineage")), None)
+    env["recorded"] = recorded
+    env["comparison"] = compare(recorded or {}, running, lock_texts(root))
+    for card in cards:
         if card[1].get("device"):
             return {**env, "device": str(card[1]["device"]), "deviceSource": card[0]}
+    if revision(repo):
+        return {**env, "device": "unknown", "deviceSource": "no model card at that revision"}
     import torch
 
     return {

@@ -40,8 +40,46 @@ def lock_problem(root: str) -> str | None:
     return None
 
 
-def open_repo(path: str | os.PathLike):
-    """The DVC repo holding ``path`` and ``path`` relative to its root (a ``.dvc`` file stands for what it tracks)."""
+def revision(repo) -> str | None:
+    """The commit a repo opened at a git revision reads (``Repo(root, rev=...)``); None for the workspace.
+
+    At a revision every entry is as that commit's dvc.lock recorded it: nothing is compared with
+    the workspace, files inside outputs are read from DVC's cache (``repo.dvcfs``)."""
+    from dvc.fs import GitFileSystem
+
+    return repo.fs.rev if isinstance(repo.fs, GitFileSystem) else None
+
+
+def project_root(repo) -> str:
+    """The project's folder on disk (a repo opened at a revision has ``/`` as its root_dir)."""
+    return repo.scm.root_dir if revision(repo) else repo.root_dir
+
+
+def read_text(repo, path: str) -> str | None:
+    """A file of the project as the repo sees it: the workspace's, or (at a revision) git's or
+    DVC's cache's at that commit; None when it is not there."""
+    try:
+        if revision(repo):
+            with repo.dvcfs.open(path, "r") as handle:
+                return handle.read()
+        return Path(repo.root_dir, path).read_text(errors="replace")
+    except (OSError, ValueError):
+        return None
+    except Exception:  # DVC: an object missing from the cache at that revision
+        return None
+
+
+def resolve_rev(root: str, rev: str) -> str:
+    """The commit ``rev`` names (a branch, tag, sha, ``HEAD~2``); PipelineError when git knows none."""
+    commit = git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    if not commit:
+        raise PipelineError(f"--rev {rev}: git knows no such revision in {root} (a branch, tag or commit).")
+    return commit
+
+
+def open_repo(path: str | os.PathLike, rev: str | None = None):
+    """The DVC repo holding ``path`` and ``path`` relative to its root (a ``.dvc`` file stands for what it tracks);
+    at git revision ``rev`` (nothing is checked out: DVC reads that commit's files through git) when given."""
     from dvc.exceptions import NotDvcRepoError
     from dvc.repo import Repo
     from dvc.scm import SCMError
@@ -58,7 +96,7 @@ def open_repo(path: str | os.PathLike):
     rel = Path(os.path.relpath(absolute, root)).as_posix()
     if rel == ".." or rel.startswith("../"):
         raise PipelineError(f"{path} is outside the DVC repository at {root}.")
-    if problem := lock_problem(root):
+    if not rev and (problem := lock_problem(root)):
         raise PipelineError(
             f"{Path(root, LOCK_FILE)} cannot be read by DVC ({problem}): a dvc command was probably killed while "
             f"rewriting it. Restore the last committed one with `git checkout -- {LOCK_FILE}` (or the retrain "
@@ -66,8 +104,10 @@ def open_repo(path: str | os.PathLike):
             "since rerun, or come back from DVC's run cache."
         )
     try:
-        repo = Repo(root)
+        repo = Repo(root, rev=resolve_rev(root, rev)) if rev else Repo(root)
     except SCMError:  # DVC outside git (its config not saying so): read what DVC has, git facts stay empty
+        if rev:
+            raise PipelineError(f"--rev {rev}: {root} is not a git repository, so it has no revisions.") from None
         repo = Repo(root, uninitialized=True)
     tracker = next((s for s in repo.index.stages if s.is_data_source and s.path_in_repo == rel), None)
     return repo, (repo_path(repo, tracker.outs[0]) if tracker else rel)
@@ -146,6 +186,8 @@ def file_params_changed(repo, dep) -> dict[str, dict[str, Any]]:
     """:func:`params_changed` for one params file (``dep``, a params dependency)."""
     from dvc.utils.diff import diff
 
+    if revision(repo):  # a revision's record is what it is: `rlhf lineage --diff` compares two
+        return {}
     name = repo_path(repo, dep)
     current = {"data": dep.read_params() if Path(dep.fs_path).is_file() else {}}
     changes = diff({name: {"data": dep.hash_info.value or {}}}, {name: current}).get(name, {})
@@ -192,7 +234,9 @@ def entry_check(repo, entry) -> dict[str, Any]:
     """How an out or file dep compares with ``dvc.lock``: status ok / modified / missing / unknown."""
     locked = entry.hash_info.value if entry.hash_info else None
     result: dict[str, Any] = {"path": repo_path(repo, entry), "locked": locked, "workspace": locked, "status": "ok"}
-    if not entry.exists:
+    if revision(repo):
+        result.update(workspace=None, status="recorded")
+    elif not entry.exists:
         result.update(workspace=None, status="missing")
     elif not locked:
         result.update(workspace=entry.get_hash().value, status="unknown")
@@ -211,6 +255,8 @@ def inner_file_check(repo, out, rel: str) -> dict[str, Any]:
         found = recorded.get(key)  # a file; a folder is a subtree, hashed as DVC hashes directories
         subtree = None if found else recorded.get_obj(out.cache, key)
         locked = found[1].value if found else subtree.hash_info.value if subtree else None
+    if revision(repo):
+        return {"locked": locked, "workspace": None, "status": "recorded"}
     current = _workspace_tree(out, str(Path(repo.root_dir, rel)))
     current = current.hash_info.value if current is not None else None
     if recorded is None:
@@ -223,7 +269,9 @@ def inner_file_check(repo, out, rel: str) -> dict[str, Any]:
 
 
 def stage_reasons(repo, stage) -> list[str]:
-    """Why ``dvc repro`` would run the stage again, from DVC's own stage status."""
+    """Why ``dvc repro`` would run the stage again, from DVC's own stage status (none at a revision)."""
+    if revision(repo):
+        return []
     reasons = []
     for item in next(iter(stage.status().values()), []):
         if isinstance(item, str):
@@ -267,7 +315,12 @@ def produced_at(stage) -> str:
     """When the stage run that wrote ``stage``'s outputs finished: the newest modification time among its
     output files (a .dvc file's: the tracked data's), else the record file's; ISO 8601 in UTC.
 
-    The artifact is the evidence: the time a lineage report is asked for says nothing about the run."""
+    The artifact is the evidence: the time a lineage report is asked for says nothing about the run.
+    At a revision (no files on disk), the time of the commit that recorded the run."""
+    if rev := revision(stage.repo):
+        committed = git(project_root(stage.repo), "log", "-1", "--format=%ct", rev)
+        moment = dt.datetime.fromtimestamp(int(committed or 0), dt.UTC)
+        return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
     times = []
     for out in stage.outs:
         top = Path(out.fs_path)
@@ -309,10 +362,21 @@ def remote_namespace(uri: str) -> str:
     return f"dvc://{parsed.hostname}{path}"
 
 
-def git_facts(root: str, recorded_in: str, params_files: list[str]) -> dict[str, Any]:
-    """The last commit that changed the lock (or .dvc) file, and whether the tree moved on since.
+def git_facts(root: str, recorded_in: str, params_files: list[str], rev: str | None = None) -> dict[str, Any]:
+    """The last commit that changed the lock (or .dvc) file, and whether the tree moved on since
+    (at revision ``rev``: the last such commit up to ``rev``, and the revision itself).
 
     ``url`` is the origin remote as a shareable URI, or None: a local path is never reported."""
+    if rev is not None:
+        return {
+            "recordFile": recorded_in,
+            "commit": git(root, "log", "-1", "--format=%H", rev, "--", recorded_in) or None,
+            "revision": rev,
+            "committedAt": git(root, "log", "-1", "--format=%cI", rev),
+            "url": shareable_remote(git(root, "config", "--get", "remote.origin.url")),
+            "dirty": False,
+            "note": "read at a git revision: nothing was compared with the workspace",
+        }
     if git(root, "rev-parse", "--is-inside-work-tree") is None:
         return {
             "recordFile": recorded_in,

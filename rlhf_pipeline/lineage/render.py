@@ -9,7 +9,13 @@ from rlhf_pipeline.lineage.event import build_lineage
 from rlhf_pipeline.lineage.facts import PACKAGES
 from rlhf_pipeline.lineage.record import files_note, show
 
-STATUS_WORDS = {"ok": "up to date", "modified": "MODIFIED", "missing": "MISSING", "unknown": "not hashed"}
+STATUS_WORDS = {
+    "ok": "up to date",
+    "modified": "MODIFIED",
+    "missing": "MISSING",
+    "unknown": "not hashed",
+    "recorded": "as recorded",
+}
 
 
 def _status(entry: dict) -> str:
@@ -51,7 +57,10 @@ def _summary(event: dict[str, Any]) -> list[str]:
     workspace = _status(artifact)
     if artifact["status"] == "modified" and artifact.get("workspaceHash"):
         workspace += f"; workspace md5 {artifact['workspaceHash']}"
-    lines += [f"  workspace    {workspace}", f"  run id       {event['run']['runId']}", _git_line(run["git"])]
+    git = run["git"]
+    lines += [f"  workspace    {workspace}", f"  run id       {event['run']['runId']}", _git_line(git)]
+    if git.get("revision"):
+        return [*lines, f"  verdict      as recorded at {git['revision']} (nothing compared with the workspace)"]
     if not stale["stale"]:
         return [*lines, "  verdict      up to date: workspace, params and commands match dvc.lock"]
     lines.append("  verdict      STALE: `dvc repro` would change this lineage")
@@ -118,12 +127,41 @@ def render_text(event: dict[str, Any]) -> str:
             "Environment",
             "  " + ", ".join(f"{p} {env[p]}" for p in PACKAGES) + f", python {env['python']}",
             f"  device {env['device']} ({env['deviceSource']})",
+            *_environment_lines(env),
         ]
     )
 
 
-def lineage_cli(path: str, as_json: bool = False, namespace: str | None = None) -> int:
-    """``rlhf lineage PATH [--json] [--namespace NAME]``: the report, or the OpenLineage event."""
-    event = build_lineage(path, namespace)
+def _environment_lines(env: dict[str, Any]) -> list[str]:
+    """The lock the artifact was made from, and a warning when the running packages differ."""
+    recorded, comparison = env.get("recorded"), env.get("comparison") or {}
+    lines = []
+    if recorded:
+        differs = recorded.get("differs_from_lock") or {}
+        lines.append(
+            f"  made with    {recorded.get('lock') or 'no lock'} sha256 {recorded.get('lock_sha256')}"
+            + (f"; differing from it: {', '.join(differs)}" if differs else "; every package as locked")
+        )
+    if comparison.get("same") is False:
+        packages = comparison.get("packages") or {}
+        listed = ", ".join(
+            f"{n} {c['then'] or 'absent'} -> {c['now'] or 'absent'}" for n, c in list(packages.items())[:12]
+        )
+        more = f" ... and {len(packages) - 12} more" if len(packages) > 12 else ""
+        lines.append(
+            "  WARNING      the running environment differs from the one that made this artifact"
+            + (f": {listed}{more}" if listed else f" ({comparison.get('note')})")
+            + ". Reproduce it with `make setup` at the commit that recorded it."
+        )
+    elif comparison.get("same") is None and comparison.get("note"):
+        lines.append(f"  note         {comparison['note']}")
+    elif comparison.get("same"):
+        lines.append("  running      the same packages (reproducible here)")
+    return lines
+
+
+def lineage_cli(path: str, as_json: bool = False, namespace: str | None = None, rev: str | None = None) -> int:
+    """``rlhf lineage PATH [--rev REV] [--json] [--namespace NAME]``: the report, or the OpenLineage event."""
+    event = build_lineage(path, namespace, rev)
     print(json.dumps(event, indent=2, default=str) if as_json else render_text(event))
     return 0

@@ -19,6 +19,7 @@ from rlhf_pipeline.params.base_model import BaseModelParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.evaluate import EvaluateParams
 from rlhf_pipeline.params.ppo import PPOParams
+from rlhf_pipeline.params.promotion import PromotionParams
 from rlhf_pipeline.params.reward import RewardParams
 from rlhf_pipeline.params.schedule import ScheduleParams
 from rlhf_pipeline.params.task import TaskParams
@@ -33,6 +34,7 @@ class Params(Strict):
     ppo: PPOParams = PPOParams()
     evaluate: EvaluateParams = EvaluateParams()
     schedule: ScheduleParams = ScheduleParams()
+    promotion: PromotionParams = PromotionParams()
 
     @model_validator(mode="after")
     def _sections_agree(self) -> Params:

@@ -1,0 +1,206 @@
+"""The promotion gate: does a retrained policy (the challenger) replace the version assigned
+``prod`` (the incumbent)? Champion/challenger on the same held-out queries, by the rule in
+``promotion.*``.
+
+Both sides are read from ``evaluation/responses.jsonl`` (every held-out query with the base's and
+the policy's response), the challenger's from the workspace, the incumbent's from git at its
+version's commit; the first version, with no ``prod`` yet, meets the base model's responses in
+the challenger's own file. The two sides are paired by query and scored the same way:
+
+- gold: the judge (``promotion.judge``) scores each response text, apart from where the labels
+  came from, so a round of bad labels cannot vouch for itself;
+- proxy: the challenger's reward model scores both sides' texts;
+- KL: the challenger's KL to the base, from its evaluation.
+
+The rule: promote when the challenger is worse than the incumbent by at most
+``tolerance_se`` paired standard errors (on gold, or proxy), its KL is within ``max_kl``, and at
+least ``min_queries`` queries pair up. A rejected challenger is a result, not a failure.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.params.promotion import PromotionParams
+
+RESPONSES = "evaluation/responses.jsonl"
+EVALUATION_METRICS = "metrics/evaluate.json"
+Scorer = Callable[[list[str], list[str]], list[float]]  # (queries, responses) -> one score each
+
+
+@dataclass(frozen=True)
+class Paired:
+    r"""The mean paired difference of the challenger over the incumbent and its standard error.
+
+    .. math::
+        \bar d = \frac1n \sum_i (c_i - p_i),\qquad \mathrm{SE}(\bar d) = \frac{\mathrm{sd}(c_i - p_i)}{\sqrt n}
+
+    with ``sd`` the sample std (n - 1): pairing removes the between-query variance."""
+
+    mean: float
+    stderr: float
+    n: int
+
+    @property
+    def in_se(self) -> float | None:
+        """The difference in standard errors (None when the two sides never differ)."""
+        return self.mean / self.stderr if self.stderr > 0 else None
+
+
+def paired(challenger: Sequence[float], incumbent: Sequence[float]) -> Paired:
+    c, p = np.asarray(challenger, dtype=float), np.asarray(incumbent, dtype=float)
+    if c.shape != p.shape or c.size < 2:
+        raise ValueError("paired needs two score lists of the same length, at least 2")
+    d = c - p
+    return Paired(mean=float(d.mean()), stderr=float(d.std(ddof=1) / np.sqrt(d.size)), n=int(d.size))
+
+
+@dataclass
+class Side:
+    """One policy's responses to the held-out queries."""
+
+    label: str  # "policy@v3", "base model"
+    queries: list[str]
+    responses: list[str]
+
+
+@dataclass
+class Comparison:
+    challenger: str
+    incumbent: str
+    queries: int  # paired held-out queries
+    gold: Paired | None
+    proxy: Paired
+    kl: float | None  # the challenger's KL to the base (nats)
+    judge: str | None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Decision:
+    promote: bool
+    score: str  # what the rule compared: gold or proxy
+    reasons: list[str]
+    comparison: Comparison
+    rule: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_responses(text: str, where: str) -> list[dict[str, Any]]:
+    """The rows of an ``evaluation/responses.jsonl`` text (``where`` names it in errors)."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as error:
+            raise PipelineError(f"{where}, line {number}: not JSON ({error}); rerun `dvc repro evaluate`.") from None
+        if not isinstance(row, dict) or not {"query", "policy_response", "base_response"} <= set(row):
+            raise PipelineError(
+                f"{where}, line {number}: not an evaluation row (query, base_response, policy_response)."
+            )
+        rows.append(row)
+    if not rows:
+        raise PipelineError(f"{where} holds no rows; rerun `dvc repro evaluate`.")
+    return rows
+
+
+def pair_sides(challenger: Side, incumbent: Side) -> tuple[Side, Side]:
+    """The two sides restricted to the queries both answered, in the challenger's order (a query
+    text seen k times pairs its k-th occurrences)."""
+
+    def keyed(side: Side) -> dict[tuple[str, int], str]:
+        seen: Counter[str] = Counter()
+        out = {}
+        for query, response in zip(side.queries, side.responses):
+            out[(query, seen[query])] = response
+            seen[query] += 1
+        return out
+
+    mine, theirs = keyed(challenger), keyed(incumbent)
+    common = [key for key in mine if key in theirs]
+    return (
+        Side(challenger.label, [q for q, _ in common], [mine[k] for k in common]),
+        Side(incumbent.label, [q for q, _ in common], [theirs[k] for k in common]),
+    )
+
+
+def compare(
+    challenger: Side, incumbent: Side, proxy: Scorer, judge: Scorer | None, judge_name: str | None, kl: float | None
+) -> Comparison:
+    """Score both sides the same way on the queries they share."""
+    c, p = pair_sides(challenger, incumbent)
+    notes = []
+    if len(c.queries) < len(challenger.queries):
+        notes.append(
+            f"{len(challenger.queries) - len(c.queries)} of the challenger's {len(challenger.queries)} held-out "
+            f"queries have no answer from {incumbent.label} (the held-out queries changed): compared on the rest"
+        )
+    if len(c.queries) < 2:
+        return Comparison(
+            challenger.label, incumbent.label, len(c.queries), None, Paired(0.0, 0.0, 0), kl, judge_name, notes
+        )
+    gold = paired(judge(c.queries, c.responses), judge(p.queries, p.responses)) if judge else None
+    proxy_diff = paired(proxy(c.queries, c.responses), proxy(p.queries, p.responses))
+    return Comparison(challenger.label, incumbent.label, len(c.queries), gold, proxy_diff, kl, judge_name, notes)
+
+
+def decide(comparison: Comparison, rule: PromotionParams) -> Decision:
+    """Apply ``rule`` (see the module doc) to ``comparison``."""
+    reasons, promote = [], True
+    score = rule.score
+    if score == "gold" and comparison.gold is None:
+        score = "proxy"
+        reasons.append("no gold judge (promotion.judge is null): the rule compares proxy")
+    if comparison.queries < rule.min_queries:
+        promote = False
+        reasons.append(
+            f"only {comparison.queries} held-out queries pair up (promotion.min_queries: {rule.min_queries})"
+        )
+    else:
+        diff = comparison.gold if score == "gold" else comparison.proxy
+        floor = -rule.tolerance_se * diff.stderr
+        verdict = "within" if diff.mean >= floor else "beyond"
+        reasons.append(
+            f"{score}: challenger - {comparison.incumbent} = {diff.mean:+.4f} ± {diff.stderr:.4f} (paired SE, "
+            f"n={diff.n}); the floor is -{rule.tolerance_se:g} SE = {floor:+.4f}: {verdict} tolerance"
+        )
+        promote = promote and diff.mean >= floor
+    if rule.max_kl is not None:
+        if comparison.kl is None:
+            promote = False
+            reasons.append("the challenger's KL to the base is unknown (metrics/evaluate.json has no kl/mean)")
+        else:
+            within = comparison.kl <= rule.max_kl
+            reasons.append(f"KL to the base {comparison.kl:.3f} {'<=' if within else '>'} max_kl {rule.max_kl:g}")
+            promote = promote and within
+    return Decision(promote, score, reasons, comparison, rule.model_dump())
+
+
+def render(decision: Decision, registered: str, outcome: str) -> str:
+    """The decision as markdown (the retrain flow's ``promotion-decision`` artifact)."""
+    c = decision.comparison
+    verdict = "promoted to prod" if decision.promote else "not promoted: prod is unchanged"
+    lines = [f"# Promotion gate: {c.challenger} {verdict}", "", f"- Registered: {registered}", f"- {outcome}"]
+    lines += [f"- Compared with: {c.incumbent}, on {c.queries} paired held-out queries", ""]
+    lines += ["| score | challenger - incumbent | paired SE | in SE |", "|---|---|---|---|"]
+    for name, diff in (("gold (" + (c.judge or "none") + ")", c.gold), ("proxy (challenger's RM)", c.proxy)):
+        if diff is not None and diff.n:
+            in_se = f"{diff.in_se:+.2f}" if diff.in_se is not None else "n/a"
+            lines.append(f"| {name} | {diff.mean:+.4f} | {diff.stderr:.4f} | {in_se} |")
+    lines.append(
+        f"| KL to the base (nats) | {c.kl:.3f} | | |" if c.kl is not None else "| KL to the base | unknown | | |"
+    )
+    lines += ["", f"## Rule (`promotion.*`, compared on {decision.score})", ""]
+    lines += [f"- {reason}" for reason in [*decision.reasons, *c.notes]]
+    return "\n".join(lines) + "\n"

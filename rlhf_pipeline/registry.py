@@ -1,0 +1,214 @@
+"""The model registry: versions and stages of the artifacts ``dvc.yaml`` declares (its
+``artifacts:`` section), kept as GTO's annotated git tags (``policy@v2.0.0`` registers a version,
+``policy#prod#3`` assigns a stage), the convention ``gto show`` and ``dvc artifacts get`` read.
+
+A version is a git commit whose ``dvc.lock`` records the artifact's hash: :func:`register` tags
+HEAD only when that hash differs from every registered version's, so a retrain that changed
+nothing makes no version. What a version's metrics were, and its bytes, are read at its commit
+(git for the metrics files, DVC's cache or remote for the bytes), never from the workspace.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.lineage.record import git
+
+PROD = "prod"
+# the metrics a version is listed with: (file, key, label)
+VERSION_METRICS = (
+    ("metrics/evaluate.json", "gold/improvement_in_base_std", "gold gain"),
+    ("metrics/evaluate.json", "gold/improvement_stderr_in_base_std", "gold SE"),
+    ("metrics/evaluate.json", "proxy/improvement_in_base_std", "proxy gain"),
+    ("metrics/evaluate.json", "proxy/improvement_stderr_in_base_std", "proxy SE"),
+    ("metrics/evaluate.json", "kl/mean", "KL"),
+    ("metrics/reward_train.json", "test/accuracy", "RM accuracy"),
+)
+_SPEC = re.compile(r"^(?P<name>[a-z0-9][a-z0-9-]*)(?:@(?P<version>v?\d+(?:\.\d+){0,2}|latest)|#(?P<stage>[a-z0-9-]+))$")
+
+
+@dataclass(frozen=True)
+class Version:
+    """One registered version of an artifact."""
+
+    artifact: str
+    version: str  # semver with a leading v, as GTO writes it: v2.0.0
+    commit: str  # the git commit whose dvc.lock records the version's bytes
+    created_at: str  # when it was registered (ISO 8601)
+    stages: tuple[str, ...] = field(default=())  # stages assigned to it now
+
+    @property
+    def tag(self) -> str:
+        return f"{self.artifact}@{self.version}"
+
+
+def _git(root: str | Path, *args: str) -> str:
+    """``git ARGS`` in ``root``; PipelineError when it fails."""
+    out = git(str(root), *args)
+    if out is None:
+        raise PipelineError(f"git {' '.join(args)} failed in {root}: is it a git repository with that revision?")
+    return out
+
+
+def file_at(root: str | Path, rev: str, path: str) -> str | None:
+    """The text of ``path`` at git revision ``rev``; None when that revision has no such file."""
+    proc = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True)
+    return proc.stdout.decode("utf-8", "replace") if proc.returncode == 0 else None
+
+
+def declared_artifacts(root: str | Path) -> dict[str, dict[str, Any]]:
+    """``{name: {"path", "type", "desc", "labels"}}`` from the ``artifacts:`` section of ``root``/dvc.yaml."""
+    path = Path(root, "dvc.yaml")
+    if not path.is_file():
+        return {}
+    return dict((yaml.safe_load(path.read_text()) or {}).get("artifacts") or {})
+
+
+def artifact_path(root: str | Path, name: str) -> str:
+    artifacts = declared_artifacts(root)
+    if name not in artifacts:
+        known = ", ".join(sorted(artifacts)) or "none"
+        raise PipelineError(f"dvc.yaml declares no artifact {name!r} (its artifacts: {known}).")
+    return str(artifacts[name]["path"]).rstrip("/")
+
+
+def locked_hash(lock_text: str | None, path: str) -> str | None:
+    """The hash ``dvc.lock`` (its text) records for the output ``path``; None when it records none."""
+    if not lock_text:
+        return None
+    for stage in (yaml.safe_load(lock_text) or {}).get("stages", {}).values():
+        for out in stage.get("outs", []):
+            if str(out.get("path", "")).rstrip("/") == path:
+                return out.get("md5")
+    return None
+
+
+def _gto():
+    import gto.api  # GTO reads the tags through scmrepo: only when the registry is asked
+
+    return gto.api
+
+
+def versions(root: str | Path, name: str) -> list[Version]:
+    """Every registered version of ``name``, newest (highest) first, with the stages assigned to it."""
+    from semver import Version as SemVer
+
+    from gto.exceptions import ArtifactNotFound
+
+    artifact_path(root, name)
+    try:
+        shown = _gto().show(str(root), name, assignments_per_version=-1, versions_per_stage=-1)
+    except ArtifactNotFound:  # GTO's word for "declared, but no version registered yet"
+        return []
+    found = []
+    for item in shown:
+        stages = tuple(sorted(s["stage"] for s in item.get("stages", []) if s.get("is_active", True)))
+        created = item.get("created_at")
+        found.append(
+            Version(
+                artifact=name,
+                version=item["version"],
+                commit=item["commit_hexsha"],
+                created_at=created.isoformat() if hasattr(created, "isoformat") else str(created),
+                stages=stages,
+            )
+        )
+    return sorted(found, key=lambda v: SemVer.parse(v.version.lstrip("v")), reverse=True)
+
+
+def in_stage(root: str | Path, name: str, stage: str = PROD) -> Version | None:
+    """The version of ``name`` assigned ``stage`` now (GTO: the latest assignment wins)."""
+    from gto.exceptions import ArtifactNotFound
+
+    try:
+        assigned = _gto().find_versions_in_stage(str(root), name, stage)  # newest assignment first
+    except ArtifactNotFound:
+        return None
+    if not assigned:
+        return None
+    version = assigned[0].version
+    return next((v for v in versions(root, name) if v.version == version), None)
+
+
+def normalise_version(version: str) -> str:
+    """``2``, ``v2``, ``v2.1`` -> GTO's ``v2.0.0``, ``v2.1.0``."""
+    parts = version.lstrip("v").split(".")
+    if not all(p.isdigit() for p in parts) or len(parts) > 3:
+        raise PipelineError(f"{version!r} is not a version such as v2 or v2.0.0.")
+    return "v" + ".".join([*parts, "0", "0"][:3])
+
+
+def resolve(root: str | Path, spec: str) -> Version:
+    """The version ``spec`` names: ``policy@v2`` (or ``@v2.0.0``), ``policy@latest``, ``policy#prod``."""
+    match = _SPEC.match(spec)
+    if not match:
+        raise PipelineError(
+            f"{spec!r} names no registry version: write NAME@VERSION (policy@v2), NAME@latest or "
+            "NAME#STAGE (policy#prod)."
+        )
+    name, version, stage = match["name"], match["version"], match["stage"]
+    registered = versions(root, name)
+    if stage:
+        found = in_stage(root, name, stage)
+        if found is None:
+            raise PipelineError(f"no version of {name} is assigned {stage!r}; `rlhf models` lists the versions.")
+        return found
+    if version == "latest":
+        if not registered:
+            raise PipelineError(f"{name} has no registered version yet; `rlhf models register` makes one.")
+        return registered[0]
+    wanted = normalise_version(version)
+    found = next((v for v in registered if v.version == wanted), None)
+    if found is None:
+        listed = ", ".join(v.version for v in registered) or "none"
+        raise PipelineError(f"{name} has no version {wanted} (registered: {listed}).")
+    return found
+
+
+def register(root: str | Path, name: str, ref: str = "HEAD", message: str | None = None) -> tuple[Version, bool]:
+    """Register the ``name`` that ``ref``'s dvc.lock records as a new major version, unless a
+    registered version already has those bytes: ``(version, created)``."""
+    path = artifact_path(root, name)
+    commit = _git(root, "rev-parse", f"{ref}^{{commit}}").strip()
+    recorded = locked_hash(file_at(root, commit, "dvc.lock"), path)
+    if recorded is None:
+        raise PipelineError(
+            f"dvc.lock at {commit[:12]} records no {path}: run `dvc repro` and commit dvc.lock before "
+            f"registering {name}."
+        )
+    registered = versions(root, name)
+    for existing in registered:
+        if locked_hash(file_at(root, existing.commit, "dvc.lock"), path) == recorded:
+            return existing, False
+    # GTO bumps from the highest version; the first one it must be told
+    bump = {"bump_major": True} if registered else {"version": "v1.0.0"}
+    _gto().register(str(root), name, commit, message=message, **bump)
+    created = next(v for v in versions(root, name) if v.commit == commit)
+    return created, True
+
+
+def assign(root: str | Path, name: str, version: str, stage: str = PROD, message: str | None = None) -> Version:
+    """Assign ``stage`` to ``version`` of ``name`` (a rollback when it is an earlier one)."""
+    target = resolve(root, f"{name}@{version}")
+    _gto().assign(str(root), name, stage, version=target.version, message=message, force=True)
+    return next(v for v in versions(root, name) if v.version == target.version)
+
+
+def metrics_at(root: str | Path, commit: str) -> dict[str, Any]:
+    """The listed metrics (``VERSION_METRICS``) as the commit recorded them; None where absent."""
+    files: dict[str, dict] = {}
+    for path in {f for f, _, _ in VERSION_METRICS}:
+        text = file_at(root, commit, path)
+        try:
+            files[path] = json.loads(text) if text else {}
+        except ValueError:
+            files[path] = {}
+    return {label: files[path].get(key) for path, key, label in VERSION_METRICS}

@@ -1,0 +1,226 @@
+"""``rlhf models``: the registry's versions with their metrics, the promotion gate, a stage
+assigned by hand (a rollback), and a version's exact bytes fetched and checked.
+
+The registry itself (GTO's tags) is :mod:`rlhf_pipeline.registry`; the gate's rule is
+:mod:`rlhf_pipeline.promotion`; this module joins them to the workspace: it reads the
+challenger's evaluation, loads its reward model and the judge, and assigns ``prod``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rlhf_pipeline.errors import DamagedArtifactError, PipelineError
+from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums
+from rlhf_pipeline.labelers import get_labeler
+from rlhf_pipeline.lineage.record import git
+from rlhf_pipeline.params.schema import load_params
+from rlhf_pipeline.promotion import (
+    EVALUATION_METRICS,
+    RESPONSES,
+    Side,
+    compare,
+    decide,
+    read_responses,
+    render,
+)
+from rlhf_pipeline.registry import (
+    PROD,
+    Version,
+    assign,
+    declared_artifacts,
+    file_at,
+    in_stage,
+    metrics_at,
+    register,
+    resolve,
+    versions,
+)
+
+POLICY, REWARD_MODEL = "policy", "reward-model"
+REWARD_DIR = "models/reward"
+# what a retrain run writes that git keeps: the record of the version
+RUN_RECORD = ("dvc.lock", "metrics", "evaluation")
+SCORE_BATCH = 64
+
+
+def listing(root: str | Path) -> list[dict[str, Any]]:
+    """Every registered version of every declared artifact, newest first, with its metrics."""
+    rows = []
+    for name in declared_artifacts(root):
+        for version in versions(root, name):
+            rows.append(
+                {
+                    "artifact": name,
+                    "version": version.version,
+                    "stages": list(version.stages),
+                    "registered": version.created_at,
+                    "commit": version.commit,
+                    **metrics_at(root, version.commit),
+                }
+            )
+    return rows
+
+
+def render_listing(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no registered versions yet: the retrain flow registers one per new policy (or `rlhf models gate`)"
+
+    def value(row: dict, key: str, se: str | None = None) -> str:
+        number = row.get(key)
+        if number is None:
+            return "-"
+        return f"{number:+.3f} ± {row[se]:.3f}" if se and row.get(se) is not None else f"{number:.3f}"
+
+    lines = [
+        "| artifact | version | stage | registered | gold gain (base σ) | proxy gain (base σ) | KL | RM accuracy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['artifact']} | {row['version']} | {', '.join(row['stages']) or '-'} | {row['registered'][:19]} "
+            f"| {value(row, 'gold gain', 'gold SE')} | {value(row, 'proxy gain', 'proxy SE')} | {value(row, 'KL')} "
+            f"| {value(row, 'RM accuracy')} |"
+        )
+    return "\n".join(lines)
+
+
+def require_recorded_run(root: str | Path) -> None:
+    """The gate registers HEAD: the run it judges must be what HEAD records."""
+    changed = (git(str(root), "status", "--porcelain", "--untracked-files=all", "--", *RUN_RECORD) or "").strip()
+    if changed:
+        listed = ", ".join(line[3:] for line in changed.splitlines()[:6])
+        raise PipelineError(
+            f"the run's record differs from HEAD ({listed}): commit dvc.lock, metrics/ and evaluation/ first "
+            "(the retrain flow does), so that the version registered is the one evaluated."
+        )
+
+
+def reward_scorer(root: str | Path):
+    """The challenger's reward model as a text scorer, in batches."""
+    from rlhf_pipeline.reward import RewardModel  # loads torch and transformers: only for the gate
+
+    model = RewardModel.load(Path(root, REWARD_DIR))
+
+    def score(queries: list[str], responses: list[str]) -> list[float]:
+        out: list[float] = []
+        for start in range(0, len(queries), SCORE_BATCH):
+            out += model.score(queries[start : start + SCORE_BATCH], responses[start : start + SCORE_BATCH])
+        return out
+
+    return score
+
+
+def judge_scorer(name: str | None):
+    if name is None:
+        return None
+    labeler = get_labeler(name)
+    return lambda queries, responses: labeler.score(responses)
+
+
+def incumbent_side(root: str | Path, challenger_rows: list[dict]) -> tuple[Side, Version | None]:
+    """What the challenger meets: the version assigned prod, else the base model (first version)."""
+    prod = in_stage(root, POLICY, PROD)
+    if prod is None:
+        return Side(
+            "base model", [r["query"] for r in challenger_rows], [r["base_response"] for r in challenger_rows]
+        ), None
+    text = file_at(root, prod.commit, RESPONSES)
+    if text is None:
+        raise PipelineError(
+            f"{prod.tag} (prod) has no {RESPONSES} at {prod.commit[:12]}: it predates the gate. Assign prod to a "
+            "version evaluated since (`rlhf models assign policy VERSION`), or rerun its evaluation and register it."
+        )
+    rows = read_responses(text, f"{RESPONSES} at {prod.tag}")
+    return Side(prod.tag, [r["query"] for r in rows], [r["policy_response"] for r in rows]), prod
+
+
+def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Register HEAD's policy (and reward model) and decide whether it takes ``prod``."""
+    root = Path(root).resolve()
+    rule = load_params(root / params_path).promotion
+    if POLICY not in declared_artifacts(root):
+        return {"decision": None, "outcome": "skipped: dvc.yaml declares no 'policy' artifact", "markdown": ""}
+    require_recorded_run(root)
+    challenger, created = register(root, POLICY, message="retrain: a new policy")
+    reward = (
+        register(root, REWARD_MODEL, message="retrain: a new reward model")[0]
+        if REWARD_MODEL in declared_artifacts(root)
+        else None
+    )
+    if not created:
+        outcome = f"no new version: {challenger.tag} already has the policy HEAD records"
+        return {
+            "decision": None,
+            "registered": challenger.tag,
+            "outcome": outcome,
+            "markdown": f"# Promotion gate\n\n{outcome}\n",
+        }
+    rows = read_responses(Path(root, RESPONSES).read_text(), str(root / RESPONSES))
+    incumbent, prod = incumbent_side(root, rows)
+    metrics = json.loads(Path(root, EVALUATION_METRICS).read_text()) if Path(root, EVALUATION_METRICS).is_file() else {}
+    comparison = compare(
+        Side(challenger.tag, [r["query"] for r in rows], [r["policy_response"] for r in rows]),
+        incumbent,
+        proxy=reward_scorer(root),
+        judge=judge_scorer(rule.judge),
+        judge_name=rule.judge,
+        kl=metrics.get("kl/mean"),
+    )
+    decision = decide(comparison, rule)
+    if decision.promote:
+        assign(root, POLICY, challenger.version, PROD, message=f"promotion gate: {challenger.tag} passed")
+        if reward is not None:
+            assign(root, REWARD_MODEL, reward.version, PROD, message=f"promotion gate: with {challenger.tag}")
+        outcome = f"{challenger.tag} assigned prod" + (f" (with {reward.tag})" if reward is not None else "")
+    else:
+        outcome = f"prod stays {prod.tag if prod else 'unassigned'}; {challenger.tag} is registered, not promoted"
+    registered = challenger.tag + (f", {reward.tag}" if reward is not None else "")
+    return {
+        "decision": decision.as_dict(),
+        "registered": registered,
+        "outcome": outcome,
+        "markdown": render(decision, registered, outcome),
+    }
+
+
+def fetch(root: str | Path, name: str, version: str | None, stage: str | None, out: str | Path) -> dict[str, Any]:
+    """A version's bytes through ``dvc artifacts get`` (DVC's cache or remote at the version's
+    commit), checked file by file against its ``SHA256SUMS`` before they replace ``out``."""
+    from dvc.repo.artifacts import Artifacts  # loads DVC's repo: only when fetching
+
+    root = Path(root).resolve()
+    target = resolve(root, f"{name}#{stage}" if stage else f"{name}@{version or 'latest'}")
+    out = Path(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.get-", dir=out.parent if out.parent.exists() else None))
+    try:
+        Artifacts.get(str(root), name, version=target.version, out=str(staging / "artifact"))
+        fetched = staging / "artifact"
+        if not (fetched / CHECKSUMS).is_file():
+            raise DamagedArtifactError(f"{target.tag} as fetched has no {CHECKSUMS}: its bytes cannot be checked.")
+        problems = checksum_problems(fetched, read_checksums(fetched / CHECKSUMS))
+        if problems:
+            raise DamagedArtifactError(
+                f"{target.tag} as fetched does not match its {CHECKSUMS}: {'; '.join(problems[:5])}"
+            )
+        if out.exists():
+            raise PipelineError(f"{out} exists: choose a new folder (nothing was written).")
+        shutil.move(str(fetched), str(out))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    files = len(read_checksums(out / CHECKSUMS))
+    return {
+        "artifact": name,
+        "version": target.version,
+        "commit": target.commit,
+        "out": str(out),
+        "files_checked": files,
+    }
+
+
+def assign_stage(root: str | Path, name: str, version: str, stage: str = PROD) -> Version:
+    return assign(Path(root).resolve(), name, version, stage, message=f"assigned {stage} by hand (rlhf models assign)")

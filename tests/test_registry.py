@@ -1,0 +1,232 @@
+"""Versions over time on the tiny pipeline: the registry (GTO tags over dvc.yaml's artifacts), the
+promotion gate both ways, lineage of any version and between two, rollback with exact bytes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from test_lineage import _validate_event
+from test_pipeline_e2e import build_project, sh
+
+from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums
+from rlhf_pipeline.params.promotion import PromotionParams
+from rlhf_pipeline.promotion import Comparison, Paired, Side, compare, decide, paired
+
+pytestmark = pytest.mark.e2e
+
+
+# --------------------------------------------------------------------------------------------
+# the rule, on numbers
+# --------------------------------------------------------------------------------------------
+def test_paired_difference_and_its_standard_error():
+    result = paired([3.0, 5.0, 4.0, 8.0], [1.0, 2.0, 2.0, 3.0])  # d = 2, 3, 2, 5
+    assert result.mean == pytest.approx(3.0)
+    assert result.stderr == pytest.approx((2.0 / 4) ** 0.5)  # sd(d) = sqrt(2) (n - 1), / sqrt(4)
+    assert result.n == 4 and result.in_se == pytest.approx(3.0 / (0.5**0.5))
+
+
+def _comparison(gold_mean: float, kl: float | None = 4.0, n: int = 64) -> Comparison:
+    return Comparison("policy@v2.0.0", "policy@v1.0.0", n, Paired(gold_mean, 0.01, n), Paired(0.5, 0.02, n), kl, "vader")
+
+
+@pytest.mark.parametrize(
+    ("gold_mean", "kl", "rule", "promote"),
+    [
+        (-0.019, 4.0, {}, True),  # within 2 SE below prod
+        (-0.021, 4.0, {}, False),  # beyond
+        (-0.021, 4.0, {"tolerance_se": 3.0}, True),
+        (0.30, 11.0, {}, False),  # better, but past the KL budget
+        (0.30, 11.0, {"max_kl": None}, True),
+        (0.30, None, {}, False),  # a KL nobody measured is no KL within budget
+    ],
+)
+def test_the_rule_promotes_by_its_thresholds(gold_mean, kl, rule, promote):
+    decision = decide(_comparison(gold_mean, kl), PromotionParams(**rule))
+    assert decision.promote is promote, decision.reasons
+    assert decision.score == "gold"
+
+
+def test_without_a_judge_the_rule_compares_proxy_and_says_so():
+    comparison = _comparison(-5.0)
+    comparison.gold = None
+    decision = decide(comparison, PromotionParams(judge=None))
+    assert decision.promote and decision.score == "proxy"
+    assert any("compares proxy" in r for r in decision.reasons)
+
+
+def test_too_few_paired_queries_are_no_evidence():
+    decision = decide(_comparison(0.5, n=8), PromotionParams(min_queries=32))
+    assert not decision.promote and any("only 8 held-out queries" in r for r in decision.reasons)
+
+
+def test_sides_pair_by_query_and_repeated_queries_pair_in_order():
+    challenger = Side("c", ["a", "b", "a", "z"], ["ca1", "cb", "ca2", "cz"])
+    incumbent = Side("p", ["b", "a", "a", "y"], ["pb", "pa1", "pa2", "py"])
+    seen = []
+
+    def scorer(queries, responses):
+        seen.append(list(zip(queries, responses)))
+        return [float(len(r)) for r in responses]
+
+    result = compare(challenger, incumbent, proxy=scorer, judge=None, judge_name=None, kl=1.0)
+    assert seen[0] == [("a", "ca1"), ("b", "cb"), ("a", "ca2")]
+    assert seen[1] == [("a", "pa1"), ("b", "pb"), ("a", "pa2")]
+    assert result.queries == 3 and any("1 of the challenger's 4" in note for note in result.notes)
+
+
+# --------------------------------------------------------------------------------------------
+# the registry on a tiny project
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def versioned(tmp_path_factory, tiny_base_dir):
+    """A tiny project run once and committed: HEAD's policy is the first candidate."""
+    root = build_project(tmp_path_factory.mktemp("registry"), tiny_base_dir, {})
+    remote = root.parent / "remote"
+    sh(["dvc", "remote", "add", "-d", "local", str(remote)], root)
+    sh(["dvc", "repro"], root)
+    sh(["git", "add", "-A"], root)
+    sh(["git", "commit", "-qm", "run 1"], root)
+    return root
+
+
+def rlhf(root: Path, *args: str, check: bool = True):
+    return sh(["rlhf", *args], root, check=check)
+
+
+def set_promotion(root: Path, **rule) -> None:
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["promotion"] = {**params.get("promotion", {}), **rule}
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def retrain(root: Path, **ppo) -> None:
+    """A second round: PPO again with other settings, committed as the flow commits it."""
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["ppo"].update(ppo)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    sh(["dvc", "repro"], root)
+    sh(["git", "add", "-A"], root)
+    sh(["git", "commit", "-qm", "run 2"], root)
+
+
+def gate(root: Path) -> dict:
+    return json.loads(rlhf(root, "models", "gate", "--json").stdout)
+
+
+def prod_of(root: Path, name: str = "policy") -> str | None:
+    shown = sh(["gto", "show", f"{name}#prod", "--ref"], root, check=False)
+    return shown.stdout.strip() or None
+
+
+def test_the_dvc_registry_sees_the_declared_artifacts(versioned):
+    artifacts = yaml.safe_load((versioned / "dvc.yaml").read_text())["artifacts"]
+    assert artifacts["policy"]["path"] == "models/policy" and artifacts["policy"]["type"] == "model"
+    assert artifacts["reward-model"]["path"] == "models/reward"
+    assert "ppo" in artifacts["policy"]["labels"]
+    assert "no registered versions yet" in rlhf(versioned, "models").stdout
+
+
+def test_gate_both_ways_register_every_version_and_roll_back(versioned, tmp_path):
+    root = tmp_path / "project"
+    shutil.copytree(versioned, root, symlinks=True)
+    rows = [json.loads(line) for line in (root / "evaluation/responses.jsonl").read_text().splitlines()]
+    assert len(rows) == json.loads((root / "metrics/evaluate.json").read_text())["queries"]
+
+    # first version: against the base model, by the same rule; a KL budget it exceeds keeps it out
+    set_promotion(root, max_kl=1.0e-9, min_queries=2)
+    first = gate(root)
+    assert first["registered"] == "policy@v1.0.0, reward-model@v1.0.0"
+    assert first["decision"]["promote"] is False and first["decision"]["comparison"]["incumbent"] == "base model"
+    assert "KL to the base" in first["markdown"] and "not promoted" in first["markdown"]
+    assert prod_of(root) is None
+    # the same HEAD again: no new version, nothing decided
+    again = gate(root)
+    assert again["decision"] is None and "no new version" in again["outcome"]
+
+    # the rule's thresholds the other way: v1 is already registered, so assign by hand, as a person would
+    assert "policy@v1.0.0 is now prod" in rlhf(root, "models", "assign", "policy", "v1").stdout
+    assert prod_of(root) == "policy@v1.0.0"
+
+    # a second round, judged against prod (v1) on the same held-out queries
+    retrain(root, lr=3.0e-4)
+    set_promotion(root, max_kl=None, tolerance_se=1.0e6, min_queries=2)
+    sh(["git", "commit", "-qam", "rule"], root)
+    second = gate(root)
+    decision = second["decision"]
+    assert second["registered"] == "policy@v2.0.0, reward-model@v1.0.0"  # the reward model did not change
+    assert decision["promote"] is True and decision["comparison"]["incumbent"] == "policy@v1.0.0"
+    assert decision["comparison"]["queries"] == len(rows)
+    assert prod_of(root) == "policy@v2.0.0"
+
+    # a third round past a tight rule: registered, not promoted, prod unchanged (a result, exit 0)
+    retrain(root, lr=1.0e-5)
+    set_promotion(root, max_kl=1.0e-9)
+    sh(["git", "commit", "-qam", "rule"], root)
+    third = gate(root)
+    assert third["decision"]["promote"] is False and "prod stays policy@v2.0.0" in third["outcome"]
+    assert prod_of(root) == "policy@v2.0.0"
+    listing = json.loads(rlhf(root, "models", "--json").stdout)
+    policy = [row for row in listing if row["artifact"] == "policy"]
+    assert [row["version"] for row in policy] == ["v3.0.0", "v2.0.0", "v1.0.0"]
+    assert policy[1]["stages"] == ["prod"] and policy[0]["KL"] is not None and policy[0]["gold gain"] is not None
+    table = rlhf(root, "models").stdout
+    assert "| policy | v2.0.0 | prod |" in table and "RM accuracy" in table
+
+    # rollback: prod back to v1, fetched while the workspace holds v3, byte for byte as v1's SHA256SUMS
+    sh(["dvc", "push", "-q"], root)
+    rlhf(root, "models", "assign", "policy", "v1")
+    assert prod_of(root) == "policy@v1.0.0"
+    fetched = tmp_path / "prod-policy"
+    out = rlhf(root, "models", "get", "policy", "--from-stage", "prod", "-o", str(fetched)).stdout
+    assert "policy@v1.0.0" in out and "match its SHA256SUMS" in out
+    v1_sums = sh(["git", "show", "policy@v1.0.0:dvc.lock"], root).stdout
+    workspace_sums = read_checksums(root / "models/policy" / CHECKSUMS)
+    assert read_checksums(fetched / CHECKSUMS) != workspace_sums  # the workspace moved on (v3)
+    assert checksum_problems(fetched, read_checksums(fetched / CHECKSUMS)) == []
+    assert "models/policy" in v1_sums
+    # DVC's own command agrees with ours (the docs' way)
+    dvc_out = tmp_path / "dvc-get"
+    sh(["dvc", "artifacts", "get", str(root), "policy", "--stage", "prod", "-o", str(dvc_out)], tmp_path)
+    assert read_checksums(dvc_out / CHECKSUMS) == read_checksums(fetched / CHECKSUMS)
+
+    # lineage of a version, without checking anything out, and between two versions
+    text = rlhf(root, "lineage", "policy@v1").stdout
+    assert "as recorded at" in text and "Lineage of models/policy" in text
+    events = [json.loads(rlhf(root, "lineage", spec, "--json").stdout) for spec in ("policy@v1", "policy@v1", "policy@v2")]
+    for event in events:
+        _validate_event(event)
+    assert events[0]["run"]["runId"] == events[1]["run"]["runId"] != events[2]["run"]["runId"]
+    by_rev = json.loads(rlhf(root, "lineage", "models/policy", "--rev", "policy@v1.0.0", "--json").stdout)
+    assert by_rev["run"]["runId"] == events[0]["run"]["runId"]
+    diff = json.loads(rlhf(root, "lineage", "--diff", "policy@v1", "policy@v2", "--json").stdout)
+    changes = diff["changes"]
+    assert changes["params"]["ppo.lr"] == {"old": 1.0e-4, "new": 3.0e-4}
+    assert changes["preferenceRows"]["added"] == 0 and changes["preferenceRows"]["removed"] == 0
+    assert changes["code"] == {} and changes["environment"]["same"] is True
+    assert any(key.startswith("metrics/evaluate.json/") for key in changes["metrics"])
+    assert "ppo.lr: 0.0001 -> 0.0003" in rlhf(root, "lineage", "--diff", "policy@v1", "policy@v2").stdout
+
+
+def test_a_version_s_lineage_warns_when_the_environment_differs(versioned, tmp_path):
+    root = tmp_path / "project"
+    shutil.copytree(versioned, root, symlinks=True)
+    assert "the same packages (reproducible here)" in rlhf(root, "lineage", "models/policy").stdout
+    lock = root / "requirements.lock"
+    lock.write_text(lock.read_text().replace("\ntransformers==", "\ntransformers==0.0.1 \\\n    # was\nx==", 1))
+    text = rlhf(root, "lineage", "models/policy").stdout
+    assert "WARNING      the running environment differs" in text and "transformers" in text
+
+
+def test_a_bad_version_or_revision_is_one_paragraph(versioned):
+    for args, expected in (
+        (("lineage", "policy@v9"), "has no version v9.0.0"),
+        (("lineage", "models/policy", "--rev", "no-such-branch"), "git knows no such revision"),
+        (("models", "assign", "policy", "v7"), "has no version v7.0.0"),
+        (("models", "get", "nothing", "-o", "x"), "declares no artifact 'nothing'"),
+    ):
+        result = rlhf(versioned, *args, check=False)
+        assert result.returncode != 0 and expected in result.stderr and "Traceback" not in result.stderr
