@@ -185,62 +185,7 @@ def cmd_plots_page(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`)."
-    )
-    parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("check-params", help="validate params.yaml: prints ok, or one line per problem and exits 2")
-    p.add_argument("path", nargs="?", default="params.yaml")
-    p.set_defaults(func=cmd_check_params)
-
-    p = sub.add_parser("profile", help="list the profiles in params/, or copy one over params.yaml (validated first)")
-    p.add_argument("name", nargs="?", help="cpu (the shipped default), tiny (a quick look), reference (GPU)")
-    p.add_argument("--params", default="params.yaml")
-    p.set_defaults(func=cmd_profile)
-
-    p = sub.add_parser(
-        "environment", help="the installed packages against requirements.lock (what each model card records)"
-    )
-    p.add_argument("--root", default=".", help="the project holding requirements.lock")
-    p.add_argument("--check", action="store_true", help="exit 1 when a package differs from the lock")
-    p.set_defaults(func=cmd_environment)
-
-    p = sub.add_parser(
-        "models",
-        help="the model registry (GTO tags): list versions with metrics, the promotion gate, assign a stage, fetch",
-    )
-    p.add_argument(
-        "action",
-        nargs="?",
-        default="list",
-        choices=["list", "gate", "assign", "get"],
-        help="list (default); gate: register HEAD's policy and promote it if the rule in promotion.* holds; "
-        "assign NAME VERSION: give VERSION a stage (a rollback); get NAME: fetch a version's bytes, checked",
-    )
-    p.add_argument("name", nargs="?", help="the artifact (policy, reward-model)")
-    p.add_argument("version", nargs="?", help="assign, get: the version (v2 or v2.0.0; get: default latest)")
-    p.add_argument("--stage", default="prod", help="assign: the stage to give (default prod)")
-    p.add_argument("--root", default=".", help="the project (a git + DVC repository)")
-    p.add_argument("--params", default="params.yaml", help="gate: the rule is promotion.* here")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--from-stage", dest="stage_filter", default=None, help="get: the version assigned this stage")
-    p.add_argument("-o", "--out", default=None, help="get: the folder to write (must not exist)")
-    p.set_defaults(func=cmd_models)
-
-    p = sub.add_parser(
-        "validate-preferences", help="run the Great Expectations contract on a preference file (either format)"
-    )
-    p.add_argument("path")
-    p.add_argument(
-        "--params", default="params.yaml", help="bounds come from data.validation here (defaults if missing)"
-    )
-    p.add_argument("--result", default=None, help="also write the GX JSON result here")
-    p.add_argument("--docs", default=None, help="also write Great Expectations Data Docs (offline HTML) to this folder")
-    p.set_defaults(func=cmd_validate_preferences)
-
+def _add_lineage_parser(sub) -> None:
     p = sub.add_parser(
         "lineage", help="which stage, params, inputs, commit and metrics produced a DVC-tracked artifact"
     )
@@ -268,6 +213,69 @@ def build_parser() -> argparse.ArgumentParser:
         "DVC cache, bypassing DVC's state db; exit 7 on any mismatch",
     )
     p.set_defaults(func=cmd_lineage)
+
+
+def _add_models_parser(sub) -> None:
+    p = sub.add_parser(
+        "models",
+        help="the model registry (GTO tags): list versions with metrics, the promotion gate, assign a stage, fetch",
+    )
+    p.add_argument(
+        "action",
+        nargs="?",
+        default="list",
+        choices=["list", "gate", "assign", "get"],
+        help="list (default); gate: register HEAD's policy and promote it if the rule in promotion.* holds; "
+        "assign NAME VERSION: give VERSION a stage (a rollback); get NAME: fetch a version's bytes, checked",
+    )
+    p.add_argument("name", nargs="?", help="the artifact (policy, reward-model)")
+    p.add_argument("version", nargs="?", help="assign, get: the version (v2 or v2.0.0; get: default latest)")
+    p.add_argument("--stage", default="prod", help="assign: the stage to give (default prod)")
+    p.add_argument("--root", default=".", help="the project (a git + DVC repository)")
+    p.add_argument("--params", default="params.yaml", help="gate: the rule is promotion.* here")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--from-stage", dest="stage_filter", default=None, help="get: the version assigned this stage")
+    p.add_argument("-o", "--out", default=None, help="get: the folder to write (must not exist)")
+    p.set_defaults(func=cmd_models)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`)."
+    )
+    parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check-params", help="validate params.yaml: prints ok, or one line per problem and exits 2")
+    p.add_argument("path", nargs="?", default="params.yaml")
+    p.set_defaults(func=cmd_check_params)
+
+    p = sub.add_parser("profile", help="list the profiles in params/, or copy one over params.yaml (validated first)")
+    p.add_argument("name", nargs="?", help="cpu (the shipped default), tiny (a quick look), reference (GPU)")
+    p.add_argument("--params", default="params.yaml")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser(
+        "environment", help="the installed packages against requirements.lock (what each model card records)"
+    )
+    p.add_argument("--root", default=".", help="the project holding requirements.lock")
+    p.add_argument("--check", action="store_true", help="exit 1 when a package differs from the lock")
+    p.set_defaults(func=cmd_environment)
+
+    _add_models_parser(sub)
+
+    p = sub.add_parser(
+        "validate-preferences", help="run the Great Expectations contract on a preference file (either format)"
+    )
+    p.add_argument("path")
+    p.add_argument(
+        "--params", default="params.yaml", help="bounds come from data.validation here (defaults if missing)"
+    )
+    p.add_argument("--result", default=None, help="also write the GX JSON result here")
+    p.add_argument("--docs", default=None, help="also write Great Expectations Data Docs (offline HTML) to this folder")
+    p.set_defaults(func=cmd_validate_preferences)
+
+    _add_lineage_parser(sub)
 
     p = sub.add_parser(
         "export-preferences",

@@ -99,13 +99,12 @@ def _gto():
 
 def versions(root: str | Path, name: str) -> list[Version]:
     """Every registered version of ``name``, newest (highest) first, with the stages assigned to it."""
-    from semver import Version as SemVer
-
     from gto.exceptions import ArtifactNotFound
+    from semver import Version as SemVer
 
     artifact_path(root, name)
     try:
-        shown = _gto().show(str(root), name, assignments_per_version=-1, versions_per_stage=-1)
+        shown = _gto().show(str(root), name, versions_per_stage=1)  # a stage marks its current holder only
     except ArtifactNotFound:  # GTO's word for "declared, but no version registered yet"
         return []
     found = []
@@ -125,17 +124,16 @@ def versions(root: str | Path, name: str) -> list[Version]:
 
 
 def in_stage(root: str | Path, name: str, stage: str = PROD) -> Version | None:
-    """The version of ``name`` assigned ``stage`` now (GTO: the latest assignment wins)."""
+    """The version of ``name`` assigned ``stage`` now: the latest assignment wins (as ``gto show NAME#STAGE``)."""
     from gto.exceptions import ArtifactNotFound
 
     try:
-        assigned = _gto().find_versions_in_stage(str(root), name, stage)  # newest assignment first
+        shown = _gto().show(str(root), f"{name}#{stage}")
     except ArtifactNotFound:
         return None
-    if not assigned:
+    if not shown:
         return None
-    version = assigned[0].version
-    return next((v for v in versions(root, name) if v.version == version), None)
+    return next((v for v in versions(root, name) if v.version == shown[0]["version"]), None)
 
 
 def normalise_version(version: str) -> str:

@@ -598,7 +598,7 @@ def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(tmp_pa
         return sh(["gto", "show", "policy#prod", "--ref"], root, check=False).stdout.strip()
 
     # the first version meets the base model; a loose rule promotes it
-    set_params(promotion={"max_kl": None, "tolerance_se": 1000.0, "min_queries": 2})
+    set_params(promotion={"max_kl": None, "tolerance_se": 100.0, "min_queries": 2})
     report, artifacts = run()
     assert report["promotion"] == "policy@v1.0.0 assigned prod (with reward-model@v1.0.0)"
     decision = artifacts["promotion-decision"].data

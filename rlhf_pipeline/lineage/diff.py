@@ -11,6 +11,7 @@ import json
 from collections import Counter
 from typing import Any
 
+from rlhf_pipeline import registry
 from rlhf_pipeline.environment import compare
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.lineage import facts, record
@@ -23,8 +24,6 @@ CODE_SUFFIXES = (".py",)
 def target(root: str, spec: str) -> tuple[str, str, str]:
     """``(label, path, commit)`` of a version: ``NAME@VERSION``/``NAME#STAGE`` from the registry, or
     ``PATH@REV`` (a path of the project at a git revision: a branch, tag, sha, ``HEAD~1``)."""
-    from rlhf_pipeline import registry
-
     if "@" not in spec and "#" not in spec:
         raise PipelineError(
             f"--diff {spec}: name a version (policy@v1, policy#prod) or PATH@REV (models/policy@HEAD~1)."
@@ -78,9 +77,11 @@ def _inputs(event: dict[str, Any]) -> dict[str, str | None]:
     return {d["name"]: d["facets"]["dvc"]["hash"] for d in event["inputs"]}
 
 
-def _metrics(event: dict[str, Any]) -> dict[str, Any]:
-    run = event["run"]["facets"]
-    return _flat({**run["upstreamMetrics"]["files"], **run["metrics"]["files"]})
+def _metrics(repo) -> dict[str, Any]:
+    """Every metrics file dvc.yaml declares, as the repo's revision recorded it (the version's
+    evaluation included: it is downstream of the policy, so no lineage event of it carries it)."""
+    shown = repo.metrics.show().get("", {}).get("data", {})
+    return _flat({path: found.get("data", {}) for path, found in shown.items() if "data" in found})
 
 
 def _changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -93,7 +94,8 @@ def diff_versions(root: str, spec_a: str, spec_b: str, namespace: str | None = N
     (label_a, path_a, rev_a), (label_b, path_b, rev_b) = target(root, spec_a), target(root, spec_b)
     event_a = build_lineage(f"{root}/{path_a}", namespace, rev_a)
     event_b = build_lineage(f"{root}/{path_b}", namespace, rev_b)
-    rows_a, rows_b = preference_rows(Repo(root, rev=rev_a)), preference_rows(Repo(root, rev=rev_b))
+    repo_a, repo_b = Repo(root, rev=rev_a), Repo(root, rev=rev_b)
+    rows_a, rows_b = preference_rows(repo_a), preference_rows(repo_b)
     inputs = _changes(_inputs(event_a), _inputs(event_b))
     env_a, env_b = (e["run"]["facets"]["environment"].get("recorded") or {} for e in (event_a, event_b))
     return {
@@ -112,7 +114,7 @@ def diff_versions(root: str, spec_a: str, spec_b: str, namespace: str | None = N
             "code": {k: v for k, v in inputs.items() if k.endswith(CODE_SUFFIXES)},
             "data": {k: v for k, v in inputs.items() if not k.endswith(CODE_SUFFIXES)},
             "environment": compare(env_a, env_b, facts.lock_texts(root)) if env_a and env_b else None,
-            "metrics": _changes(_metrics(event_a), _metrics(event_b)),
+            "metrics": _changes(_metrics(repo_a), _metrics(repo_b)),
         },
     }
 

@@ -41,7 +41,9 @@ def card_metadata(repo, path: str) -> tuple[str, dict] | None:
 
 def read_metrics(repo, paths: list[str]) -> dict[str, Any]:
     """Each metrics file's values as DVC reads them, or ``{"error": ...}``."""
-    shown = repo.metrics.show(targets=paths).get("", {}).get("data", {}) if paths else {}
+    # at a revision DVC resolves targets against the current directory: read them all, pick ours
+    targets = None if revision(repo) else paths
+    shown = repo.metrics.show(targets=targets).get("", {}).get("data", {}) if paths else {}
     return {p: shown.get(p, {}).get("data", {"error": str(shown.get(p, {}).get("error", "missing"))}) for p in paths}
 
 
