@@ -168,3 +168,18 @@ def run_stage_script(name: str, argv: list[str] | None = None) -> int:
     finally:
         sys.argv = old_argv
     return 0
+
+
+@pytest.fixture(scope="session")
+def versioned(tmp_path_factory, tiny_base_dir):
+    """A tiny project run once and committed, with a local DVC remote: HEAD's policy is the first
+    candidate of the registry (tests/test_registry.py and the flow's gate test copy it)."""
+    from test_pipeline_e2e import build_project, sh
+
+    root = build_project(tmp_path_factory.mktemp("registry"), tiny_base_dir, {})
+    remote = root.parent / "remote"
+    sh(["dvc", "remote", "add", "-d", "local", str(remote)], root)
+    sh(["dvc", "repro"], root)
+    sh(["git", "add", "-A"], root)
+    sh(["git", "commit", "-qm", "run 1"], root)
+    return root

@@ -573,14 +573,14 @@ def test_damaged_bytes_are_never_pushed(project: Path, tmp_path: Path):
 # the promotion gate inside the flow, on the tiny pipeline
 # --------------------------------------------------------------------------------------------
 @pytest.mark.e2e
-def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(tmp_path, tiny_base_dir):
-    import yaml
-    from test_pipeline_e2e import build_project, sh
+def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(versioned, tmp_path):
+    import shutil
 
-    root = build_project(tmp_path / "tiny", tiny_base_dir, {})
-    sh(["dvc", "repro"], root)
-    sh(["git", "add", "-A"], root)
-    sh(["git", "commit", "-qm", "first run"], root)
+    import yaml
+    from test_pipeline_e2e import sh
+
+    root = tmp_path / "project"
+    shutil.copytree(versioned, root, symlinks=True)
 
     def set_params(**sections) -> None:
         params = yaml.safe_load((root / "params.yaml").read_text())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_lineage import _validate_event
-from test_pipeline_e2e import build_project, sh
+from test_pipeline_e2e import sh
 
 from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums
 from rlhf_pipeline.params.promotion import PromotionParams
@@ -83,18 +83,6 @@ def test_sides_pair_by_query_and_repeated_queries_pair_in_order():
 # --------------------------------------------------------------------------------------------
 # the registry on a tiny project
 # --------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def versioned(tmp_path_factory, tiny_base_dir):
-    """A tiny project run once and committed: HEAD's policy is the first candidate."""
-    root = build_project(tmp_path_factory.mktemp("registry"), tiny_base_dir, {})
-    remote = root.parent / "remote"
-    sh(["dvc", "remote", "add", "-d", "local", str(remote)], root)
-    sh(["dvc", "repro"], root)
-    sh(["git", "add", "-A"], root)
-    sh(["git", "commit", "-qm", "run 1"], root)
-    return root
-
-
 def rlhf(root: Path, *args: str, check: bool = True):
     return sh(["rlhf", *args], root, check=check)
 

@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         return_state=True,
     )
     if state.is_completed():
-        print(state.result()["status"])
+        report = state.result()
+        print(report["status"] + (f"\npromotion gate: {report['promotion']}" if report.get("promotion") else ""))
         return 0
     error = state.result(raise_on_failure=False)
     print(f"retrain failed: {error if isinstance(error, BaseException) else state.message}", file=sys.stderr)

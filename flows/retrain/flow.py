@@ -281,6 +281,7 @@ def promotion_gate(repo: str) -> dict[str, Any]:
         details = "\n".join(part.strip() for part in (result.output, result.stderr) if part.strip())
         raise RetrainError(f"the promotion gate failed (exit {result.returncode}):\n{details}", result.returncode)
     decision = json.loads(result.output)
+    get_run_logger().info("promotion gate: %s\n%s", decision["outcome"], decision.get("markdown", ""))
     if decision.get("markdown"):
         create_markdown_artifact(
             markdown=decision["markdown"], key="promotion-decision", description=decision["outcome"]
