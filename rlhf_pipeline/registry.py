@@ -171,9 +171,9 @@ def resolve(root: str | Path, spec: str) -> Version:
     return found
 
 
-def register(root: str | Path, name: str, ref: str = "HEAD", message: str | None = None) -> tuple[Version, bool]:
-    """Register the ``name`` that ``ref``'s dvc.lock records as a new major version, unless a
-    registered version already has those bytes: ``(version, created)``."""
+def version_of(root: str | Path, name: str, ref: str = "HEAD") -> tuple[Version | None, str, str]:
+    """``(version, commit, hash)``: the registered version of ``name`` whose bytes ``ref``'s dvc.lock
+    records (None when none has them), ``ref``'s commit, and that hash."""
     path = artifact_path(root, name)
     commit = _git(root, "rev-parse", f"{ref}^{{commit}}").strip()
     recorded = locked_hash(file_at(root, commit, "dvc.lock"), path)
@@ -182,12 +182,18 @@ def register(root: str | Path, name: str, ref: str = "HEAD", message: str | None
             f"dvc.lock at {commit[:12]} records no {path}: run `dvc repro` and commit dvc.lock before "
             f"registering {name}."
         )
-    registered = versions(root, name)
-    for existing in registered:
-        if locked_hash(file_at(root, existing.commit, "dvc.lock"), path) == recorded:
-            return existing, False
+    same = (v for v in versions(root, name) if locked_hash(file_at(root, v.commit, "dvc.lock"), path) == recorded)
+    return next(same, None), commit, recorded
+
+
+def register(root: str | Path, name: str, ref: str = "HEAD", message: str | None = None) -> tuple[Version, bool]:
+    """Register the ``name`` that ``ref``'s dvc.lock records as a new major version, unless a
+    registered version already has those bytes: ``(version, created)``."""
+    existing, commit, _ = version_of(root, name, ref)
+    if existing is not None:
+        return existing, False
     # GTO bumps from the highest version; the first one it must be told
-    bump = {"bump_major": True} if registered else {"version": "v1.0.0"}
+    bump = {"bump_major": True} if versions(root, name) else {"version": "v1.0.0"}
     _gto().register(str(root), name, commit, message=message, **bump)
     created = next(v for v in versions(root, name) if v.commit == commit)
     return created, True

@@ -38,6 +38,7 @@ from rlhf_pipeline.registry import (
     metrics_at,
     register,
     resolve,
+    version_of,
     versions,
 )
 
@@ -146,31 +147,31 @@ def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dic
     if POLICY not in declared_artifacts(root):
         return {"decision": None, "outcome": "skipped: dvc.yaml declares no 'policy' artifact", "markdown": ""}
     require_recorded_run(root)
-    challenger, created = register(root, POLICY, message="retrain: a new policy")
-    reward = (
-        register(root, REWARD_MODEL, message="retrain: a new reward model")[0]
-        if REWARD_MODEL in declared_artifacts(root)
-        else None
-    )
-    if not created:
-        outcome = f"no new version: {challenger.tag} already has the policy HEAD records"
-        return {
-            "decision": None,
-            "registered": challenger.tag,
-            "outcome": outcome,
-            "markdown": f"# Promotion gate\n\n{outcome}\n",
-        }
+    existing, _, _ = version_of(root, POLICY)
+    if existing is not None:
+        outcome = f"no new version: {existing.tag} already has the policy HEAD records"
+        return {"decision": None, "registered": existing.tag, "outcome": outcome, "markdown": ""}
+    # judged before it is registered: a comparison that cannot be made leaves no undecided version
+    if not Path(root, RESPONSES).is_file():
+        raise PipelineError(f"{root / RESPONSES} is missing: run `dvc repro evaluate` (and commit) before the gate.")
     rows = read_responses(Path(root, RESPONSES).read_text(), str(root / RESPONSES))
     incumbent, prod = incumbent_side(root, rows)
     metrics = json.loads(Path(root, EVALUATION_METRICS).read_text()) if Path(root, EVALUATION_METRICS).is_file() else {}
     comparison = compare(
-        Side(challenger.tag, [r["query"] for r in rows], [r["policy_response"] for r in rows]),
+        Side("HEAD's policy", [r["query"] for r in rows], [r["policy_response"] for r in rows]),
         incumbent,
         proxy=reward_scorer(root),
         judge=judge_scorer(rule.judge),
         judge_name=rule.judge,
         kl=metrics.get("kl/mean"),
     )
+    challenger, _ = register(root, POLICY, message="retrain: a new policy")
+    reward = (
+        register(root, REWARD_MODEL, message="retrain: a new reward model")[0]
+        if REWARD_MODEL in declared_artifacts(root)
+        else None
+    )
+    comparison.challenger = challenger.tag
     decision = decide(comparison, rule)
     if decision.promote:
         assign(root, POLICY, challenger.version, PROD, message=f"promotion gate: {challenger.tag} passed")

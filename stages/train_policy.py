@@ -27,6 +27,7 @@ from rlhf_pipeline.runner import declared_code_hash, project_root, run_stage
 
 BASE, REWARD, QUERIES, PREFS = "models/base", "models/reward", "data/queries", "data/preferences"
 OUT, CHECKPOINTS, METRICS, LIVE = "models/policy", "checkpoints/policy", "metrics/policy.json", "dvclive/train_policy"
+SPEED = "metrics/speed.json"  # dvc.yaml's top-level metrics: git keeps it, dvc.lock records no hash of it
 
 
 class Params(StageParams):
@@ -140,8 +141,9 @@ def main(params: Params) -> None:
     if gold is not None:
         metrics["gold/first_quarter"] = mean(first, "objective/gold")
         metrics["gold/last_quarter"] = mean(last, "objective/gold")
-    # how long the updates this process ran took: in the metrics file only (no cached output
-    # holds a timing, so a rerun writes the same bytes); none when it resumed at the last update
+    # how long the updates this process ran took: a measurement of the machine, in SPEED only,
+    # which no stage declares (dvc.yaml's top-level metrics), so no output and no dvc.lock hash
+    # holds a timing and a rerun writes the same bytes; none when it resumed at the last update
     speed = {"episodes_per_second": mean(timings, "episodes_per_second")} if timings else {}
     with atomic_dir(OUT, checksums=True) as tmp:
         save_policy(policy, tokenizer, tmp, params.task.temperature, params.task.response_length)
@@ -160,7 +162,8 @@ def main(params: Params) -> None:
             inputs=[BASE, REWARD, QUERIES],
             extra_metadata={"device": plan.describe()},
         )
-    write_json(METRICS, {**metrics, **speed})
+    write_json(METRICS, metrics)
+    write_json(SPEED, speed)
     print(
         f"train_policy: {metrics['episodes']} episodes, score {metrics['score/first_quarter']:.3f} -> "
         f"{metrics['score/last_quarter']:.3f}, KL {metrics['kl/last_quarter']:.2f}"

@@ -371,23 +371,17 @@ def file_digests(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
 
 
 def locked_outs(root: Path) -> dict[str, str]:
-    """``{output path: md5}`` of every output dvc.lock records, except the metrics files (the one
-    place timings live)."""
+    """``{output path: md5}`` of every output dvc.lock records, the metrics files included (timings
+    live in metrics/speed.json, which no stage declares)."""
     lock = yaml.safe_load((root / "dvc.lock").read_text())
-    metrics = {out.def_path for stage in pipeline_stages(root) for out in stage.outs if out.metric}
-    return {
-        out["path"]: out["md5"]
-        for stage in lock["stages"].values()
-        for out in stage.get("outs", [])
-        if out["path"] not in metrics
-    }
+    return {out["path"]: out["md5"] for stage in lock["stages"].values() for out in stage.get("outs", [])}
 
 
 def test_a_forced_rerun_records_the_same_hashes(project, tmp_path):
     """Every stage rerun (`dvc repro --force`, the checkpoints removed so PPO trains from update 0):
-    dvc.lock records the same hash for every output but the metrics files, so the lock shows the run
-    was reproduced. No card, validation result, log or checkpoint holds a time, a commit or a
-    machine path."""
+    dvc.lock is the same bytes, metrics files included, so the lock shows the run was reproduced. No
+    card, validation result, log, metric or checkpoint holds a time, a commit or a machine path (the
+    one timing, episodes per second, is in metrics/speed.json, which no stage declares)."""
     root, _ = project
     clone = tmp_path / "clone"
     shutil.copytree(root, clone, symlinks=True)
@@ -396,6 +390,8 @@ def test_a_forced_rerun_records_the_same_hashes(project, tmp_path):
     first, second = locked_outs(root), locked_outs(clone)
     assert set(first) == set(second) and len(first) >= 12
     assert {path: md5 for path, md5 in second.items() if first[path] != md5} == {}
+    assert (clone / "dvc.lock").read_bytes() == (root / "dvc.lock").read_bytes()  # byte for byte
+    assert json.loads((clone / "metrics/speed.json").read_text())["episodes_per_second"] > 0
 
 
 def test_outputs_are_byte_identical_beside_a_competing_process(project, tmp_path):
