@@ -573,7 +573,7 @@ def test_damaged_bytes_are_never_pushed(project: Path, tmp_path: Path):
 # the promotion gate inside the flow, on the tiny pipeline
 # --------------------------------------------------------------------------------------------
 @pytest.mark.e2e
-def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(versioned, tmp_path):
+def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(versioned, tmp_path, monkeypatch):
     import shutil
 
     import yaml
@@ -581,6 +581,8 @@ def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(versio
 
     root = tmp_path / "project"
     shutil.copytree(versioned, root, symlinks=True)
+    for variable in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL"):
+        monkeypatch.setenv(variable, "t@t" if variable.endswith("EMAIL") else "t")  # the flow commits and tags
 
     def set_params(**sections) -> None:
         params = yaml.safe_load((root / "params.yaml").read_text())
