@@ -612,7 +612,10 @@ def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(versio
     assert "no new version" in report["promotion"] and prod() == "policy@v1.0.0"
     # a retrain past a tight KL budget: registered, not promoted, and the run still completes
     set_params(ppo={"lr": 3.0e-4}, promotion={"max_kl": 1.0e-9})
+    (root / "notes.txt").write_text("a person's work in progress\n")
+    sh(["git", "add", "notes.txt"], root)
     report, artifacts = run()
+    assert sh(["git", "status", "--porcelain", "--", "notes.txt"], root).stdout == "A  notes.txt\n"  # not ours
     assert report["status"] == "reproduced train_policy, evaluate"
     assert report["recorded"].startswith("committed ")
     assert "prod stays policy@v1.0.0; policy@v2.0.0 is registered, not promoted" == report["promotion"]

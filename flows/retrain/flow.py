@@ -262,6 +262,8 @@ def record_run(repo: str, status: str) -> str:
     paths = [p for p in RUN_RECORD if (root / p).exists()]
     capture(["git", "add", "--", *paths], root)
     staged = capture(["git", "diff", "--cached", "--name-only"], root).output.split()
+    # the run's own files only: whatever else a person has staged stays theirs to commit
+    staged = [f for f in staged if f.split("/")[0] in RUN_RECORD or f.endswith((".dvc", ".gitignore"))]
     if not staged:
         return "nothing new to commit"
     result = capture(["git", "commit", "-q", "-m", f"retrain: {status}", "--", *sorted(set(staged))], root)

@@ -63,9 +63,7 @@ def read_text(repo, path: str) -> str | None:
             with repo.dvcfs.open(path, "r") as handle:
                 return handle.read()
         return Path(repo.root_dir, path).read_text(errors="replace")
-    except (OSError, ValueError):
-        return None
-    except Exception:  # DVC: an object missing from the cache at that revision
+    except Exception:  # not there: no such file, not text, or (DVC) an object missing from the cache
         return None
 
 
