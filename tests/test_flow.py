@@ -610,8 +610,10 @@ def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(versio
     # nothing new: no version, prod kept
     report, _ = run()
     assert "no new version" in report["promotion"] and prod() == "policy@v1.0.0"
-    # a retrain past a tight KL budget: registered, not promoted, and the run still completes
-    set_params(ppo={"lr": 3.0e-4}, promotion={"max_kl": 1.0e-9})
+    # a retrain the rule cannot accept (it asks for more paired queries than the tiny run holds;
+    # the tiny policy's KL estimate can be <= 0, so a KL budget would not do): registered, not
+    # promoted, and the run still completes
+    set_params(ppo={"lr": 3.0e-4}, promotion={"min_queries": 10_000})
     (root / "notes.txt").write_text("a person's work in progress\n")
     sh(["git", "add", "notes.txt"], root)
     report, artifacts = run()
@@ -620,5 +622,6 @@ def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(versio
     assert report["recorded"].startswith("committed ")
     assert "prod stays policy@v1.0.0; policy@v2.0.0 is registered, not promoted" == report["promotion"]
     assert "not promoted: prod is unchanged" in artifacts["promotion-decision"].data
+    assert "held-out queries pair up (promotion.min_queries: 10000)" in artifacts["promotion-decision"].data
     assert prod() == "policy@v1.0.0"
     assert sh(["git", "status", "--porcelain", "--", "dvc.lock", "metrics", "evaluation"], root).stdout == ""

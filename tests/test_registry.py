@@ -152,22 +152,16 @@ def test_gate_both_ways_register_every_version_and_roll_back(versioned, tmp_path
     assert decision["comparison"]["queries"] == len(rows)
     assert prod_of(root) == "policy@v2.0.0"
 
-    # a third round past a tight rule: registered, not promoted, prod unchanged (a result, exit 0)
-    retrain(root, lr=1.0e-5)
-    set_promotion(root, max_kl=1.0e-9)
-    sh(["git", "commit", "-qam", "rule"], root)
-    third = gate(root)
-    assert third["decision"]["promote"] is False and "prod stays policy@v2.0.0" in third["outcome"]
-    assert prod_of(root) == "policy@v2.0.0"
+    # (a rejected challenger while prod exists, and the flow around the gate: tests/test_flow.py)
     listing = json.loads(rlhf(root, "models", "--json").stdout)
     policy = [row for row in listing if row["artifact"] == "policy"]
-    assert [row["version"] for row in policy] == ["v3.0.0", "v2.0.0", "v1.0.0"]
+    assert [row["version"] for row in policy] == ["v2.0.0", "v1.0.0"]
     # the tiny model has no gold spread (its gain is undefined, null): KL and the RM accuracy are there
-    assert policy[1]["stages"] == ["prod"] and policy[0]["KL"] is not None and policy[0]["RM accuracy"] is not None
+    assert policy[0]["stages"] == ["prod"] and policy[0]["KL"] is not None and policy[0]["RM accuracy"] is not None
     table = rlhf(root, "models").stdout
     assert "| policy | v2.0.0 | prod |" in table and "RM accuracy" in table
 
-    # rollback: prod back to v1, fetched while the workspace holds v3, byte for byte as v1's SHA256SUMS
+    # rollback: prod back to v1, fetched while the workspace holds v2, byte for byte as v1's SHA256SUMS
     sh(["dvc", "push", "-q"], root)
     rlhf(root, "models", "assign", "policy", "v1")
     assert prod_of(root) == "policy@v1.0.0"
@@ -179,7 +173,7 @@ def test_gate_both_ways_register_every_version_and_roll_back(versioned, tmp_path
     assert "policy@v1.0.0" in out and "match its SHA256SUMS" in out
     v1_sums = sh(["git", "show", "policy@v1.0.0:dvc.lock"], root).stdout
     workspace_sums = read_checksums(root / "models/policy" / CHECKSUMS)
-    assert read_checksums(fetched / CHECKSUMS) != workspace_sums  # the workspace moved on (v3)
+    assert read_checksums(fetched / CHECKSUMS) != workspace_sums  # the workspace moved on (v2)
     assert checksum_problems(fetched, read_checksums(fetched / CHECKSUMS)) == []
     assert "models/policy" in v1_sums
     # DVC's own command agrees with ours (the docs' way)
