@@ -95,14 +95,22 @@ def _params_file_keys(declaration, root: Path) -> frozenset[str] | None:
 
 
 def declared_keys_by_stage(root: str | os.PathLike = ".") -> dict[str, frozenset[str] | None]:
-    """Every stage of ``root``/dvc.yaml with the params.yaml keys it declares ({} without a dvc.yaml)."""
+    """Every stage of ``root``/dvc.yaml with the params.yaml keys it declares ({} without a dvc.yaml).
+
+    The index also holds the ``.dvc`` files (``dvc add``, the flow's ingest): data, not stages, with
+    no name and no params, so they are left out."""
     from dvc.repo import Repo
+    from dvc.stage import PipelineStage
 
     root = Path(root).resolve()
     if not (root / "dvc.yaml").is_file():
         return {}
     with Repo(str(root), uninitialized=True) as repo:
-        return {stage.name: _params_file_keys(stage, root) for stage in repo.index.stages}
+        return {
+            stage.name: _params_file_keys(stage, root)
+            for stage in repo.index.stages
+            if isinstance(stage, PipelineStage)
+        }
 
 
 def declared_code_hash(stage: str, root: str | os.PathLike = ".") -> str:

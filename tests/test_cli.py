@@ -139,6 +139,25 @@ def test_profile_command_switches_params_and_refuses_a_broken_profile(tmp_path, 
     assert run_cli("profile", "nope") == 1
 
 
+def test_check_params_and_profile_work_beside_a_dvc_added_file(tmp_path, monkeypatch, capsys):
+    """`dvc add data/models/x` (the README's own step) and the flow's ingest make .dvc files, which DVC's
+    index lists among the stages: they declare no params and must not break the declared-keys walk."""
+    shutil.copytree(REPO / "params", tmp_path / "params")
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy(REPO / name, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    subprocess.run(["git", "init", "-q"], check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], check=True)
+    Path("data/labels").mkdir(parents=True)
+    Path("data/labels/batch.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    subprocess.run([sys.executable, "-m", "dvc", "add", "-q", "data/labels/batch.jsonl"], check=True)
+    assert Path("data/labels/batch.jsonl.dvc").is_file()
+    declared = declared_keys_by_stage(tmp_path)
+    assert "train_policy" in declared and len(declared) == len(declared_keys_by_stage(REPO))
+    assert run_cli("check-params") == 0 and capsys.readouterr().out.startswith("ok")
+    assert run_cli("profile", "tiny") == 0
+
+
 def test_tiny_random_source_builds_a_two_block_model():
     model, tokenizer, provenance = load_source_model("tiny-llama")
     assert model.config.num_hidden_layers == 2 and tokenizer.eos_token_id is not None
