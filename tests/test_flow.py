@@ -206,6 +206,35 @@ def test_transient_failure_is_retried_and_valid_data_ingested(project: Path, tmp
     assert {row["metric"] for row in table} == {"reward", "eval.n"}
 
 
+def test_the_schedule_runs_on_after_its_own_ingest(project: Path, tmp_path: Path):
+    """With a params.yaml (the flow then runs `rlhf check-params` first) and the .dvc files an ingest
+    makes: a run ingesting a file, a second ingesting another, a third with none all end well, each
+    rerunning only what changed."""
+    (project / "params.yaml").write_text("seed: 1\n")
+    _git(project, "add", "params.yaml")
+    _git(project, "commit", "-qm", "params")
+    ran = []
+    for round_, rows in enumerate(('{"chosen": "first", "rejected": "x"}\n', '{"chosen": "second", "rejected": "y"}\n', None)):
+        incoming = None
+        if rows is not None:
+            incoming = tmp_path / f"batch{round_}.jsonl"
+            incoming.write_text(rows)
+        state = retrain(
+            repo=str(project),
+            incoming=None if incoming is None else str(incoming),
+            validate_command=_validator(tmp_path, 0, "ok"),
+            push=False,
+            return_state=True,
+            **FAST,
+        )
+        assert state.is_completed(), f"round {round_}: {state.message}"
+        result = state.result()
+        assert result["params"] != "no params.yaml"
+        ran.append([s["stage"] for s in result["stages"] if s["result"] == "ran"])
+    assert ran == [STAGES, STAGES, []]
+    assert (project / "data/labels/preferences.jsonl").read_text() == '{"chosen": "second", "rejected": "y"}\n'
+
+
 def test_the_bytes_validated_are_the_bytes_ingested(project: Path, tmp_path: Path):
     """An exporter still writing: a row is appended to the incoming file while the validator runs.
     The flow validated a private copy and renames that copy into place: the appended (unchecked)
