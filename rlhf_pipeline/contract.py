@@ -34,7 +34,9 @@ from rlhf_pipeline.models import load_tokenizer
 from rlhf_pipeline.params import Seed, Strict, read_params_file, validate
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.preferences import (
+    BAD_CHARACTER_CHECK,
     BAD_CHARACTERS,
+    EMPTY_TEXT_CHECK,
     PAIRED_FORMATS,
     VISIBLE_CHARACTER,
     detect_format,
@@ -176,11 +178,11 @@ def build_text_suite(validation):
         (gxe.ExpectColumnValuesToBeOfType(column="text", type_="str"), "text type (string)"),
         (
             gxe.ExpectColumnValuesToMatchRegex(column="text", regex=VISIBLE_CHARACTER),
-            "no empty, whitespace-only or invisible-only text",
+            EMPTY_TEXT_CHECK,
         ),
         (
             gxe.ExpectColumnValuesToNotMatchRegex(column="text", regex=BAD_CHARACTERS),
-            "no invalid UTF-8, control or bidirectional-override characters",
+            BAD_CHARACTER_CHECK,
         ),
         (
             gxe.ExpectColumnValueLengthsToBeBetween(column="text", max_value=validation.max_text_chars),

@@ -173,16 +173,32 @@ def checksum_problems(directory: str | os.PathLike, recorded: dict[str, str]) ->
     return problems
 
 
+def unlisted_files(directory: str | os.PathLike, recorded: dict[str, str]) -> list[str]:
+    """The files of ``directory`` (besides ``SHA256SUMS``) that ``recorded`` does not list, one line each.
+
+    A model folder is read by transformers and peft, which load what they find: an
+    ``adapter_config.json`` beside the weights is applied on top of them, so a file added after the
+    stage wrote the folder changes the model as surely as an edited one."""
+    directory = Path(directory)
+    present = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*") if not p.is_dir())
+    return [
+        f"{name} is not listed (a file added after the folder was written; it would be loaded with it)"
+        for name in present
+        if name != CHECKSUMS and name not in recorded
+    ]
+
+
 def verify_checksums(directory: str | os.PathLike, rebuild: str) -> None:
     """Refuse ``directory`` (:class:`DamagedArtifactError`) unless every file its ``SHA256SUMS``
-    lists has those bytes; ``rebuild`` says how to get a good copy back."""
+    lists has those bytes and it holds no other file; ``rebuild`` says how to get a good copy back."""
     directory = Path(directory)
     sums = directory / CHECKSUMS
     if not sums.is_file():
         raise DamagedArtifactError(
             f"{directory} has no {CHECKSUMS}, so its files cannot be checked before use; {rebuild}."
         )
-    problems = checksum_problems(directory, read_checksums(sums))
+    recorded = read_checksums(sums)
+    problems = unlisted_files(directory, recorded) + checksum_problems(directory, recorded)
     if problems:
         listed = "; ".join(problems[:5]) + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise DamagedArtifactError(

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlhf_pipeline.conversations import content_length, end_of_turn, is_conversational, to_text_pairs
+from rlhf_pipeline.conversations import as_messages, content_length, end_of_turn, is_conversational, to_text_pairs
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import atomic_file, is_local_source, load_hub_dataset, read_table
 from rlhf_pipeline.progress import Progress
@@ -61,6 +61,23 @@ _BAD_CHARACTERS_RE = re.compile(BAD_CHARACTERS)
 # that renders as nothing (soft hyphen, zero-width space/joiners, directional marks, word joiner,
 # BOM), so a row of only U+200B is as empty as a row of spaces.
 VISIBLE_CHARACTER = r"[^\s\u00ad\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u206a-\u206f\ufeff]"
+_VISIBLE_CHARACTER_RE = re.compile(VISIBLE_CHARACTER)
+# The contract's two text checks, by the names its report gives them.
+EMPTY_TEXT_CHECK = "no empty, whitespace-only or invisible-only text"
+BAD_CHARACTER_CHECK = "no invalid UTF-8, control or bidirectional-override characters"
+
+
+def text_problem(text: str) -> str | None:
+    """The contract check ``text`` fails (:data:`EMPTY_TEXT_CHECK`, :data:`BAD_CHARACTER_CHECK`), or None.
+
+    The one statement of the rule every text obeys: the contract runs these two regexes as its
+    Great Expectations text checks; the preferences stage (on a user's file) and the simulated
+    labeller (on its samples) call this, so nothing one accepts the other refuses."""
+    if not _VISIBLE_CHARACTER_RE.search(text):
+        return EMPTY_TEXT_CHECK
+    if _BAD_CHARACTERS_RE.search(text):
+        return BAD_CHARACTER_CHECK
+    return None
 
 
 def features():
@@ -118,11 +135,12 @@ def sample_problem(samples: list[str]) -> str | None:
     Simulated rows with such a problem are skipped (and counted) rather than written, so the
     default pipeline never refuses its own labels.
     """
-    if any(not s.strip() for s in samples):
+    problems = [text_problem(s) for s in samples]
+    if EMPTY_TEXT_CHECK in problems:
         return "empty_sample"
     if len(set(samples)) < len(samples):
         return "duplicate_samples"
-    if any(_BAD_CHARACTERS_RE.search(s) for s in samples):
+    if BAD_CHARACTER_CHECK in problems:
         return "bad_characters"
     return None
 
@@ -391,6 +409,31 @@ def refuse_overlong_texts(frame, max_chars: int, where: str) -> None:
                 f"data.validation.max_text_chars ({max_chars}); {len(over)} such row(s) in this column. Shorten or "
                 "drop them "
                 "(nothing was tokenized or written)."
+            )
+
+
+def refuse_bad_texts(frame, where: str) -> None:
+    """Refuse (the contract's exit code) a text of a user's file that fails :func:`text_problem`,
+    naming the column and row, before anything converts or writes it: the stage and
+    ``rlhf validate-preferences`` refuse the same files."""
+    for column in frame.columns:
+        if column not in ("prompt", "chosen", "rejected", "query") and not SAMPLE_COLUMN.match(str(column)):
+            continue
+        failing = []
+        for row, value in enumerate(frame[column].tolist()):
+            texts = (
+                [value]
+                if isinstance(value, str)
+                else [m.get("content") for m in as_messages(value) or [] if isinstance(m, dict)]
+            )
+            problem = next((p for p in map(text_problem, [t for t in texts if isinstance(t, str)]) if p), None)
+            if problem:
+                failing.append((row, problem))
+        if failing:
+            row, problem = failing[0]
+            raise DataContractError(
+                f"{where}: column {column!r}, row {row} fails the data contract's check '{problem}'; {len(failing)} "
+                f"such row(s) in this column. {VALIDATE_HINT} Nothing was written."
             )
 
 

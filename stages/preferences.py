@@ -25,6 +25,7 @@ from rlhf_pipeline.preferences import (
     chat_format,
     features,
     load_user_frames,
+    refuse_bad_texts,
     refuse_overlong_texts,
     simulate_preferences,
     user_to_internal,
@@ -102,6 +103,7 @@ def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
     fmt = chat_format(fmt, params.task.chat, cfg.source)
     for name, frame in frames.items():
         refuse_overlong_texts(frame, params.data.validation.max_text_chars, f"{cfg.source} ({name} split)")
+        refuse_bad_texts(frame, f"{cfg.source} ({name} split)")
     splits = {
         name: user_to_internal(
             frame, fmt, tokenizer, q.query_length, params.task.response_length, f"{cfg.source} ({name} split)"

@@ -214,7 +214,9 @@ def test_the_schedule_runs_on_after_its_own_ingest(project: Path, tmp_path: Path
     _git(project, "add", "params.yaml")
     _git(project, "commit", "-qm", "params")
     ran = []
-    for round_, rows in enumerate(('{"chosen": "first", "rejected": "x"}\n', '{"chosen": "second", "rejected": "y"}\n', None)):
+    for round_, rows in enumerate(
+        ('{"chosen": "first", "rejected": "x"}\n', '{"chosen": "second", "rejected": "y"}\n', None)
+    ):
         incoming = None
         if rows is not None:
             incoming = tmp_path / f"batch{round_}.jsonl"

@@ -511,7 +511,7 @@ def cache_object(root: Path, md5: str) -> Path:
 
 def test_damaged_bytes_are_found_and_never_trained_on(project, tmp_path):
     """A flipped byte (size and mtime kept) in a workspace file, in a DVC cache object and in a
-    checkpoint snapshot: DVC's status still says up to date, `rlhf lineage --verify` names each one
+    checkpoint snapshot, and a file planted in a model folder: DVC's status still says up to date, `rlhf lineage --verify` names each one
     (exit 7), and the stages that would read them refuse (exit 7) without recording anything."""
     root, _ = project
     clone = tmp_path / "clone"
@@ -540,6 +540,18 @@ def test_damaged_bytes_are_found_and_never_trained_on(project, tmp_path):
     flip_a_byte(cache_object(clone, md5["model.safetensors"]))
     checked = sh([*rlhf, "lineage", "--verify", "models/policy/model.safetensors"], clone, check=False)
     assert checked.returncode == 7 and "the DVC cache object" in checked.stderr and "is damaged" in checked.stderr
+
+    # a LoRA adapter planted beside the policy's weights: transformers would apply it on load
+    planted = [clone / "models/policy/adapter_config.json", clone / "models/policy/adapter_model.safetensors"]
+    planted[0].write_text('{"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"]}')
+    planted[1].write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    refused = sh(["dvc", "repro", "--force", "--single-item", "evaluate"], clone, check=False)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "exited with 7" in output, output
+    assert "models/policy is damaged: adapter_config.json is not listed" in output
+    assert "Traceback" not in output
+    for path in planted:
+        path.unlink()
 
     flip_a_byte(clone / "checkpoints/policy/snapshots/update_00002.safetensors")
     refused = sh(["dvc", "repro", "--force", "--single-item", "evaluate"], clone, check=False)

@@ -14,7 +14,9 @@ from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.labelers import Labeler, get_labeler
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.preferences import (
+    BAD_CHARACTER_CHECK,
     BEST_OF_N,
+    EMPTY_TEXT_CHECK,
     PAIRWISE,
     best_of_n_to_internal,
     ceiling_accuracy,
@@ -23,6 +25,7 @@ from rlhf_pipeline.preferences import (
     pairwise_to_internal,
     pick_best,
     sample_problem,
+    text_problem,
     simulate_preferences,
     to_flat_frame,
 )
@@ -90,6 +93,27 @@ def test_sample_problem():
     assert sample_problem(["a", "a"]) == "duplicate_samples"
     assert sample_problem(["a", "b\x07"]) == "bad_characters"
     assert sample_problem(["a\tb\nc", "b"]) is None
+    assert sample_problem(["a", "\u200b\u200b"]) == "empty_sample"  # invisible only: the contract's empty text
+    assert sample_problem(["a", "b \u202eb"]) == "bad_characters"
+
+
+@pytest.mark.parametrize(
+    "text, check",
+    [("\u200b\u200b", EMPTY_TEXT_CHECK), ("pay \u202eelbuod\u202c now", BAD_CHARACTER_CHECK), ("fine.", None)],
+)
+def test_one_text_rule_for_the_labeller_the_stage_and_the_contract(tmp_path, capsys, text, check):
+    """text_problem (the labeller's and the stage's pre-check) and the contract's report agree."""
+    from rlhf_pipeline.contract import validate_file_cli
+
+    assert text_problem(text) == check
+    rows = [{"prompt": f"Prompt {i}.", "chosen": f"Good {i}.", "rejected": f"Bad {i}."} for i in range(200)]
+    rows[5]["chosen"] = text
+    path = tmp_path / "pairs.jsonl"
+    pd.DataFrame(rows).to_json(path, orient="records", lines=True)
+    code = validate_file_cli(str(path))
+    out = capsys.readouterr().out
+    assert code == (0 if check is None else 3), out
+    assert (check is None) or f"{check} [column chosen]: 1 row(s)" in out
 
 
 def test_vader_labeler_prefers_positive_text():
@@ -331,4 +355,21 @@ def test_an_overlong_user_text_is_refused_before_tokenization(project, capsys, m
         "column 'rejected', row " in err
         and "a text of 5000000 characters, over data.validation.max_text_chars (4000)" in err
     )
+    assert not (project / "data" / "preferences").exists()
+
+
+def test_the_stage_refuses_a_text_the_contract_refuses(project, capsys):
+    """A bidirectional override inside a reply: the preferences stage refuses the file as
+    `rlhf validate-preferences` does (exit 3, column and row named), and writes nothing."""
+    rows = [
+        {"prompt": f"Prompt number {i}.", "chosen": f"A good answer {i}.", "rejected": f"A bad answer {i}."}
+        for i in range(10)
+    ]
+    rows[4]["rejected"] = "pay \u202eelbuod\u202c now"
+    (project / "data" / "labels").mkdir(parents=True)
+    pd.DataFrame(rows).to_json(project / "data" / "labels" / "pairs.jsonl", orient="records", lines=True)
+    project.write_params(**{"data.preferences.source": "data/labels/pairs.jsonl", "data.queries.test_fraction": 0.1})
+    assert run_stage_script("preferences") == 3
+    err = capsys.readouterr().err
+    assert f"column 'rejected', row " in err and BAD_CHARACTER_CHECK in err and "Traceback" not in err
     assert not (project / "data" / "preferences").exists()
