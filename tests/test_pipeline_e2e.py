@@ -511,8 +511,9 @@ def cache_object(root: Path, md5: str) -> Path:
 
 def test_damaged_bytes_are_found_and_never_trained_on(project, tmp_path):
     """A flipped byte (size and mtime kept) in a workspace file, in a DVC cache object and in a
-    checkpoint snapshot, and a file planted in a model folder: DVC's status still says up to date, `rlhf lineage --verify` names each one
-    (exit 7), and the stages that would read them refuse (exit 7) without recording anything."""
+    checkpoint snapshot, and a file planted in a model folder: DVC's status still says up to date,
+    `rlhf lineage --verify` names each one (exit 7), and the stages that would read them refuse
+    (exit 7) without recording anything."""
     root, _ = project
     clone = tmp_path / "clone"
     shutil.copytree(root, clone, symlinks=True)

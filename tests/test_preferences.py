@@ -25,8 +25,8 @@ from rlhf_pipeline.preferences import (
     pairwise_to_internal,
     pick_best,
     sample_problem,
-    text_problem,
     simulate_preferences,
+    text_problem,
     to_flat_frame,
 )
 from rlhf_pipeline.queries import is_left_padded, pad_tokens
@@ -371,5 +371,5 @@ def test_the_stage_refuses_a_text_the_contract_refuses(project, capsys):
     project.write_params(**{"data.preferences.source": "data/labels/pairs.jsonl", "data.queries.test_fraction": 0.1})
     assert run_stage_script("preferences") == 3
     err = capsys.readouterr().err
-    assert f"column 'rejected', row " in err and BAD_CHARACTER_CHECK in err and "Traceback" not in err
+    assert "column 'rejected', row " in err and BAD_CHARACTER_CHECK in err and "Traceback" not in err
     assert not (project / "data" / "preferences").exists()
