@@ -30,6 +30,8 @@ from rlhf_pipeline.errors import (
 
 CHECKSUMS = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` format: "<hex>  <relative path>" per file, sorted
 LOCAL_MODELS = Path("data/models")  # declared in dvc.yaml as a dependency of the stages that read local models
+RAW_DATA = Path("data/raw")  # declared for corpus: a user corpus (data.corpus.source)
+LABELS = Path("data/labels")  # declared for queries and preferences: user labels and prompt files
 
 
 @contextlib.contextmanager
@@ -315,18 +317,25 @@ def local_model_dir(source: str, key: str) -> Path | None:
         return None
     if not path.is_dir():
         raise PipelineError(f"{key} '{source}' is a file; give a model directory or a hub id.")
-    inside = Path(os.path.abspath(path)).is_relative_to(os.path.abspath(LOCAL_MODELS))
-    if not inside:
-        raise ParamsError(
-            "params.yaml",
-            [
-                f"{key}: the local model folder {source} is outside {LOCAL_MODELS}/, so DVC cannot see its files "
-                f"change and would keep reusing results built from an older copy. Move or copy it into "
-                f"{LOCAL_MODELS}/ (e.g. {LOCAL_MODELS}/{path.name}; `dvc add` it to version it) and set {key} to "
-                "that path"
-            ],
-        )
-    return path
+    return require_tracked_location(path, key, LOCAL_MODELS, "local model folder")
+
+
+def require_tracked_location(path: str | os.PathLike, key: str, folder: Path, what: str = "file") -> Path:
+    """``path``, if it lies inside ``folder`` (links resolved), the folder ``dvc.yaml`` declares as a
+    dependency of the stage reading ``key``; ParamsError otherwise. A file elsewhere is read but
+    not tracked: editing it would leave `dvc status` up to date and the stale results served."""
+    path = Path(path)
+    if Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder)):
+        return path
+    raise ParamsError(
+        "params.yaml",
+        [
+            f"{key}: the {what} {path} is outside {folder}/, the folder dvc.yaml declares as a dependency of the "
+            "stage that reads it, so DVC cannot see it change and would keep serving results built from an older "
+            f"copy. Copy it into {folder}/ (e.g. {folder}/{path.name}; `dvc add` it to version it) and set {key} "
+            "to that path"
+        ],
+    )
 
 
 def read_txt_passages(path: Path) -> list[str]:

@@ -11,7 +11,7 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 from datasets import Dataset
 
 from rlhf_pipeline.corpus import clean_passages, generate_passages, load_hub_passages, load_local_passages
-from rlhf_pipeline.io import atomic_dir, is_local_source
+from rlhf_pipeline.io import RAW_DATA, atomic_dir, is_local_source, require_tracked_location
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.data import GENERATED, DataParams
@@ -46,6 +46,7 @@ def main(params: Params) -> None:
             progress="corpus",
         )
     elif is_local_source(cfg.source):
+        require_tracked_location(cfg.source, "data.corpus.source", RAW_DATA)
         texts = load_local_passages(cfg.source, cfg.text_column)
     else:
         texts = load_hub_passages(cfg.source, cfg.split, cfg.text_column)

@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.io import atomic_dir, write_json
+from rlhf_pipeline.io import LABELS, atomic_dir, is_local_source, require_tracked_location, write_json
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_context, require_dir
 from rlhf_pipeline.params import StageParams
@@ -99,6 +99,8 @@ def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
 
 def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
     cfg, q = params.data.preferences, params.data.queries
+    if is_local_source(cfg.source):
+        require_tracked_location(cfg.source, "data.preferences.source", LABELS)
     frames, fmt = load_user_frames(cfg.source, cfg.split, q.test_fraction, params.seed)
     fmt = chat_format(fmt, params.task.chat, cfg.source)
     for name, frame in frames.items():

@@ -9,7 +9,7 @@ from datasets import Dataset, DatasetDict, Features, List, Value, load_from_disk
 
 from rlhf_pipeline.conversations import read_prompts, require_chat_template
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.io import atomic_dir, write_json
+from rlhf_pipeline.io import LABELS, atomic_dir, is_local_source, require_tracked_location, write_json
 from rlhf_pipeline.models import load_tokenizer, require_dir
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.data import SIMULATED, DataParams
@@ -35,6 +35,8 @@ def chat_prompts(params: Params) -> list[list[dict]]:
             "data.preferences.source to conversational preference data whose prompts PPO should use."
         )
     key = "data.queries.prompts" if params.data.queries.prompts else "data.preferences.source"
+    if is_local_source(source):
+        require_tracked_location(source, key, LABELS)
     return read_prompts(source, key)
 
 

@@ -191,9 +191,10 @@ def test_queries_stage_in_chat_mode_renders_the_prompt_file(project, tiny_chat_b
     prompts = [{"prompt": f"Say something about day {i}."} for i in range(10)]  # texts: one user turn each
     prompts += [{"prompt": [SYSTEM, user(f"Describe night {i}.")]} for i in range(10)]
     prompts += prompts[:3]  # repeated prompts are kept once
-    (project / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    (project / "data" / "labels").mkdir(parents=True, exist_ok=True)
+    (project / "data" / "labels" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     project.write_params(
-        **{"task.chat": True, "data.queries.prompts": "prompts.jsonl", "data.queries.query_length": 12}
+        **{"task.chat": True, "data.queries.prompts": "data/labels/prompts.jsonl", "data.queries.query_length": 12}
     )
     assert run_stage_script("queries") == 0
     queries = load_from_disk(str(project / "data" / "queries"))
@@ -217,8 +218,11 @@ def test_chat_mode_without_prompts_or_template_is_refused(project, capsys, tiny_
 def test_conversational_data_needs_chat_mode(project, tiny_chat_base_dir, capsys):
     (project / "models" / "base").unlink()
     (project / "models" / "base").symlink_to(tiny_chat_base_dir, target_is_directory=True)
-    (project / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in standard_rows(20)))
-    project.write_params(**{"data.preferences.source": "chat.jsonl"})
+    (project / "data" / "labels").mkdir(parents=True, exist_ok=True)
+    (project / "data" / "labels" / "chat.jsonl").write_text(
+        "".join(json.dumps(row) + "\n" for row in standard_rows(20))
+    )
+    project.write_params(**{"data.preferences.source": "data/labels/chat.jsonl"})
     assert run_stage_script("preferences") == 1
     assert "task.chat is false" in capsys.readouterr().err
 

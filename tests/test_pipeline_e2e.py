@@ -600,3 +600,38 @@ def test_a_non_editable_install_trains_the_policy(project, tmp_path):
         "",
         "Data and pipelines are up to date.",
     )
+
+
+def test_a_user_label_file_is_read_only_where_dvc_tracks_it(project, tmp_path):
+    """data.preferences.source outside data/labels/ (which dvc.yaml declares for the stages that read
+    it) is refused, exit 2, nothing recorded; inside it, editing the file stales preferences (and
+    queries, which reads the same folder) in `dvc status`."""
+    root, _ = project
+    clone = tmp_path / "clone"
+    shutil.copytree(root, clone, symlinks=True)
+    rows = [
+        {"prompt": f"Prompt {i}.", "chosen": f"A good answer {i}.", "rejected": f"A bad one {i}."} for i in range(12)
+    ]
+    outside = tmp_path / "pairs.jsonl"
+    outside.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    lock_before = (clone / "dvc.lock").read_text()
+
+    def use(source: str) -> None:
+        params = yaml.safe_load((clone / "params.yaml").read_text())
+        params["data"]["preferences"]["source"] = source
+        (clone / "params.yaml").write_text(yaml.safe_dump(params))
+
+    use(str(outside))
+    refused = sh(["dvc", "repro", "--single-item", "preferences"], clone, check=False)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "exited with 2" in output, output
+    assert "data.preferences.source: the file" in output and "Copy it into data/labels/" in output
+    assert (clone / "dvc.lock").read_text() == lock_before
+    shutil.copy(outside, clone / "data/labels/pairs.jsonl")
+    use("data/labels/pairs.jsonl")
+    sh(["dvc", "repro", "--single-item", "preferences"], clone)
+    assert "preferences" not in json.loads(sh(["dvc", "status", "--json"], clone).stdout)
+    (clone / "data/labels/pairs.jsonl").write_text(outside.read_text().replace("A good answer 3.", "Better: 3."))
+    stale = json.loads(sh(["dvc", "status", "--json"], clone).stdout)
+    for stage in ("preferences", "queries"):
+        assert {"changed deps": {"data/labels": "modified"}} in stale[stage], stale

@@ -294,7 +294,8 @@ def test_user_split_column_and_seeded_split(tmp_path):
 # --------------------------------------------------------------------------------------------
 def write_corpus(project, n=40):
     lines = [f"Start. {SENTENCES[i % len(SENTENCES)]} {SENTENCES[(3 * i + 1) % len(SENTENCES)]}" for i in range(n)]
-    (project / "corpus.txt").write_text("\n".join(lines) + "\n")
+    (project / "data" / "raw").mkdir(parents=True, exist_ok=True)
+    (project / "data" / "raw" / "corpus.txt").write_text("\n".join(lines) + "\n")
 
 
 def test_preferences_stage_simulated(project):
@@ -303,7 +304,7 @@ def test_preferences_stage_simulated(project):
     from rlhf_pipeline.io import read_json
 
     write_corpus(project)
-    project.write_params(**{"data.corpus.source": "corpus.txt"})
+    project.write_params(**{"data.corpus.source": "data/raw/corpus.txt"})
     assert run_stage_script("corpus") == 0 and run_stage_script("queries") == 0
     assert run_stage_script("preferences") == 0
     prefs = load_from_disk(str(project / "data" / "preferences"))

@@ -105,9 +105,10 @@ CORPUS = [
 
 
 def test_queries_stage(project, tiny_tokenizer):
-    corpus_file = project / "corpus.txt"
+    corpus_file = project / "data" / "raw" / "corpus.txt"
+    corpus_file.parent.mkdir(parents=True, exist_ok=True)
     corpus_file.write_text("\n".join(CORPUS) + "\n")
-    project.write_params(**{"data.corpus.source": "corpus.txt", "data.queries.test_fraction": 0.34})
+    project.write_params(**{"data.corpus.source": "data/raw/corpus.txt", "data.queries.test_fraction": 0.34})
     assert run_stage_script("corpus") == 0
     assert run_stage_script("queries") == 0
 
@@ -136,8 +137,20 @@ def test_queries_stage(project, tiny_tokenizer):
 
 
 def test_queries_stage_refuses_when_nothing_survives(project, capsys):
-    (project / "corpus.txt").write_text("no periods here\nnor here\n")
-    project.write_params(**{"data.corpus.source": "corpus.txt"})
+    (project / "data" / "raw").mkdir(parents=True, exist_ok=True)
+    (project / "data" / "raw" / "corpus.txt").write_text("no periods here\nnor here\n")
+    project.write_params(**{"data.corpus.source": "data/raw/corpus.txt"})
     assert run_stage_script("corpus") == 0
     assert run_stage_script("queries") == 1
     assert "data.queries.start_text" in capsys.readouterr().err
+
+
+def test_a_corpus_file_outside_data_raw_is_refused(project, tmp_path, capsys):
+    """DVC tracks data/raw/ for the corpus stage: a file elsewhere would be read but never seen change."""
+    outside = tmp_path.parent / f"{tmp_path.name}-corpus.txt"
+    outside.write_text("\n".join(CORPUS) + "\n")
+    project.write_params(**{"data.corpus.source": str(outside)})
+    assert run_stage_script("corpus") == 2
+    err = capsys.readouterr().err
+    assert "data.corpus.source: the file" in err and "outside data/raw/" in err and "Copy it into data/raw/" in err
+    assert not (project / "data" / "corpus").exists()
