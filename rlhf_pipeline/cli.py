@@ -4,7 +4,8 @@ Each subcommand is a ``cmd_*`` function set as its parser's default ``func``: it
 args and returns an exit code. User errors (:class:`PipelineError`) print one paragraph and exit non-zero, no traceback.
 
 Each command imports the modules it needs when it runs, not at start-up: ``rlhf check-params``
-and ``rlhf --version`` then start without torch, transformers, Great Expectations or DVC's repo.
+and ``rlhf --version`` then start without torch, transformers, Great Expectations or DVC's repo
+(check-params loads torch only to check the ppo section against a built ``models/base``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,25 @@ def check_params_file(path: str | os.PathLike, root: str | os.PathLike) -> None:
         raise ParamsError(str(path), problems)
 
 
+def check_fit_to_base_model(path: str | os.PathLike, root: Path) -> str | None:
+    """The ``ppo`` section against ``root``/models/base when it was built from the params'
+    ``base_model.source`` (ParamsError when it cannot train it); else why this was not checked."""
+    from rlhf_pipeline.modelcard import read_card
+    from rlhf_pipeline.ppo.policy import require_fit
+
+    params, base = parse_params(read_params_file(path), str(path)), root / "models" / "base"
+    if not (base / "config.json").is_file():
+        return "no models/base yet, so the ppo section was not checked against the model (train_policy does)"
+    built_from = read_card(base).get("source")
+    if built_from != params.base_model.source:
+        return (
+            f"models/base was built from {built_from!r}, not base_model.source {params.base_model.source!r}, so the "
+            "ppo section was not checked against the model (train_policy does)"
+        )
+    require_fit(params.ppo, base)
+    return None
+
+
 def cmd_check_params(args) -> int:
     root = Path(args.path).resolve().parent  # against the dvc.yaml next to the file
     check_params_file(args.path, root)
@@ -46,6 +66,9 @@ def cmd_check_params(args) -> int:
         skipped.append("the file sets nothing: every value is the schema's default")
     if not (root / "dvc.yaml").is_file():
         skipped.append(f"no dvc.yaml in {root}, so whether it spells out every key a stage tracks was not checked")
+    unchecked = check_fit_to_base_model(args.path, root)
+    if unchecked:
+        skipped.append(unchecked)
     print("ok" + "".join(f"\nnote: {note}" for note in skipped))
     return 0
 

@@ -96,6 +96,16 @@ def require_context(path: str | os.PathLike, query_length: int, response_length:
         )
 
 
+def model_skeleton(path: str | os.PathLike) -> nn.Module:
+    """The causal LM that ``path``/config.json describes, built on the meta device: its module
+    names, classes and shapes, with no weight read and no memory taken (checks before a load)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 # --------------------------------------------------------------------------------------------
 # adapting a model
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.ppo import PPOParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.ppo.checkpoint import Checkpointer, fingerprint_of
-from rlhf_pipeline.ppo.policy import build_policy, save_policy
+from rlhf_pipeline.ppo.policy import build_policy, require_fit, save_policy
 from rlhf_pipeline.ppo.trainer import PPOTrainer
 from rlhf_pipeline.queries import load_queries
 from rlhf_pipeline.reward import HEAD_FILE, RewardModel
@@ -62,11 +62,12 @@ def main(params: Params) -> None:
     cfg = params.ppo
     uses_reward_model = cfg.score_source == "reward_model" or cfg.value_model == "separate"
     require_dir(BASE, "base_model")
-    if uses_reward_model:
-        require_dir(REWARD, "normalize_reward", HEAD_FILE)
     plan = resolve_device(cfg.device)
     # one process unless `accelerate launch` started several; refuses what it cannot honour, before loading
     accelerator = make_accelerator(plan.device, cfg.freeze_layers > 0, "train_policy", lora=cfg.lora is not None)
+    require_fit(cfg, BASE, accelerator.num_processes)  # the model's depth, modules and widths, from its config
+    if uses_reward_model:
+        require_dir(REWARD, "normalize_reward", HEAD_FILE)
     is_main = accelerator.is_main_process
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=plan.device.type == "cuda")

@@ -562,3 +562,87 @@ def test_the_stages_train_and_evaluate_a_critic_free_lora_policy(policy_project,
     assert "critic-free GRPO advantage (2 samples per query)" in card and "rank-4 LoRA adapter, merged" in card
     metrics = json.loads((out / "metrics/evaluate.json").read_text())
     assert metrics["kl/mean"] >= 0.0 and "kl/k1_mean" in metrics  # k3 is never negative
+
+
+# ---- what the ppo section asks of the model, refused before it loads -------------------------
+FIT_CASES = {
+    "a target naming no module": (
+        {"lora": {"target_modules": ["nope_proj"]}, "freeze_layers": 1},
+        "'nope_proj' names no module of the trained blocks 1-1",
+    ),
+    "a norm layer": ({"lora": {"target_modules": ["input_layernorm"]}}, "'input_layernorm' is a LlamaRMSNorm"),
+    "the LM head": ({"lora": {"target_modules": ["lm_head"]}}, "'lm_head' names no module of the trained blocks 0-1"),
+    "a rank above the width": ({"lora": {"rank": 500}}, "ppo.lora.rank: 500, more than the width"),
+    "every block frozen with LoRA": (
+        {"lora": {"rank": 4}, "freeze_layers": 2},
+        "ppo.freeze_layers: 2, but the base model",
+    ),
+    "every block frozen": ({"freeze_layers": 2}, "has 2 blocks; at most 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIT_CASES))
+def test_a_ppo_section_the_model_cannot_train_is_named_from_its_config(case, tiny_base_dir):
+    from rlhf_pipeline.models import model_skeleton
+    from rlhf_pipeline.ppo.policy import fit_problems
+
+    overrides, message = FIT_CASES[case]
+    problems = fit_problems(make_params(**overrides).ppo, model_skeleton(tiny_base_dir), "models/base")
+    assert len(problems) == 1 and message in problems[0], problems
+
+
+def test_a_ppo_section_the_model_can_train_has_no_fit_problem(tiny_base_dir):
+    from rlhf_pipeline.models import model_skeleton
+    from rlhf_pipeline.ppo.policy import fit_problems
+
+    skeleton = model_skeleton(tiny_base_dir)
+    assert next(skeleton.parameters()).device.type == "meta"  # nothing was read or allocated
+    for overrides in ({}, {"freeze_layers": 1}, {"lora": {"rank": 4, "target_modules": ["q_proj", "mlp.down_proj"]}}):
+        assert fit_problems(make_params(**overrides).ppo, skeleton, "models/base") == []
+
+
+def test_lora_alpha_and_process_split_are_refused_by_the_schema_and_the_launch(tmp_path):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"ppo\.lora\.alpha"):
+        make_params(lora={"alpha": 1e300})
+    rloo = make_params(advantage="rloo", samples_per_query=2, batch_size=6, nminibatches=1, microbatch_size=2).ppo
+    assert rloo.process_split_problem(1) is None
+    assert "its 3 queries (of ppo.samples_per_query 2 responses each) evenly" in rloo.process_split_problem(2)
+
+
+@pytest.mark.parametrize("case", ["a target naming no module", "every block frozen with LoRA"])
+def test_train_policy_refuses_before_loading_and_check_params_agrees(case, project, capsys, monkeypatch):
+    """The stage: exit 2, one paragraph, before any model loads (no reward model is even needed);
+    `rlhf check-params`: the same problem once models/base was built from base_model.source."""
+    from conftest import run_stage_script
+
+    import rlhf_pipeline.models as models_module
+    from rlhf_pipeline.cli import main
+    from rlhf_pipeline.modelcard import save_card
+    from rlhf_pipeline.params.schema import load_params
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the ppo section was checked")
+
+    monkeypatch.setattr(models_module, "load_causal_lm", no_load)
+    overrides, message = FIT_CASES[case]
+    project.write_params(**{f"ppo.{key}": value for key, value in overrides.items()})
+    assert run_stage_script("train_policy") == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (project / "models" / "policy").exists()
+
+    base = project / "models" / "base"
+    copy = project / "models" / "base-copy"
+    shutil.copytree(base.resolve(), copy)
+    base.unlink()
+    copy.rename(base)
+    with pytest.raises(SystemExit) as exit_:  # a model not built from base_model.source is not held against it
+        main(["check-params"])
+    assert exit_.value.code == 0 and "was not checked against the model" in capsys.readouterr().out
+    source = load_params("params.yaml").base_model.source
+    save_card(base, {"source": source, "library_name": "transformers"}, "# Base model\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["check-params"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -22,7 +22,13 @@ class LoraParams(Strict):
     from the same model with the adapter off (no second copy), and models/policy is saved merged."""
 
     rank: int = Field(8, gt=0, le=MAX_SMALL, description="LoRA rank r.")
-    alpha: float = Field(16.0, gt=0.0, description="LoRA alpha: the update is scaled by alpha / rank.")
+    alpha: float = Field(
+        16.0,
+        gt=0.0,
+        le=MAX_SMALL,
+        description="LoRA alpha: the update is scaled by alpha / rank (peft's default is 8; a scale in the "
+        "thousands already overflows the first steps).",
+    )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
     target_modules: Literal["all-linear"] | list[str] = Field(
         "all-linear",
@@ -167,3 +173,18 @@ class PPOParams(Strict):
     @property
     def critic_free(self) -> bool:
         return self.advantage in CRITIC_FREE
+
+    def process_split_problem(self, world_size: int) -> str | None:
+        """Why the batch cannot be shared by ``world_size`` processes (None when it can): each
+        process takes an equal share of every minibatch, in microbatches, and whole groups of a
+        query's ``samples_per_query`` responses (the critic-free baselines need the group together)."""
+        share, rest = divmod(self.batch_size, self.nminibatches * world_size)
+        queries = self.batch_size // self.samples_per_query
+        if not rest and not share % self.microbatch_size and not queries % world_size:
+            return None
+        return (
+            f"ppo.batch_size ({self.batch_size}) must split into ppo.nminibatches ({self.nminibatches}) minibatches, "
+            f"each shared evenly by the {world_size} process(es) in shares that ppo.microbatch_size "
+            f"({self.microbatch_size}) divides, and its {queries} queries (of ppo.samples_per_query "
+            f"{self.samples_per_query} responses each) evenly over the processes"
+        )

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from rlhf_pipeline import distributed
-from rlhf_pipeline.errors import NonFiniteError, PipelineError
+from rlhf_pipeline.errors import LaunchConfigError, NonFiniteError, PipelineError
 from rlhf_pipeline.functional import apply_penalty, linear_anneal, masked_mean, whiten
 from rlhf_pipeline.models import backbone_of, freeze_lower_layers
 from rlhf_pipeline.optim import adam
@@ -197,16 +197,9 @@ class PPOTrainer:
         )
         self.world_size, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         self.minibatch_share = cfg.batch_size // cfg.nminibatches // self.world_size
-        splits = not (
-            cfg.batch_size % (cfg.nminibatches * self.world_size) or self.minibatch_share % cfg.microbatch_size
-        )
-        if not splits or (cfg.batch_size // self.group) % self.world_size:
-            raise PipelineError(
-                f"ppo.batch_size ({cfg.batch_size}) must split into ppo.nminibatches ({cfg.nminibatches}) minibatches, "
-                f"each shared evenly by the {self.world_size} process(es) in shares that ppo.microbatch_size "
-                f"({cfg.microbatch_size}) divides, and its {cfg.batch_size // self.group} queries (of "
-                f"ppo.samples_per_query {self.group} responses each) evenly over the processes."
-            )
+        problem = cfg.process_split_problem(self.world_size)
+        if problem:
+            raise LaunchConfigError(problem + ".")
 
     # ---- helpers ----------------------------------------------------------------------------
     def _ctx(self):
