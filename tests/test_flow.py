@@ -90,6 +90,11 @@ def prefect_harness():
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
     """git+DVC repo: 4 stages, a dvc-added data/labels/preferences.jsonl, a local remote `localremote`."""
+    return make_project(tmp_path)
+
+
+def make_project(tmp_path: Path) -> Path:
+    """The ``project`` fixture's repo, made in ``tmp_path`` (its remote beside it)."""
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "step.py").write_text(STEP)
@@ -235,6 +240,45 @@ def test_the_schedule_runs_on_after_its_own_ingest(project: Path, tmp_path: Path
         ran.append([s["stage"] for s in result["stages"] if s["result"] == "ran"])
     assert ran == [STAGES, STAGES, []]
     assert (project / "data/labels/preferences.jsonl").read_text() == '{"chosen": "second", "rejected": "y"}\n'
+
+
+def test_the_next_run_recovers_after_the_disk_filled(tmp_path: Path):
+    """A disk that fills while DVC rewrites its .dvc/tmp/rwlock leaves it empty, and every later
+    `dvc repro` fails (exit 255) after the space is freed. On a real full tmpfs where root can mount
+    one (else the file the full disk leaves, written by hand): the run on the full disk fails, and the
+    next run after freeing the space completes with every output whole."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)], capture_output=True)
+    try:
+        repo = make_project(disk)
+        if mounted.returncode == 0:
+            rwlock = repo / ".dvc" / "tmp" / "rwlock"
+            rwlock.unlink(missing_ok=True)
+            filler = disk / "filler"
+            with open(filler, "wb") as handle:  # every block taken
+                try:
+                    while True:
+                        handle.write(b"\0" * 65536)
+                except OSError:
+                    pass
+            full = retrain(repo=str(repo), push=False, return_state=True, **FAST)
+            assert full.is_failed()
+            filler.unlink()
+            assert rwlock.is_file() and rwlock.read_bytes() == b"", "DVC's rwlock is not what a full disk leaves"
+        else:  # emulation: what the full disk left in the real case
+            (repo / ".dvc" / "tmp").mkdir(parents=True, exist_ok=True)
+            (repo / ".dvc" / "tmp" / "rwlock").write_bytes(b"")
+        broken = subprocess.run([PY, "-m", "dvc", "repro"], cwd=repo, capture_output=True, text=True)
+        assert broken.returncode == 255 and "RWLock-file" in broken.stderr  # what a person met before
+        state = retrain(repo=str(repo), push=False, return_state=True, **FAST)
+        assert state.is_completed(), state.message
+        assert [s["result"] for s in state.result()["stages"]] == ["ran"] * 4
+        status = subprocess.run([PY, "-m", "dvc", "status", "--json"], cwd=repo, capture_output=True, text=True)
+        assert json.loads(status.stdout) == {}
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_the_bytes_validated_are_the_bytes_ingested(project: Path, tmp_path: Path):

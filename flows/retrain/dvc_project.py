@@ -110,6 +110,49 @@ def recover_unreadable_lock(root: Path, logger) -> None:
     )
 
 
+DVC_TMP = Path(".dvc/tmp")
+DVC_REPO_LOCK, DVC_RWLOCK = DVC_TMP / "lock", DVC_TMP / "rwlock"  # dvc.lock.Lock's and dvc.rwlock's files
+
+
+def clear_unreadable_rwlock(root: Path, logger) -> bool:
+    """Remove DVC's ``.dvc/tmp/rwlock`` when DVC could not read it and no DVC command is running.
+
+    DVC rewrites that file (which paths running DVC processes hold) in place at every stage it
+    runs: a disk that fills at that moment leaves it empty or cut, and every later ``dvc repro``
+    fails with "RWLock-file ... corrupted" (exit 255) long after the space is freed. The file is
+    only meaningful while DVC holds its repo lock, and DVC makes a new one when it is missing, so it
+    goes only when that lock is free (zc.lockfile, DVC's own backend). True when it was removed."""
+    import json
+
+    import zc.lockfile
+    from dvc.rwlock import SCHEMA
+    from voluptuous import Invalid
+
+    rwlock = root / DVC_RWLOCK
+    try:
+        SCHEMA(json.loads(rwlock.read_text(encoding="utf-8")))
+        return False
+    except FileNotFoundError:
+        return False
+    except (ValueError, Invalid) as error:  # json's decode error is a ValueError
+        problem = f"{type(error).__name__}: {error}"
+    try:
+        repo_lock = zc.lockfile.LockFile(str(root / DVC_REPO_LOCK))
+    except (zc.lockfile.LockError, OSError):
+        return False  # a DVC command holds the repo (it will fail on the file itself), or no space yet
+    try:
+        rwlock.unlink()
+    finally:
+        repo_lock.close()
+    logger.warning(
+        "%s could not be read by DVC (%s: what a full disk leaves when DVC rewrites it); removed it, no DVC command "
+        "was running. DVC makes a new one.",
+        DVC_RWLOCK,
+        problem,
+    )
+    return True
+
+
 def stage_order(repo: str | Path) -> list[str]:
     """Pipeline stages, dependencies first (DVC's stage graph); ``dvc.yaml`` order among independent ones."""
     import networkx as nx

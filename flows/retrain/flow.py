@@ -23,6 +23,7 @@ from flows.retrain.dvc_project import (
     OUTPUT_TAIL_LINES,
     RetrainError,
     capture,
+    clear_unreadable_rwlock,
     configured_remote,
     dvc_command,
     is_stage_output,
@@ -347,6 +348,7 @@ def retrain(
     try:
         try:
             recover_unreadable_lock(root, logger)  # a dvc.lock truncated by a killed run: the last readable copy
+            clear_unreadable_rwlock(root, logger)  # DVC's rwlock emptied by a full disk: DVC makes a new one
             stages = stage_order(root)
             report["params"] = check_params(str(root))
             if incoming:
