@@ -238,9 +238,16 @@ def full_optimizer_state(module: torch.nn.Module, optimizer) -> dict:
 
 
 def load_full_optimizer_state(module: torch.nn.Module, optimizer, state: dict) -> None:
+    """Load what :func:`full_optimizer_state` returned. torch's loader hands each param group's
+    tuples (Adam's ``betas``) back as lists; they are put back as the optimizer had them, or a
+    resumed run would save a training state of other bytes than an uninterrupted one."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    tuples = [{key for key, value in group.items() if isinstance(value, tuple)} for group in optimizer.param_groups]
     set_optimizer_state_dict(module, optimizer, state, options=_options())
+    for group, keys in zip(optimizer.param_groups, tuples):
+        for key in keys:
+            group[key] = tuple(group[key])
 
 
 def on_main_process(accelerator, action, what: str) -> None:

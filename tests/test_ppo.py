@@ -186,9 +186,13 @@ def test_resume_after_crash_is_bit_identical(tiny_base_dir, reward_model, querie
     assert reference.policy.state_dict().keys() == resumed.policy.state_dict().keys()
     for (name, a), b in zip(reference.policy.state_dict().items(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b), name
-    assert (tmp_path / "crashed/snapshots/update_00004.safetensors").read_bytes() == (
-        tmp_path / "uninterrupted/snapshots/update_00004.safetensors"
-    ).read_bytes()
+    # every file of the checkpoint folder, the training state (optimizer included) and meta.json too
+    files = {
+        run: {p.relative_to(tmp_path / run): p.read_bytes() for p in (tmp_path / run).rglob("*") if p.is_file()}
+        for run in ("uninterrupted", "crashed")
+    }
+    assert files["crashed"].keys() == files["uninterrupted"].keys()
+    assert [name for name in files["crashed"] if files["crashed"][name] != files["uninterrupted"][name]] == []
 
 
 def test_critic_free_estimators_build_no_value_head_and_sample_query_groups(tiny_base_dir, reward_model, queries):
