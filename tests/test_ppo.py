@@ -650,3 +650,16 @@ def test_train_policy_refuses_before_loading_and_check_params_agrees(case, proje
     with pytest.raises(SystemExit) as exit_:
         main(["check-params"])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "split",
+    [{"freeze_layers": 0}, {"freeze_layers": 1}, {"freeze_layers": 1, "lora": {"rank": 4}}, {"lora": {"rank": 4}}],
+    ids=["whole", "trunk-1", "trunk-1-lora", "lora"],
+)
+def test_the_first_update_starts_at_the_reference(split, tiny_base_dir, reward_model, queries):
+    """Before any step the policy is the reference: the KL of update 1's rollout is 0 for every
+    valid trunk split (the policy and the reference computed alike); freezing every block is refused."""
+    trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(total_episodes=16, **split))
+    (first,) = trainer.train(progress=False)
+    assert abs(first["objective/kl"]) <= 1e-6, first["objective/kl"]
