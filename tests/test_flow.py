@@ -700,3 +700,50 @@ def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(versio
     assert "held-out queries pair up (promotion.min_queries: 10000)" in artifacts["promotion-decision"].data
     assert prod() == "policy@v1.0.0"
     assert sh(["git", "status", "--porcelain", "--", "dvc.lock", "metrics", "evaluation"], root).stdout == ""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("swap", ["dir object", "file object"])
+def test_a_swapped_cache_object_is_refused_before_it_is_trained_on_recorded_or_pushed(swap, versioned, tmp_path):
+    """models/reward's DVC cache object replaced by a self-consistent other one (reward_unnormalized's
+    file list, or one of its files), then `dvc checkout`: DVC would restore normalize_reward from its
+    run cache onto it, record the other folder's hash and train on it. The flow refuses it before the
+    stage runs: exit 7, dvc.lock untouched, nothing pushed, and the message says how to restore."""
+    import shutil
+
+    import yaml
+    from test_pipeline_e2e import sh
+
+    root = tmp_path / "project"
+    shutil.copytree(versioned, root, symlinks=True)
+    remote = tmp_path / "remote"
+    sh(["dvc", "remote", "add", "-f", "-d", "local", str(remote)], root)
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+
+    def object_of(md5: str) -> Path:
+        return root / ".dvc/cache/files/md5" / md5[:2] / md5[2:]
+
+    def out(stage: str, path: str) -> dict:
+        return next(entry for entry in lock["stages"][stage]["outs"] if entry["path"] == path)
+
+    reward, unnormalized = out("normalize_reward", "models/reward"), out("train_reward", "models/reward_unnormalized")
+    if swap == "dir object":
+        victim, planted = object_of(reward["md5"]), object_of(unnormalized["md5"]).read_bytes()
+    else:
+        files = {entry["relpath"]: entry["md5"] for entry in json.loads(object_of(reward["md5"]).read_text())}
+        others = {entry["relpath"]: entry["md5"] for entry in json.loads(object_of(unnormalized["md5"]).read_text())}
+        name = next(n for n in sorted(files) if n in others and files[n] != others[n] and n.endswith(".safetensors"))
+        victim, planted = object_of(files[name]), object_of(others[name]).read_bytes()
+    victim.chmod(0o644)
+    victim.write_bytes(planted)
+    sh(["dvc", "checkout", "--force", "models/reward"], root, check=False)
+    lock_before = (root / "dvc.lock").read_bytes()
+
+    state = retrain(repo=str(root), return_state=True, **FAST)
+
+    assert state.is_failed()
+    message = state.message
+    assert "DVC stage 'normalize_reward' was not run" in message and "(7: " in message, message
+    assert str(victim) in message and "dvc repro --force STAGE" in message
+    assert (root / "dvc.lock").read_bytes() == lock_before
+    assert not remote.exists() or not any(remote.rglob("*")), "something was pushed"

@@ -47,7 +47,7 @@ from rlhf_pipeline.errors import (
     ParamsError,
     StorageError,
 )
-from rlhf_pipeline.lineage.verify import verify_paths
+from rlhf_pipeline.lineage.verify import RESTORE_ADVICE, stage_input_problems, stage_output_problems, verify_paths
 from rlhf_pipeline.params import format_validation_error
 from rlhf_pipeline.params.schedule import ScheduleParams
 from rlhf_pipeline.params.schema import load_params
@@ -131,6 +131,10 @@ def reproduce_stage(repo: str, stage: str) -> dict[str, Any]:
     """``dvc repro --single-item STAGE``: runs the stage if stale, never its upstream stages."""
     logger = get_run_logger()
     attempt = task_run_runtime.run_count or 1
+    # what the stage would read, and what a checkout or a run-cache restore of its outputs would lay
+    # down, re-read first: DVC trusts its cache objects' names, so a swapped object would be
+    # trained on and recorded in dvc.lock under the hash of what it holds
+    refuse_damage(stage, "was not run", *stage_input_problems(repo, stage))
     had_lock = keep_lock_copy(Path(repo))
     result = stream(dvc_command("repro", "--single-item", stage), Path(repo), logger)
     if result.returncode != 0:
@@ -161,7 +165,26 @@ def reproduce_stage(repo: str, stage: str) -> dict[str, Any]:
             stage=stage,
         )
     ran = f"Running stage '{stage}" in result.output
+    checked, problems = stage_output_problems(repo, stage)
+    if problems:  # e.g. restored from a damaged cache object: dvc.lock goes back to before the stage
+        restore_lock_copy(Path(repo), logger, had_lock)
+        refuse_damage(stage, "ran, but its outputs are not what dvc.lock recorded for them", checked, problems)
     return {"stage": stage, "result": "ran" if ran else "up to date", "attempts": attempt}
+
+
+def refuse_damage(stage: str, what: str, checked: int, problems: list[str]) -> None:
+    """StageFailed (exit 7, not retried) listing ``problems`` of the ``checked`` files, if any."""
+    if not problems:
+        return
+    listed = "\n".join(f"- {p}" for p in problems[:OUTPUT_TAIL_LINES])
+    code = DamagedArtifactError.exit_code
+    raise StageFailed(
+        f"DVC stage '{stage}' {what}: {len(problems)} of {checked} file(s) re-read differ from dvc.lock or the DVC "
+        f"cache ({code}: {EXIT_CODE_MEANINGS[code]}; not retried). dvc.lock holds no record of this run, and "
+        f"nothing was pushed.\n{listed}\n{RESTORE_ADVICE}",
+        exit_code=code,
+        stage=stage,
+    )
 
 
 @task(name="check-params", cache_policy=NO_CACHE)

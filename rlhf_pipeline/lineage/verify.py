@@ -50,9 +50,9 @@ def _recorded_files(out) -> tuple[dict[str, str], list[str]]:
     return files, []
 
 
-def verify_output(repo, out, inside: str = "") -> tuple[int, list[str]]:
+def verify_output(repo, out, inside: str = "", workspace: bool = True) -> tuple[int, list[str]]:
     """(files checked, one line per mismatch) for the output ``out``, or only the part ``inside``
-    it (a path relative to the output)."""
+    it (a path relative to the output); ``workspace`` false: its DVC cache objects only."""
     base = record.repo_path(repo, out)
     if not out.hash_info or not out.hash_info.value:
         return 0, [f"{base}: dvc.lock records no hash for it (run `dvc repro` to record one)"]
@@ -64,7 +64,9 @@ def verify_output(repo, out, inside: str = "") -> tuple[int, list[str]]:
     for key, md5 in sorted(wanted.items()):
         name = posixpath.join(base, key) if key else base
         path = root / key if key else root
-        if not path.is_file():
+        if not workspace:
+            pass
+        elif not path.is_file():
             problems.append(f"{name}: missing from the workspace (dvc.lock records md5 {md5})")
         elif (found := md5_file(path)) != md5:
             problems.append(f"{name}: the workspace copy has md5 {found}, dvc.lock records {md5}")
@@ -74,7 +76,7 @@ def verify_output(repo, out, inside: str = "") -> tuple[int, list[str]]:
                 problems.append(f"{name}: md5 {md5} is not in the DVC cache ({cached})")
             elif (found := md5_file(cached)) != md5:
                 problems.append(f"{name}: the DVC cache object {cached} is damaged (its bytes hash to {found})")
-    if out.hash_info.isdir and root.is_dir() and not record_problems:
+    if workspace and out.hash_info.isdir and root.is_dir() and not record_problems:
         scope = root / prefix if prefix else root
         present = {p.relative_to(root).as_posix() for p in scope.rglob("*") if p.is_file()} if scope.is_dir() else set()
         problems += [f"{posixpath.join(base, k)}: not in the recorded output" for k in sorted(present - set(recorded))]
@@ -100,6 +102,57 @@ def verify_paths(path: str | os.PathLike) -> tuple[int, list[str]]:
     return checked, problems
 
 
+RESTORE_ADVICE = (
+    "A damaged workspace copy comes back from a good cache object with `dvc checkout --force PATH`; a damaged cache "
+    "object must be deleted (the path above) and its output rebuilt with `dvc repro --force STAGE`, or fetched "
+    "again with `dvc pull --force` from a remote holding a good copy."
+)
+
+
+def _pipeline_stage(repo, stage: str):
+    found = next((s for s in repo.index.stages if not s.is_data_source and record.stage_name(s) == stage), None)
+    if found is None:
+        raise PipelineError(f"no stage named {stage!r} in {repo.root_dir}/dvc.yaml")
+    return found
+
+
+def stage_output_problems(path: str | os.PathLike, stage: str) -> tuple[int, list[str]]:
+    """(files checked, mismatches) of ``stage``'s recorded outputs, workspace and DVC cache: after a
+    run or a restore from DVC's run cache, what dvc.lock now records is what is there."""
+    repo, _ = record.open_repo(path)
+    checked, problems = 0, []
+    for out in _pipeline_stage(repo, stage).outs:
+        count, found_problems = verify_output(repo, out)
+        checked, problems = checked + count, problems + found_problems
+    return checked, problems
+
+
+def stage_input_problems(path: str | os.PathLike, stage: str) -> tuple[int, list[str]]:
+    """(files checked, mismatches) of what a ``dvc repro`` of ``stage`` would read or restore, re-read:
+    each dependency another stage produced (workspace and DVC cache, against dvc.lock), and the
+    DVC cache objects of the stage's own recorded outputs, which a checkout or a run-cache restore
+    lays down as they are. A stage whose outputs are not recorded yet has nothing of its own to check."""
+    repo, _ = record.open_repo(path)
+    target = _pipeline_stage(repo, stage)
+    pipeline = [s for s in repo.index.stages if not s.is_data_source]
+    produced = {record.repo_path(repo, out): out for s in pipeline if s is not target for out in s.outs}
+    checks = []
+    for dep in target.deps:
+        rel = record.repo_path(repo, dep)
+        found = [(base, out) for base, out in produced.items() if record.is_under(rel, base)]
+        if found:
+            base, out = max(found, key=lambda pair: len(pair[0]))
+            checks.append((out, "" if rel == base else posixpath.relpath(rel, base), True))
+    checks += [(out, "", False) for out in target.outs]
+    checked, problems = 0, []
+    for out, inside, workspace in checks:
+        if not out.hash_info or not out.hash_info.value:
+            continue  # not recorded yet: DVC itself refuses a missing dependency
+        count, found_problems = verify_output(repo, out, inside, workspace)
+        checked, problems = checked + count, problems + found_problems
+    return checked, problems
+
+
 def verify_cli(path: str) -> int:
     """Print ``ok`` or each mismatch; exit 0, or :class:`DamagedArtifactError`'s code."""
     checked, problems = verify_paths(path)
@@ -109,7 +162,5 @@ def verify_cli(path: str) -> int:
     listed = "\n".join(f"- {p}" for p in problems)
     raise DamagedArtifactError(
         f"{path}: {len(problems)} mismatch(es) in {checked} file(s) checked against dvc.lock and the DVC cache:\n"
-        f"{listed}\nA damaged workspace copy comes back from a good cache object with `dvc checkout --force PATH`; "
-        "a damaged cache object must be deleted (the path above) and its output rebuilt with `dvc repro --force "
-        "STAGE`, or fetched again with `dvc pull --force` from a remote holding a good copy."
+        f"{listed}\n{RESTORE_ADVICE}"
     )
