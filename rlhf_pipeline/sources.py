@@ -24,6 +24,7 @@ import torch
 
 from rlhf_pipeline.errors import ParamsError, PipelineError
 from rlhf_pipeline.io import LOCAL_MODELS, content_hash, local_model_dir, sha256_file
+from rlhf_pipeline.model_folder import admit_model_folder
 from rlhf_pipeline.modelcard import read_card
 
 EMBEDDED_SMOLLM2 = "smollm2-135m-instruct"
@@ -168,6 +169,8 @@ def load_source_model(source: str, revision: str | None = None):
         }
         return model, tokenizer, provenance
     path = local_model_dir(source, "base_model.source")
+    if path is not None:  # its files, sizes and tensors, before anything loads
+        admit_model_folder(path, "base_model.source")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=torch.float32)

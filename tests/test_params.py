@@ -277,6 +277,6 @@ def test_a_base_model_folder_that_is_not_a_model_is_a_params_error(tmp_path, mon
     (tmp_path / "data/models/notes").mkdir(parents=True)
     (tmp_path / "data/models/notes/readme.txt").write_text("not a model\n")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ParamsError, match="is a folder but not a model transformers can load") as info:
+    with pytest.raises(ParamsError, match="holds readme.txt, which is not a file of a transformers model") as info:
         load_source_model("data/models/notes")
-    assert info.value.exit_code == 2 and "base_model.source: 'data/models/notes'" in str(info.value)
+    assert info.value.exit_code == 2 and "base_model.source: the model folder data/models/notes" in str(info.value)
