@@ -133,3 +133,19 @@ def test_the_base_model_stage_refuses_a_planted_adapter_with_exit_2(tmp_path, mo
     with pytest.raises(ParamsError, match="data/models/tiny holds adapter_config.json: a peft adapter") as info:
         load_source_model("data/models/tiny")
     assert info.value.exit_code == 2
+
+
+def test_every_tiny_family_and_its_classifier_is_admitted(tmp_path):
+    """No false refusal: each architecture the pipeline supports, saved by transformers, passes as a
+    base model and as a sequence-classification reward model (key conversions, tied heads)."""
+    from families import FAMILIES, tiny_causal_lm, tiny_config
+    from transformers import AutoModelForSequenceClassification
+
+    for family in FAMILIES:
+        tiny_causal_lm(family).save_pretrained(tmp_path / family)
+        assert admit_model_folder(tmp_path / family, "base_model.source") > 0, family
+        config = tiny_config(family)
+        config.num_labels = 1
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / f"{family}-reward")
+        auto_class = "AutoModelForSequenceClassification"
+        assert admit_model_folder(tmp_path / f"{family}-reward", "reward.pretrained", auto_class) > 0, family
