@@ -634,4 +634,5 @@ def test_a_user_label_file_is_read_only_where_dvc_tracks_it(project, tmp_path):
     (clone / "data/labels/pairs.jsonl").write_text(outside.read_text().replace("A good answer 3.", "Better: 3."))
     stale = json.loads(sh(["dvc", "status", "--json"], clone).stdout)
     for stage in ("preferences", "queries"):
-        assert {"changed deps": {"data/labels": "modified"}} in stale[stage], stale
+        changed = [entry.get("changed deps", {}) for entry in stale[stage] if isinstance(entry, dict)]
+        assert any(deps.get("data/labels") == "modified" for deps in changed), stale
