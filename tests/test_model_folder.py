@@ -38,32 +38,14 @@ def hostile_folders(root: Path) -> dict[str, tuple[Path, str, str]]:
         {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(8, 64)},
         str(folder / "adapter_model.safetensors"),
     )
+    config = json.loads((good / "config.json").read_text())
+    huge = {**config, "hidden_size": 16384, "intermediate_size": 65536, "num_hidden_layers": 200}
+    huge["num_attention_heads"] = 128
     folder = variant("a config of wide, deep layers and no weights", "holds no safetensors weights")
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(
-        json.dumps(
-            {
-                **config,
-                "hidden_size": 16384,
-                "intermediate_size": 65536,
-                "num_hidden_layers": 200,
-                "num_attention_heads": 128,
-            }
-        )
-    )
+    (folder / "config.json").write_text(json.dumps(huge))
     (folder / "model.safetensors").unlink()
     folder = variant("a config of wide, deep layers", "GiB in fp32, as the pipeline loads them), more than")
-    (folder / "config.json").write_text(
-        json.dumps(
-            {
-                **config,
-                "hidden_size": 16384,
-                "intermediate_size": 65536,
-                "num_hidden_layers": 200,
-                "num_attention_heads": 128,
-            }
-        )
-    )
+    (folder / "config.json").write_text(json.dumps(huge))
     folder = variant("a config of a million blocks", "describes 1,000,000 blocks")
     (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1_000_000}))
     folder = variant("a 500 MB tokenizer.json", "holds a tokenizer.json of 524,288,000 bytes")
