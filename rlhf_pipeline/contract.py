@@ -21,6 +21,7 @@ whose names start with ``_``, and the expectations are set on those.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -96,8 +97,18 @@ def add_helper_columns(frame, tokenizer=None, max_text_chars: int | None = None)
     return frame
 
 
-def build_suite(frame, validation, label_check: bool = True, min_rows: int | None = None):
-    """The ExpectationSuite of the row checks for ``frame`` (with helper columns) under ``data.validation``.
+# checks over the whole table (not row by row): in a file validated in chunks they run once, on a
+# frame of per-column hashes (8 bytes a cell) of every row
+WHOLE_TABLE_EXPECTATIONS = (
+    *TABLE_SHAPE_EXPECTATIONS,
+    "expect_column_max_to_be_between",  # the label share
+    "expect_compound_columns_to_be_unique",
+)
+
+
+def build_suite(frame, validation, label_check: bool = True, min_rows: int | None = None, select=None):
+    """The ExpectationSuite of the row checks for ``frame`` (with helper columns) under ``data.validation``
+    (``select``: keep only the expectations whose type it accepts).
 
     The per-text checks run on :func:`text_cells` with :func:`build_text_suite`, so the number of
     expectations does not grow with the number of samples per row (a best-of-1000 file has the
@@ -112,8 +123,9 @@ def build_suite(frame, validation, label_check: bool = True, min_rows: int | Non
     suite = gx.ExpectationSuite(name="preferences")
 
     def add(expectation, check):
-        expectation.meta = {"check": check}
-        suite.add_expectation(expectation)
+        if select is None or select(expectation.expectation_type):
+            expectation.meta = {"check": check}
+            suite.add_expectation(expectation)
 
     add(gxe.ExpectTableColumnsToMatchSet(column_set=required, exact_match=False), "missing column")
     add(gxe.ExpectTableRowCountToBeBetween(min_value=min_rows), f"row count >= min_rows ({min_rows})")
@@ -208,7 +220,7 @@ def ephemeral_context():
 
 def run_suite(context, frame, suite, result_format: str = "SUMMARY") -> Any:
     """Validate ``frame`` (the whole dataframe as one batch) against ``suite``."""
-    source = context.data_sources.add_pandas(suite.name)
+    source = context.data_sources.add_or_update_pandas(suite.name)  # chunks validate under one name
     batch_definition = source.add_dataframe_asset("frame").add_batch_definition_whole_dataframe("all")
     batch = batch_definition.get_batch(batch_parameters={"dataframe": frame})
     return batch.validate(suite, result_format={"result_format": result_format, "partial_unexpected_count": 20})
@@ -241,9 +253,9 @@ def _examples(frame, rows: list[int], user_columns: list[str], columns: list[str
     return examples
 
 
-def _exception_message(result) -> str | None:
+def _exception_message(result: dict) -> str | None:
     """The error GX caught while evaluating an expectation (e.g. a comparison of mixed types), if any."""
-    return (result.exception_info or {}).get("exception_message")
+    return (result.get("exception_info") or {}).get("exception_message")
 
 
 def summarize(names: list[str], shown: int = 8) -> str:
@@ -254,23 +266,24 @@ def summarize(names: list[str], shown: int = 8) -> str:
     return f"{', '.join(names[:shown])}, ... and {len(names) - shown:,} more"
 
 
-def _failure(result, frame, user_columns: list[str], names: dict[str, str]) -> dict[str, Any]:
-    config = result.expectation_config
-    kwargs = config.kwargs
+def _failure(result: dict, frame, user_columns: list[str], names: dict[str, str]) -> dict[str, Any]:
+    """One reported failure from a failed expectation's result (GX's JSON form)."""
+    config = result["expectation_config"]
+    kwargs = config["kwargs"]
     columns = kwargs.get("column_list") or ([kwargs["column"]] if "column" in kwargs else [])
     label = lambda c: names.get(c, c)  # noqa: E731
     shown = ", ".join(label(c) for c in columns if not c.startswith("_") and label(c)) or "(table)"
-    details = result.result or {}
+    details = result.get("result") or {}
     indices = list(details.get("partial_unexpected_index_list") or [])
     exception = _exception_message(result)
     observed = _json_safe(details.get("observed_value"))
-    if config.type == "expect_table_columns_to_match_set":
+    if config["type"] == "expect_table_columns_to_match_set":
         missing = set(details.get("details", {}).get("mismatched", {}).get("missing") or [])
         shown = summarize([label(c) for c in kwargs["column_set"] if c in missing])
         observed = "not found; the columns are " + summarize([label(c) for c in user_columns if label(c)])
     return {
-        "check": (config.meta or {}).get("check", config.type),
-        "expectation": config.type,
+        "check": (config.get("meta") or {}).get("check", config["type"]),
+        "expectation": config["type"],
         "column": shown,
         "count": details.get("unexpected_count"),
         "observed": observed,
@@ -279,16 +292,16 @@ def _failure(result, frame, user_columns: list[str], names: dict[str, str]) -> d
     }
 
 
-def _text_failures(result, cells, frame, user_columns: list[str], names: dict[str, str]) -> list[dict[str, Any]]:
+def _text_failures(result: dict, cells, frame, user_columns: list[str], names: dict[str, str]) -> list[dict[str, Any]]:
     """One failure per text column at fault, as if the check had run on that column alone."""
-    config = result.expectation_config
+    config = result["expectation_config"]
     label = lambda c: names.get(c, c)  # noqa: E731
     exception = _exception_message(result)
     if exception:
         return [
             {
-                "check": config.meta["check"],
-                "expectation": config.type,
+                "check": config["meta"]["check"],
+                "expectation": config["type"],
                 "column": "(texts)",
                 "count": None,
                 "observed": None,
@@ -296,14 +309,14 @@ def _text_failures(result, cells, frame, user_columns: list[str], names: dict[st
                 "error": exception,
             }
         ]
-    unexpected = cells.loc[list((result.result or {}).get("unexpected_index_list") or []), ["_row", "_column"]]
+    unexpected = cells.loc[list((result.get("result") or {}).get("unexpected_index_list") or []), ["_row", "_column"]]
     failures = []
     for column in [c for c in user_columns if c in set(unexpected["_column"])]:
         rows = unexpected.loc[unexpected["_column"] == column, "_row"].tolist()
         failures.append(
             {
-                "check": config.meta["check"],
-                "expectation": config.type,
+                "check": config["meta"]["check"],
+                "expectation": config["type"],
                 "column": label(column),
                 "count": len(rows),
                 "observed": None,
@@ -325,6 +338,9 @@ def hashable(value: Any) -> Any:
     return value
 
 
+CHUNK_ROWS = 50_000  # rows Great Expectations validates at once: its memory grows with the batch, not the file
+
+
 def validate_dataframe(
     df,
     validation_params,
@@ -334,6 +350,12 @@ def validate_dataframe(
     names: dict[str, str] | None = None,
 ) -> ContractResult:
     """Run the contract on a flat frame.
+
+    A frame over :data:`CHUNK_ROWS` rows is validated in chunks of that many rows (Great
+    Expectations copies and melts its batch several times over, so its memory follows the batch):
+    the checks over the whole table (columns, row count, label share, duplicate rows) run once on a
+    frame of per-column hashes of every row, every other check chunk by chunk, and the results are
+    merged, expectation by expectation, into what one batch would have given.
 
     Args:
         df: the flat frame (``query``, ``sample0..``, ``best``, optional ``margin``).
@@ -354,22 +376,153 @@ def validate_dataframe(
             # the duplicate checks can hash
             frame[column] = pd.Series([hashable(replace_surrogates(v)) for v in frame[column].tolist()], dtype=object)
     user_columns = [c for c in frame.columns if not str(c).startswith("_")]
-    frame = add_helper_columns(frame, tokenizer, validation_params.max_text_chars)
     context = ephemeral_context()
-    rows = run_suite(context, frame, build_suite(frame, validation_params, label_check=label_check, min_rows=min_rows))
-    cells = text_cells(frame)
-    # COMPLETE: every failing cell's index, to report each column at fault with its own count
-    texts = run_suite(context, cells, build_text_suite(validation_params), result_format="COMPLETE")
-    row_failures = [_failure(r, frame, user_columns, names) for r in rows.results if not r.success]
-    text_failures = [
-        f for r in texts.results if not r.success for f in _text_failures(r, cells, frame, user_columns, names)
-    ]
+    text_suite = build_text_suite(validation_params)
+    if len(frame) <= CHUNK_ROWS:
+        frame = add_helper_columns(frame, tokenizer, validation_params.max_text_chars)
+        suite = build_suite(frame, validation_params, label_check=label_check, min_rows=min_rows)
+        rows = run_suite(context, frame, suite).to_json_dict()
+        cells = text_cells(frame)
+        # COMPLETE: every failing cell's index, to report each column at fault with its own count
+        texts = run_suite(context, cells, text_suite, result_format="COMPLETE").to_json_dict()
+        text_failures = _text_failures_of(texts, cells, frame, user_columns, names)
+    else:
+        rows, texts, text_failures = _validate_in_chunks(
+            context, frame, user_columns, validation_params, tokenizer, label_check, min_rows, names, text_suite
+        )
+    row_failures = [_failure(r, frame, user_columns, names) for r in rows["results"] if not r["success"]]
     # reported in the order a reader fixes them: the table's shape, each text, then whole rows
     shape = [f for f in row_failures if f["expectation"] in TABLE_SHAPE_EXPECTATIONS]
     failures = shape + text_failures + [f for f in row_failures if f not in shape]
-    gx_json = combined_result(rows.to_json_dict(), texts.to_json_dict())
+    gx_json = combined_result(rows, texts)
     notes = [] if tokenizer is not None else ["token lengths not checked (no tokenizer)"]
     return ContractResult(not failures, failures, gx_json, len(frame), len(gx_json["results"]), notes)
+
+
+def _text_failures_of(texts: dict, cells, frame, user_columns: list[str], names: dict[str, str]) -> list[dict]:
+    return [
+        f for r in texts["results"] if not r["success"] for f in _text_failures(r, cells, frame, user_columns, names)
+    ]
+
+
+def _validate_in_chunks(context, frame, user_columns, validation, tokenizer, label_check, min_rows, names, text_suite):
+    """(row-suite result, text-suite result, text failures) of ``frame`` validated :data:`CHUNK_ROWS`
+    rows at a time, as :func:`validate_dataframe` describes."""
+    import pandas as pd
+
+    helpers = add_helper_columns(frame.iloc[:0], tokenizer, validation.max_text_chars)  # the columns only
+    whole = frame[user_columns].apply(lambda column: pd.util.hash_pandas_object(column.astype(str), index=False))
+    if "best" in frame.columns:  # the label share needs every row's label
+        whole["_label_share"] = add_helper_columns(frame[["best"]])["_label_share"]
+    if "_max_tokens" in helpers.columns:
+        whole["_max_tokens"] = 0  # present, as in the one-batch frame; its check runs chunk by chunk
+    in_whole = lambda kind: kind in WHOLE_TABLE_EXPECTATIONS  # noqa: E731
+    table = run_suite(context, whole, build_suite(helpers, validation, label_check, min_rows, select=in_whole))
+    table = table.to_json_dict()
+    _show_rows_not_hashes(table, frame)
+    parts, text_parts, text_failures = [], [], []
+    text_checks = [e.meta["check"] for e in text_suite.expectations]
+    shown = [names.get(c, c) for c in user_columns]
+    row_suite = build_suite(helpers, validation, label_check, min_rows, select=lambda kind: not in_whole(kind))
+    order: list[tuple] = []  # GX's own order of the results (not the suite's): from the first chunk
+    for start in range(0, len(frame), CHUNK_ROWS):
+        chunk = add_helper_columns(frame.iloc[start : start + CHUNK_ROWS], tokenizer, validation.max_text_chars)
+        if not order:
+            every = run_suite(context, chunk, build_suite(helpers, validation, label_check, min_rows)).to_json_dict()
+            order = [_result_key(r) for r in every["results"]]
+        parts.append(run_suite(context, chunk, row_suite).to_json_dict())
+        cells = text_cells(chunk)  # _row: the row's index in the whole frame
+        result = run_suite(context, cells, text_suite, result_format="COMPLETE").to_json_dict()
+        text_failures += _text_failures_of(result, cells, frame, user_columns, names)
+        size = len(chunk)
+        for item in result["results"]:  # a cell's index in this chunk's cells -> in the whole frame's
+            details = item.get("result") or {}
+            for key in ("unexpected_index_list", "partial_unexpected_index_list"):
+                if details.get(key):  # cells are column-major: (column, row) -> column * rows + row
+                    details[key] = [(i // size) * len(frame) + start + i % size for i in details[key]]
+        text_parts.append(result)
+    # in the one-batch order: by check, then by column
+    text_failures.sort(
+        key=lambda f: (text_checks.index(f["check"]), shown.index(f["column"]) if f["column"] in shown else -1)
+    )
+    ordered = sorted(table["results"] + merge_results(parts)["results"], key=lambda r: order.index(_result_key(r)))
+    return {**table, "results": ordered}, merge_results(text_parts), _merge_failures(text_failures)
+
+
+def _result_key(result: dict) -> tuple[str, str]:
+    """An expectation's identity in a GX result: its type and arguments (the batch aside)."""
+    config = result["expectation_config"]
+    arguments = {k: v for k, v in config["kwargs"].items() if k != "batch_id"}
+    return config["type"], json.dumps(arguments, sort_keys=True, default=str)
+
+
+def _show_rows_not_hashes(table: dict, frame) -> None:
+    """The duplicate-row check ran on hashes: its examples become the rows themselves again."""
+    for result in table["results"]:
+        if result["expectation_config"]["type"] != "expect_compound_columns_to_be_unique":
+            continue
+        details = result.get("result") or {}
+        columns = result["expectation_config"]["kwargs"]["column_list"]
+        rows = [
+            {c: _json_safe(frame.at[i, c]) for c in columns} for i in details.get("partial_unexpected_index_list") or []
+        ]
+        details["partial_unexpected_list"] = rows
+        details.pop("partial_unexpected_counts", None)
+
+
+def merge_results(parts: list[dict]) -> dict:
+    """One GX validation result from the results of the same suite on consecutive chunks: per
+    expectation, counts summed, percentages recomputed, example lists joined (cut as GX cuts
+    them), success only if every chunk succeeded, the observed value of the first failing chunk."""
+    merged = {**parts[0], "results": []}
+    by_key = [{_result_key(r): r for r in part["results"]} for part in parts]
+    for key in by_key[0]:
+        results = [part[key] for part in by_key]
+        first = next((r for r in results if not r["success"]), results[0])
+        item = {**first, "success": all(r["success"] for r in results)}
+        details = dict(first.get("result") or {})
+        found = [r.get("result") or {} for r in results]
+        for key in ("element_count", "unexpected_count", "missing_count"):
+            if key in details:
+                details[key] = sum(d.get(key, 0) for d in found)
+        for key, cut in (("partial_unexpected_list", 20), ("partial_unexpected_index_list", 20)):
+            if key in details:
+                details[key] = [v for d in found for v in d.get(key) or []][:cut]
+        for key in ("unexpected_list", "unexpected_index_list"):
+            if key in details:
+                details[key] = [v for d in found for v in d.get(key) or []]
+        details.pop("partial_unexpected_counts", None)
+        details.pop("unexpected_index_query", None)
+        if "element_count" in details:
+            elements, missing = details["element_count"], details.get("missing_count", 0)
+            unexpected = details.get("unexpected_count", 0)
+            for key, value in (
+                ("unexpected_percent", 100.0 * unexpected / max(1, elements - missing)),
+                ("missing_percent", 100.0 * missing / max(1, elements)),
+                ("unexpected_percent_total", 100.0 * unexpected / max(1, elements)),
+                ("unexpected_percent_nonmissing", 100.0 * unexpected / max(1, elements - missing)),
+            ):
+                if key in details:
+                    details[key] = value
+        item["result"] = details
+        merged["results"].append(item)
+    merged["success"] = all(r["success"] for r in merged["results"])
+    return merged
+
+
+def _merge_failures(failures: list[dict]) -> list[dict]:
+    """Failures of the same check and column from several chunks as one: counts summed, examples joined."""
+    merged: dict[tuple, dict] = {}
+    for failure in failures:
+        key = (failure["check"], failure["expectation"], failure["column"])
+        if key not in merged:
+            merged[key] = {**failure, "examples": list(failure["examples"])}
+            continue
+        into = merged[key]
+        if into["count"] is not None and failure["count"] is not None:
+            into["count"] += failure["count"]
+        into["examples"] = (into["examples"] + failure["examples"])[:EXAMPLES]
+    return list(merged.values())
 
 
 def combined_result(rows: dict, texts: dict) -> dict:

@@ -13,7 +13,7 @@ from conftest import run_stage_script
 from rlhf_pipeline.contract import format_summary, validate_dataframe, validate_file_cli
 from rlhf_pipeline.errors import DataContractError
 from rlhf_pipeline.params.data import ValidationParams
-from rlhf_pipeline.preferences import PAIRWISE, display_names, to_flat_frame
+from rlhf_pipeline.preferences import BEST_OF_N, PAIRWISE, display_names, to_flat_frame
 
 ROWS = 80
 
@@ -383,3 +383,38 @@ def test_the_cli_applies_the_stage_s_train_split_and_row_minimum(tmp_path, capsy
     code = validate_file_cli(str(tmp_path / "prefs.jsonl"), params_path=str(params))
     out = capsys.readouterr().out
     assert code == 3 and "leaving 48 train row(s), fewer than data.validation.min_rows (64)" in out
+
+
+@pytest.mark.parametrize("shape", ["best-of-n", "pairwise"])
+def test_a_file_validated_in_chunks_reports_what_one_batch_reports(shape, monkeypatch, tiny_tokenizer):
+    """The contract on chunks of 7 rows (a big file's path) gives the one-batch result: the same
+    failures, counts, examples and order, and the same GX result per expectation. The problems are
+    spread over chunks: duplicates across chunks, bad texts, labels out of range, overlong texts."""
+    import rlhf_pipeline.contract as contract
+
+    rows = best_of_n_rows(40) if shape == "best-of-n" else pairwise_rows(40)
+    text = "sample1" if shape == "best-of-n" else "chosen"
+    rows[3][text] = "pay \u202eelbuod\u202c now"
+    rows[25][text] = "\u200b\u200b"
+    rows[30] = dict(rows[2])  # a duplicate of a row in another chunk
+    rows[33] = dict(rows[31])  # and one in the same chunk
+    rows[12][text] = "word " * 900  # over max_text_chars (4000) and max_tokens
+    if shape == "best-of-n":
+        rows[9]["best"], rows[17]["best"] = 7, -1
+        rows[20]["sample2"] = rows[20]["sample0"]  # two equal samples in a row
+    fmt = BEST_OF_N if shape == "best-of-n" else PAIRWISE
+    flat = to_flat_frame(pd.DataFrame(rows), fmt)
+    arguments = dict(label_check=shape == "best-of-n", names=display_names(fmt), min_rows=50)
+    whole = validate_dataframe(flat, ValidationParams(), tiny_tokenizer, **arguments)
+    monkeypatch.setattr(contract, "CHUNK_ROWS", 7)
+    chunked = validate_dataframe(flat, ValidationParams(), tiny_tokenizer, **arguments)
+
+    assert not whole.success and len(whole.failures) >= 5
+    assert format_summary(chunked) == format_summary(whole)
+    assert chunked.failures == whole.failures
+    keys = ("success", "element_count", "unexpected_count", "missing_count", "unexpected_index_list", "observed_value")
+    outline = lambda result: [  # noqa: E731
+        (r["expectation_config"]["type"], r["success"], {k: (r["result"] or {}).get(k) for k in keys if k != "success"})
+        for r in result.gx_json["results"]
+    ]
+    assert outline(chunked) == outline(whole)
