@@ -42,8 +42,8 @@ def check_params_file(path: str | os.PathLike, root: str | os.PathLike) -> None:
 def check_fit_to_base_model(path: str | os.PathLike, root: Path) -> str | None:
     """The ``ppo`` section against ``root``/models/base when it was built from the params'
     ``base_model.source`` (ParamsError when it cannot train it); else why this was not checked."""
-    from rlhf_pipeline.modelcard import read_card
-    from rlhf_pipeline.ppo.policy import require_fit
+    from rlhf_pipeline.modelcard import read_card  # loads huggingface_hub: only when models/base is checked
+    from rlhf_pipeline.ppo.policy import require_fit  # loads torch and transformers: the same
 
     params, base = parse_params(read_params_file(path), str(path)), root / "models" / "base"
     if not (base / "config.json").is_file():

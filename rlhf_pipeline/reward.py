@@ -35,7 +35,6 @@ from rlhf_pipeline import distributed
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
 from rlhf_pipeline.functional import apply_penalty, linear_anneal
 from rlhf_pipeline.io import LOCAL_MODELS, local_model_dir
-from rlhf_pipeline.model_folder import admit_model_folder
 from rlhf_pipeline.models import set_dropout, transformer_layers
 from rlhf_pipeline.optim import adam
 from rlhf_pipeline.params.reward import RewardPooling, RewardTrainParams
@@ -285,8 +284,7 @@ class RewardModel(nn.Module):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         where = f"reward.pretrained ({source!r})"
-        if local_model_dir(source, "reward.pretrained") is not None:  # a local folder must be one DVC tracks
-            admit_model_folder(source, "reward.pretrained", "AutoModelForSequenceClassification")
+        local_model_dir(source, "reward.pretrained")  # a local folder must be one DVC tracks
         try:
             stock = AutoModelForSequenceClassification.from_pretrained(source, dtype=torch.float32)
             theirs = AutoTokenizer.from_pretrained(source)

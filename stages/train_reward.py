@@ -11,8 +11,9 @@ from datasets import load_from_disk
 
 from rlhf_pipeline.distributed import make_accelerator, whole_model
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.io import atomic_dir, read_json, write_json
+from rlhf_pipeline.io import atomic_dir, local_model_dir, read_json, write_json
 from rlhf_pipeline.logging import open_live
+from rlhf_pipeline.model_folder import admit_model_folder
 from rlhf_pipeline.modelcard import write_card
 from rlhf_pipeline.models import freeze_lower_layers, load_causal_lm, load_tokenizer, require_dir, save_tokenizer
 from rlhf_pipeline.params import StageParams
@@ -60,6 +61,8 @@ def main(params: Params) -> None:
     prefs = load_from_disk(PREFS)
     generator = torch.Generator().manual_seed(params.seed)
     if params.reward.pretrained:  # adopt an existing reward model: measured on the test labels, not trained
+        if local_model_dir(params.reward.pretrained, "reward.pretrained") is not None:  # its files, sizes, tensors
+            admit_model_folder(params.reward.pretrained, "reward.pretrained", "AutoModelForSequenceClassification")
         model, trainable = RewardModel.from_sequence_classifier(params.reward.pretrained, tokenizer), 0
     else:
         model = build(params, tokenizer, generator)

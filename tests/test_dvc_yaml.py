@@ -299,16 +299,17 @@ def test_a_first_party_import_inside_a_function_says_why():
 
 def test_the_base_model_stage_runs_only_the_bottom_of_the_library():
     """base_model's code dependencies: editing anything else in the library reruns nothing from
-    the base model on. These nine modules (and the two package markers) are the floor: the runner
+    the base model on. These ten modules (and the two package markers) are the floor: the runner
     and the params it validates, errors and atomic writes, the model card and the environment
-    record it carries, the base-model sources and the model helpers they use, and the entry
-    point's offline environment."""
+    record it carries, the base-model sources, the admission of a user's model folder and the
+    model helpers they use, and the entry point's offline environment."""
     found = {f for f in project_files(REPO / "stages/base_model.py") if f.startswith("rlhf_pipeline/")}
     assert found == {
         "rlhf_pipeline/__init__.py",
         "rlhf_pipeline/environment.py",
         "rlhf_pipeline/errors.py",
         "rlhf_pipeline/io.py",
+        "rlhf_pipeline/model_folder.py",
         "rlhf_pipeline/modelcard.py",
         "rlhf_pipeline/models.py",
         "rlhf_pipeline/offline.py",
