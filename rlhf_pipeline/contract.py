@@ -417,8 +417,20 @@ def _validate_in_chunks(context, frame, user_columns, validation, tokenizer, lab
     if "_max_tokens" in helpers.columns:
         whole["_max_tokens"] = 0  # present, as in the one-batch frame; its check runs chunk by chunk
     in_whole = lambda kind: kind in WHOLE_TABLE_EXPECTATIONS  # noqa: E731
-    table = run_suite(context, whole, build_suite(helpers, validation, label_check, min_rows, select=in_whole))
-    table = table.to_json_dict()
+    unique = "expect_compound_columns_to_be_unique"
+    table_suite = build_suite(helpers, validation, label_check, min_rows, select=lambda k: in_whole(k) and k != unique)
+    table = run_suite(context, whole, table_suite).to_json_dict()
+    # the duplicate-row check on the rows whose hash repeats (GX's own takes ~1.4 kB a row), its
+    # counts then stated over every row: what it gives on the whole table
+    compared = [c for c in ["query", *expected_samples(helpers), "best"] if c in whole.columns]  # as build_suite
+    repeats = whole[pd.util.hash_pandas_object(whole[compared], index=False).duplicated(keep=False)]
+    duplicates = run_suite(
+        context, repeats, build_suite(helpers, validation, label_check, min_rows, select=unique.__eq__)
+    )
+    duplicates = duplicates.to_json_dict()
+    for result in duplicates["results"]:
+        _restate_counts(result.get("result") or {}, len(frame))
+    table["results"] += duplicates["results"]
     _show_rows_not_hashes(table, frame)
     parts, text_parts, text_failures = [], [], []
     text_checks = [e.meta["check"] for e in text_suite.expectations]
@@ -494,20 +506,27 @@ def merge_results(parts: list[dict]) -> dict:
         details.pop("partial_unexpected_counts", None)
         details.pop("unexpected_index_query", None)
         if "element_count" in details:
-            elements, missing = details["element_count"], details.get("missing_count", 0)
-            unexpected = details.get("unexpected_count", 0)
-            for key, value in (
-                ("unexpected_percent", 100.0 * unexpected / max(1, elements - missing)),
-                ("missing_percent", 100.0 * missing / max(1, elements)),
-                ("unexpected_percent_total", 100.0 * unexpected / max(1, elements)),
-                ("unexpected_percent_nonmissing", 100.0 * unexpected / max(1, elements - missing)),
-            ):
-                if key in details:
-                    details[key] = value
+            _restate_counts(details, details["element_count"])
         item["result"] = details
         merged["results"].append(item)
     merged["success"] = all(r["success"] for r in merged["results"])
     return merged
+
+
+def _restate_counts(details: dict, elements: int) -> None:
+    """GX's counts and percentages of an expectation's result, over ``elements`` rows or cells."""
+    if "element_count" not in details:
+        return
+    details["element_count"] = elements
+    missing, unexpected = details.get("missing_count", 0), details.get("unexpected_count", 0)
+    for key, value in (
+        ("unexpected_percent", 100.0 * unexpected / max(1, elements - missing)),
+        ("missing_percent", 100.0 * missing / max(1, elements)),
+        ("unexpected_percent_total", 100.0 * unexpected / max(1, elements)),
+        ("unexpected_percent_nonmissing", 100.0 * unexpected / max(1, elements - missing)),
+    ):
+        if key in details:
+            details[key] = value
 
 
 def _merge_failures(failures: list[dict]) -> list[dict]:
@@ -657,6 +676,7 @@ def validate_file_cli(
     too_few = train_rows_problem(len(splits["train"]), by_column, data, path)
     if by_column:  # validated as the stage sees it: without the split column (a random split keeps the file's rows)
         frame = pd.concat(splits.values(), ignore_index=True)
+    del splits  # counted (or joined) only: their memory goes before the contract runs
     fmt = detect_format(frame, path)
     tokenizer = optional_tokenizer(tokenizer_dir)
     flat = to_flat_frame(frame, fmt, tokenizer, path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -239,11 +240,15 @@ def nesting_depth(value: Any, limit: int) -> int:
 MAX_ROW_DEPTH = 8
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Rows of a JSON-lines file; blank lines are skipped. Invalid UTF-8 bytes and lone
-    surrogate escapes become U+FFFD (visible to the data contract) instead of crashing. A line
-    that is not a JSON object, or nests deeper than any row format, is refused (exit 3)."""
-    rows = []
+def read_jsonl(path: Path) -> dict[str, list]:
+    """The columns of a JSON-lines file, ``{name: values}`` in the order names first appear, a row
+    without a name holding NaN there (as pandas builds a frame from records); blank lines are
+    skipped. Built column by column, not as a list of row dicts: a million rows then take their
+    values' memory, not a dict each besides. Invalid UTF-8 bytes and lone surrogate escapes become
+    U+FFFD (visible to the data contract) instead of crashing. A line that is not a JSON object, or
+    nests deeper than any row format, is refused (exit 3)."""
+    columns: dict[str, list] = {}
+    rows = 0
     with open(path, encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
@@ -263,8 +268,14 @@ def read_jsonl(path: Path) -> list[dict]:
                 )
             if nesting_depth(row, MAX_ROW_DEPTH) > MAX_ROW_DEPTH:
                 raise DataContractError(too_deep)
-            rows.append({key: replace_surrogates(value) for key, value in row.items()})
-    return rows
+            for key, value in row.items():
+                columns.setdefault(key, [math.nan] * rows).append(replace_surrogates(value))
+            rows += 1
+            if len(row) < len(columns):
+                for values in columns.values():
+                    if len(values) < rows:
+                        values.append(math.nan)
+    return columns
 
 
 def read_table(path: str | Path):
@@ -276,7 +287,8 @@ def read_table(path: str | Path):
         raise PipelineError(f"{path} not found (paths are relative to the project root, e.g. data/raw/corpus.jsonl).")
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return pd.DataFrame(read_jsonl(path))
+        columns = read_jsonl(path)
+        return pd.DataFrame(columns) if columns else pd.DataFrame()
     if suffix == ".parquet":
         try:
             return pd.read_parquet(path)
