@@ -40,21 +40,33 @@ def check_params_file(path: str | os.PathLike, root: str | os.PathLike) -> None:
 
 
 def check_fit_to_base_model(path: str | os.PathLike, root: Path) -> str | None:
-    """The ``ppo`` section against ``root``/models/base when it was built from the params'
-    ``base_model.source`` (ParamsError when it cannot train it); else why this was not checked."""
-    from rlhf_pipeline.modelcard import read_card  # loads huggingface_hub: only when models/base is checked
-    from rlhf_pipeline.ppo.policy import require_fit  # loads torch and transformers: the same
+    """The values that depend on the model (``ppo.freeze_layers``, ``ppo.lora``,
+    ``reward.train.num_layers``, query + response length) against ``root``/models/base when it
+    was built from the params' ``base_model.source`` (ParamsError when they cannot train it); else
+    why this was not checked."""
+    from rlhf_pipeline.fit import model_fit_problems  # loads torch and transformers: only when models/base is checked
+    from rlhf_pipeline.modelcard import read_card  # loads huggingface_hub: the same
+    from rlhf_pipeline.models import model_skeleton  # the same
 
     params, base = parse_params(read_params_file(path), str(path)), root / "models" / "base"
     if not (base / "config.json").is_file():
-        return "no models/base yet, so the ppo section was not checked against the model (train_policy does)"
+        return "no models/base yet, so the values that depend on the model were not checked (base_model does)"
     built_from = read_card(base).get("source")
     if built_from != params.base_model.source:
         return (
             f"models/base was built from {built_from!r}, not base_model.source {params.base_model.source!r}, so the "
-            "ppo section was not checked against the model (train_policy does)"
+            "values that depend on the model were not checked (base_model does)"
         )
-    require_fit(params.ppo, base)
+    problems = model_fit_problems(
+        model_skeleton(base),
+        str(base),
+        params.ppo,
+        params.reward.train.num_layers,
+        params.data.queries.query_length,
+        params.task.response_length,
+    )
+    if problems:
+        raise ParamsError(str(path), problems)
     return None
 
 

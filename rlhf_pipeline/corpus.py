@@ -24,6 +24,7 @@ from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import load_hub_dataset, read_table, read_txt_passages
 from rlhf_pipeline.progress import Progress
 from rlhf_pipeline.sampling import iterate_batches, sample_responses
+from rlhf_pipeline.tokens import encode_start
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
@@ -99,13 +100,14 @@ def topic_prompts() -> list[str]:
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """Token ids of a user turn asking for ``prompt``: the chat template when the tokenizer
-    has one (instruct models answer in paragraphs), else the plain text."""
+    has one (instruct models answer in paragraphs), else the plain text; either way after the
+    tokenizer's own prefix (a BOS), once."""
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(prompt + "\n", add_special_tokens=False)
+        return encode_start(tokenizer, text)
+    return encode_start(tokenizer, prompt + "\n")
 
 
 def left_pad(rows: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -269,7 +269,12 @@ def read_jsonl(path: Path) -> dict[str, list]:
             if nesting_depth(row, MAX_ROW_DEPTH) > MAX_ROW_DEPTH:
                 raise DataContractError(too_deep)
             for key, value in row.items():
-                columns.setdefault(key, [math.nan] * rows).append(replace_surrogates(value))
+                values = columns.get(key)
+                if (
+                    values is None
+                ):  # a new name: NaN in every row before (not setdefault: it builds that list each call)
+                    values = columns[key] = [math.nan] * rows
+                values.append(replace_surrogates(value))
             rows += 1
             if len(row) < len(columns):
                 for values in columns.values():
@@ -328,7 +333,10 @@ def local_model_dir(source: str, key: str) -> Path | None:
     if not path.exists():
         return None
     if not path.is_dir():
-        raise PipelineError(f"{key} '{source}' is a file; give a model directory or a hub id.")
+        raise PipelineError(
+            f"{key} '{source}' is a file; give a model directory or a hub id (base_model.source also takes a "
+            ".gguf file)."
+        )
     return require_tracked_location(path, key, LOCAL_MODELS, "local model folder")
 
 

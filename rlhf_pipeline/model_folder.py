@@ -74,10 +74,12 @@ REFUSED_KINDS = (
     (("*.py",), "remote code, which this pipeline never runs (no trust_remote_code)"),
     (
         ("*.gguf",),
-        "a GGUF file: this pipeline reads safetensors folders (the embedded default is the one GGUF it "
-        "converts); convert it with transformers (`from_pretrained(dir, gguf_file=...)`, then `save_pretrained`)",
+        "a GGUF file beside other weights: give base_model.source the .gguf file itself (or a folder holding "
+        "only it), which the base_model stage dequantises; other keys read safetensors folders",
     ),
 )
+# besides its .gguf, what a folder given as a GGUF source may hold (a card, a licence)
+GGUF_COMPANION_FILES = ("README.md", "SHA256SUMS", ".gitattributes", "LICENSE*", "NOTICE*", "USE_POLICY.md")
 
 
 def _matches(name: str, patterns) -> bool:
@@ -155,7 +157,6 @@ def load_on_meta(path: Path, key: str, auto_class: str) -> tuple[nn.Module, dict
 def check_size(config, path: Path, key: str, auto_class: str) -> int:
     """The fp32 bytes of the model ``config`` describes (built on the meta device, before any weight
     file is read), refused over the memory available or :data:`MAX_WEIGHT_BYTES`."""
-    import psutil
     import torch
     import transformers
 
@@ -166,14 +167,7 @@ def check_size(config, path: Path, key: str, auto_class: str) -> int:
         raise _refuse(key, path, f"has a config.json {auto_class} cannot build ({_first_line(error)})") from None
     unique = {id(p): p for p in model.parameters()}.values()
     size = 4 * sum(p.numel() for p in unique)
-    limit = min(MAX_WEIGHT_BYTES, psutil.virtual_memory().available)
-    if size > limit:
-        raise _refuse(
-            key,
-            path,
-            f"describes {size // 4:,} parameters ({size / 2**30:.1f} GiB in fp32, as the pipeline loads them), more "
-            f"than {'the memory available' if limit < MAX_WEIGHT_BYTES else 'the cap'} ({limit / 2**30:.1f} GiB)",
-        )
+    require_fits(size, path, key)
     return size
 
 
@@ -211,3 +205,70 @@ def admit_model_folder(path: str | os.PathLike, key: str, auto_class: str = "Aut
     model, report = load_on_meta(path, key, auto_class)
     check_tensors(model, report, path, key)
     return size
+
+
+def is_gguf_source(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a ``.gguf`` file, or a folder holding a ``.gguf`` and no safetensors
+    (a folder with both is a safetensors folder, whose check refuses the GGUF beside the weights)."""
+    path = Path(path)
+    if path.is_file():
+        return path.suffix == ".gguf"
+    return path.is_dir() and any(path.glob("*.gguf")) and not any(path.glob("*.safetensors"))
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file a source names: ``path`` itself, or the one ``.gguf`` of a folder; else None."""
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    found = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    return found[0] if len(found) == 1 else None
+
+
+def admit_gguf(path: str | os.PathLike, key: str) -> Path:
+    """Check a user's GGUF source before it loads: the folder holds nothing but the file and its
+    card/licence, the header reads (gguf's own reader maps the file, reading no weight), its
+    architecture is one transformers dequantises, and the fp32 model fits as :func:`check_size`
+    requires. Returns the .gguf file; ParamsError (exit 2) otherwise."""
+    from gguf import GGUFReader
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    path = Path(path)
+    gguf = find_gguf(path)
+    if gguf is None:
+        raise _refuse(key, path, "is not a .gguf file nor a folder holding exactly one")
+    if path.is_dir():
+        for file in sorted(p for p in path.rglob("*") if p.is_file() and p != gguf):
+            name = file.relative_to(path).as_posix()
+            if not _matches(name, GGUF_COMPANION_FILES):
+                raise _refuse(key, path, f"holds {name} beside {gguf.name}; a GGUF source folder holds only the .gguf")
+    try:
+        reader = GGUFReader(str(gguf))
+        architecture = reader.get_field("general.architecture").contents()
+        elements = sum(int(t.n_elements) for t in reader.tensors)
+    except Exception as error:  # noqa: BLE001 - a damaged header fails in many ways inside gguf
+        raise _refuse(
+            key, gguf, f"is not a GGUF file gguf can read ({type(error).__name__}: {_first_line(error)})"
+        ) from None
+    if architecture not in GGUF_CONFIG_MAPPING:
+        raise _refuse(
+            key,
+            gguf,
+            f"holds a {architecture!r} model, which transformers does not dequantise from GGUF (it does: "
+            f"{', '.join(sorted(k for k in GGUF_CONFIG_MAPPING if k not in ('general', 'tokenizer')))})",
+        )
+    require_fits(4 * elements, gguf, key)
+    return gguf
+
+
+def require_fits(size: int, path: Path, key: str) -> None:
+    """Refuse ``size`` fp32 bytes over the memory available or :data:`MAX_WEIGHT_BYTES`."""
+    import psutil
+
+    limit = min(MAX_WEIGHT_BYTES, psutil.virtual_memory().available)
+    if size > limit:
+        raise _refuse(
+            key,
+            path,
+            f"describes {size // 4:,} parameters ({size / 2**30:.1f} GiB in fp32, as the pipeline loads them), more "
+            f"than {'the memory available' if limit < MAX_WEIGHT_BYTES else 'the cap'} ({limit / 2**30:.1f} GiB)",
+        )

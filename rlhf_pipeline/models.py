@@ -83,17 +83,21 @@ def require_context(path: str | os.PathLike, query_length: int, response_length:
     past the context its rotary embeddings were trained for."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(path))
+    problem = context_problem(AutoConfig.from_pretrained(str(path)), query_length, response_length, str(path))
+    if problem:
+        raise ParamsError("params.yaml", [problem])
+
+
+def context_problem(config, query_length: int, response_length: int, where: str) -> str | None:
+    """Why queries + responses do not fit the context of the model ``config`` describes, or None."""
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     if limit and query_length + response_length > limit:
-        raise ParamsError(
-            "params.yaml",
-            [
-                f"data.queries.query_length + task.response_length: {query_length} + {response_length} = "
-                f"{query_length + response_length} tokens, more than the {limit} positions the base model "
-                f"attends to ({path}/config.json max_position_embeddings); shorten one of them"
-            ],
+        return (
+            f"data.queries.query_length + task.response_length: {query_length} + {response_length} = "
+            f"{query_length + response_length} tokens, more than the {limit} positions the base model "
+            f"attends to ({where}/config.json max_position_embeddings); shorten one of them"
         )
+    return None
 
 
 def model_skeleton(path: str | os.PathLike) -> nn.Module:

@@ -42,13 +42,15 @@ from rlhf_pipeline.conversations import as_messages, content_length, end_of_turn
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import atomic_file, is_local_source, load_hub_dataset, read_table
 from rlhf_pipeline.progress import Progress
-from rlhf_pipeline.queries import pad_tokens, split_indices, tokenize_query
+from rlhf_pipeline.queries import is_cut, pad_tokens, split_indices, tokenize_query
+from rlhf_pipeline.tokens import special_prefix
 
 PAIRWISE, BEST_OF_N, CONVERSATIONAL = "pairwise", "best_of_n", "conversational"
 PAIRED_FORMATS = (PAIRWISE, CONVERSATIONAL)  # one chosen against one rejected: best is 0 by construction
 PAIRWISE_COLUMNS = ("prompt", "chosen", "rejected")
 SAMPLE_COLUMN = re.compile(r"^sample(0|[1-9]\d*)$")  # sample0, sample1, ...: no leading zeros
 LOOKS_LIKE_SAMPLE = re.compile(r"^sample\d+$")
+FILE_ROWS = "file_rows"  # DataFrame.attrs key: the file's row number of each row of a split
 VALIDATE_HINT = "Run `rlhf validate-preferences FILE` for a full report of the problems in a preference file."
 
 # Characters the data contract refuses: C0/C1 control characters other than \t and \n, DEL, the
@@ -312,10 +314,25 @@ def display_names(fmt: str) -> dict[str, str]:
     return {}
 
 
+def encode_response(tokenizer, text: str, response_length: int) -> tuple[list[int], bool]:
+    """The FIRST ``response_length`` tokens of ``text``, right-padded, and whether any was cut."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return pad_tokens(ids[:response_length], response_length, tokenizer.pad_token_id, "right"), len(
+        ids
+    ) > response_length
+
+
 def tokenize_response(tokenizer, text: str, response_length: int) -> list[int]:
     """The FIRST ``response_length`` tokens of ``text``, right-padded."""
-    ids = tokenizer.encode(text, add_special_tokens=False)[:response_length]
-    return pad_tokens(ids, response_length, tokenizer.pad_token_id, "right")
+    return encode_response(tokenizer, text, response_length)[0]
+
+
+class InternalColumns(dict):
+    """Internal columns of a user's rows, with ``cuts``: how many prompts lost their beginning
+    (``truncated_prompts``) and replies their end (``truncated_responses``) to fit
+    ``data.queries.query_length`` and ``task.response_length``."""
+
+    cuts: dict[str, int]
 
 
 def _require_text(frame, columns: list[str], where: str) -> None:
@@ -340,24 +357,53 @@ def _margins(frame) -> list[float]:
 
 
 def _internal(
-    tokenizer, queries, samples, best, margins, query_length, response_length, response_end: str = ""
-) -> dict[str, list]:
-    return {
-        "query": list(queries),
-        "query_ids": [tokenize_query(tokenizer, q, query_length) for q in queries],
-        "samples": [list(s) for s in samples],
-        "sample_ids": [
-            [tokenize_response(tokenizer, t + response_end, response_length) for t in row] for row in samples
-        ],
-        "best": [int(b) for b in best],
-        "gold": [None] * len(queries),
-        "margin": list(margins),
+    tokenizer, queries, samples, best, margins, query_length, response_length, response_end="", rows=None, where=""
+) -> InternalColumns:
+    """The internal columns; refuses (exit 3) a row whose different replies become the same ids
+    once cut to ``response_length`` (it would train as a tie labelled a preference). ``rows``: the
+    file's row number of each row, for that message."""
+    prefix = special_prefix(tokenizer)
+    encoded = [[encode_response(tokenizer, t + response_end, response_length) for t in row] for row in samples]
+    sample_ids = [[ids for ids, _ in row] for row in encoded]
+    rows = list(range(len(samples))) if rows is None else list(rows)
+    collide = [
+        rows[i]
+        for i, (texts, ids) in enumerate(zip(samples, sample_ids))
+        if len({tuple(x) for x in ids}) < len(ids) and len(set(texts)) == len(texts)
+    ]
+    if collide:
+        raise DataContractError(
+            f"{where or 'preferences'}: {len(collide)} row(s) whose replies differ only after their first "
+            f"{response_length} tokens (task.response_length), so they would train as identical replies: rows "
+            f"{collide[:10]}{' ...' if len(collide) > 10 else ''} (row numbers of the file, from 0). Raise "
+            "task.response_length (and rerun from preferences), or shorten those replies so they differ early; "
+            "nothing was written."
+        )
+    columns = InternalColumns(
+        query=list(queries),
+        query_ids=[tokenize_query(tokenizer, q, query_length, prefix) for q in queries],
+        samples=[list(s) for s in samples],
+        sample_ids=sample_ids,
+        best=[int(b) for b in best],
+        gold=[None] * len(queries),
+        margin=list(margins),
+    )
+    columns.cuts = {
+        "truncated_prompts": sum(is_cut(tokenizer, q, query_length, prefix) for q in queries),
+        "truncated_responses": sum(cut for row in encoded for _, cut in row),
     }
+    return columns
 
 
 def pairwise_to_internal(
-    frame, tokenizer, query_length: int, response_length: int, where: str = "preferences", response_end: str = ""
-) -> dict[str, list]:
+    frame,
+    tokenizer,
+    query_length: int,
+    response_length: int,
+    where: str = "preferences",
+    response_end: str = "",
+    rows=None,
+) -> InternalColumns:
     """Pairwise rows (``prompt``, ``chosen``, ``rejected``, optional ``margin``) -> internal
     columns with N=2, ``samples=[chosen, rejected]`` and ``best=0``; each response's tokens end
     with ``response_end`` (a chat template's end-of-turn text)."""
@@ -365,22 +411,23 @@ def pairwise_to_internal(
     samples = list(zip(frame["chosen"].tolist(), frame["rejected"].tolist()))
     prompts, margins = frame["prompt"].tolist(), _margins(frame)
     return _internal(
-        tokenizer, prompts, samples, [0] * len(frame), margins, query_length, response_length, response_end
+        tokenizer, prompts, samples, [0] * len(frame), margins, query_length, response_length, response_end, rows, where
     )
 
 
 def conversational_to_internal(
-    frame, tokenizer, query_length: int, response_length: int, where: str = "preferences"
-) -> dict[str, list]:
+    frame, tokenizer, query_length: int, response_length: int, where: str = "preferences", rows=None
+) -> InternalColumns:
     """Conversational rows -> internal columns: the prompt rendered with the chat template (its
     last ``query_length`` tokens, left-padded), each reply ending with the template's end of turn."""
     pairs = to_text_pairs(frame, where, tokenizer)
-    return pairwise_to_internal(pairs, tokenizer, query_length, response_length, where, end_of_turn(tokenizer))
+    end = end_of_turn(tokenizer)
+    return pairwise_to_internal(pairs, tokenizer, query_length, response_length, where, end, rows)
 
 
 def best_of_n_to_internal(
-    frame, tokenizer, query_length: int, response_length: int, where: str = "preferences"
-) -> dict[str, list]:
+    frame, tokenizer, query_length: int, response_length: int, where: str = "preferences", rows=None
+) -> InternalColumns:
     """Best-of-N rows (``query``, ``sample0`` .. ``sampleK``, ``best``) -> internal columns."""
     names = sample_columns(frame.columns)
     expected = [f"sample{i}" for i in range(max(len(names), 2))]
@@ -394,7 +441,18 @@ def best_of_n_to_internal(
     if any(not isinstance(b, (int, np.integer)) or not 0 <= b < len(expected) for b in best):
         raise DataContractError(f"{where}: column 'best' must hold integers in [0, {len(expected)}). {VALIDATE_HINT}")
     samples = list(zip(*(frame[c].tolist() for c in expected)))
-    return _internal(tokenizer, frame["query"].tolist(), samples, best, _margins(frame), query_length, response_length)
+    return _internal(
+        tokenizer,
+        frame["query"].tolist(),
+        samples,
+        best,
+        _margins(frame),
+        query_length,
+        response_length,
+        "",
+        rows,
+        where,
+    )
 
 
 def refuse_overlong_texts(frame, max_chars: int, where: str) -> None:
@@ -457,11 +515,12 @@ def chat_format(fmt: str, chat: bool, source: str) -> str:
 
 def user_to_internal(
     frame, fmt: str, tokenizer, query_length: int, response_length: int, where: str
-) -> dict[str, list]:
+) -> InternalColumns:
+    """A user's frame in the internal columns; messages name the file's rows (``FILE_ROWS``)."""
     convert = {PAIRWISE: pairwise_to_internal, CONVERSATIONAL: conversational_to_internal}.get(
         fmt, best_of_n_to_internal
     )
-    return convert(frame, tokenizer, query_length, response_length, where)
+    return convert(frame, tokenizer, query_length, response_length, where, rows=frame.attrs.get(FILE_ROWS))
 
 
 def internal_to_flat(columns) -> pd.DataFrame:  # noqa: F821
@@ -479,6 +538,14 @@ def internal_to_flat(columns) -> pd.DataFrame:  # noqa: F821
     return pd.DataFrame(data)
 
 
+def _numbered(part):
+    """``part`` of a file's frame re-indexed from 0, the file's row numbers kept in ``attrs``."""
+    rows = part.index.tolist()
+    part = part.reset_index(drop=True)
+    part.attrs[FILE_ROWS] = rows
+    return part
+
+
 def split_by_column(frame, source: str) -> dict[str, pd.DataFrame]:  # noqa: F821
     """The train and test rows of a file with a ``split`` column, which must hold both and nothing else."""
     values = set(map(str, frame["split"].unique()))
@@ -488,9 +555,7 @@ def split_by_column(frame, source: str) -> dict[str, pd.DataFrame]:  # noqa: F82
             "Rename other values (e.g. 'validation') or drop the column to hold out data.queries.test_fraction at "
             "random."
         )
-    return {
-        name: frame[frame["split"] == name].drop(columns="split").reset_index(drop=True) for name in ("train", "test")
-    }
+    return {name: _numbered(frame[frame["split"] == name].drop(columns="split")) for name in ("train", "test")}
 
 
 def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -> tuple[dict[str, pd.DataFrame], str]:  # noqa: F821
@@ -531,8 +596,8 @@ def split_rows(frame, source: str, test_fraction: float, seed: int) -> dict[str,
         raise DataContractError(f"{source}: at least 2 rows are needed to hold out a test split.")
     train_idx, test_idx = split_indices(len(frame), test_fraction, seed)
     return {
-        "train": frame.iloc[train_idx].reset_index(drop=True),
-        "test": frame.iloc[test_idx].reset_index(drop=True),
+        "train": _numbered(frame.iloc[train_idx]),
+        "test": _numbered(frame.iloc[test_idx]),
     }
 
 

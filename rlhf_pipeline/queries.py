@@ -24,6 +24,7 @@ from torch import Tensor
 
 from rlhf_pipeline.conversations import render_prompt
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.tokens import encode_start, special_prefix, without_prefix
 
 # Drop reasons, in the order the rules are applied; the stage's metrics count each one.
 NO_START = "no_start"  # start_text does not occur in the passage
@@ -93,11 +94,17 @@ def pad_tokens(tokens: list[int], length: int, pad_token_id: int, side: str = "l
     return padding + list(tokens) if side == "left" else list(tokens) + padding
 
 
-def tokenize_query(tokenizer, text: str, query_length: int) -> list[int]:
-    """The LAST ``query_length`` tokens of ``text`` (the end of a prompt is what the response
-    continues: a chat prompt keeps its generation prompt), left-padded to ``query_length``."""
-    ids = tokenizer.encode(text, add_special_tokens=False)[-query_length:]
+def tokenize_query(tokenizer, text: str, query_length: int, prefix: list[int] | None = None) -> list[int]:
+    """The tokenizer's prefix (a BOS, see :mod:`rlhf_pipeline.tokens`) and the LAST tokens of
+    ``text`` (the end of a prompt is what the response continues: a chat prompt keeps its
+    generation prompt), ``query_length`` in all, left-padded to ``query_length``."""
+    ids = encode_start(tokenizer, text, query_length, prefix)
     return pad_tokens(ids, query_length, tokenizer.pad_token_id, "left")
+
+
+def is_cut(tokenizer, text: str, query_length: int, prefix: list[int]) -> bool:
+    """True when :func:`tokenize_query` keeps only the end of ``text``."""
+    return len(prefix) + len(without_prefix(tokenizer.encode(text, add_special_tokens=False), prefix)) > query_length
 
 
 def text_tokens(tokenizer, text: str | None, key: str) -> list[int] | None:
@@ -137,12 +144,13 @@ def build_queries(
     """
     start_tokens = text_tokens(tokenizer, start_text, "data.queries.start_text")
     end_tokens = text_tokens(tokenizer, end_text, "data.queries.end_text")
-    pad_id = tokenizer.pad_token_id
+    pad_id, prefix = tokenizer.pad_token_id, special_prefix(tokenizer)
     encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
     kept: list[list[int]] = []
     drops: Counter[str] = Counter()
     for tokens in encoded:
-        result = preprocess_query(tokens, start_tokens, end_tokens, query_length)
+        # the passage's tokens fill what the prefix (a BOS) leaves of the query
+        result = preprocess_query(tokens, start_tokens, end_tokens, query_length - len(prefix))
         if result.tokens is None:
             drops[result.reason] += 1
         else:
@@ -161,7 +169,7 @@ def build_queries(
     for name, indices in (("train", train_idx), ("test", test_idx)):
         rows = [kept[i] for i in indices]
         splits[name] = {
-            "query_ids": [pad_tokens(r, query_length, pad_id, "left") for r in rows],
+            "query_ids": [pad_tokens(prefix + r, query_length, pad_id, "left") for r in rows],
             "query": tokenizer.batch_decode(rows, skip_special_tokens=False),
         }
         counts[name] = len(rows)
@@ -180,18 +188,18 @@ def build_chat_queries(
         raise PipelineError(
             f"Only {len(texts)} distinct chat prompt(s) found; at least 2 are needed for a train/test split."
         )
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    prefix = special_prefix(tokenizer)
     counts = {
         "prompts": len(prompts),
         "kept": len(texts),
         "duplicates": len(prompts) - len(texts),
-        "truncated": sum(n > query_length for n in lengths),
+        "truncated": sum(is_cut(tokenizer, text, query_length, prefix) for text in texts),
     }
     train_idx, test_idx = split_indices(len(texts), test_fraction, seed)
     splits = {}
     for name, indices in (("train", train_idx), ("test", test_idx)):
         splits[name] = {
-            "query_ids": [tokenize_query(tokenizer, texts[i], query_length) for i in indices],
+            "query_ids": [tokenize_query(tokenizer, texts[i], query_length, prefix) for i in indices],
             "query": [texts[i] for i in indices],
         }
         counts[name] = len(indices)

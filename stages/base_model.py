@@ -5,24 +5,62 @@ from __future__ import annotations
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
 from rlhf_pipeline.environment import environment_record, record_lines
+from rlhf_pipeline.errors import ParamsError
+from rlhf_pipeline.fit import model_fit_problems
 from rlhf_pipeline.io import atomic_dir
 from rlhf_pipeline.modelcard import hub_id, save_card, usage_snippet
 from rlhf_pipeline.models import count_parameters, save_tokenizer, set_dropout
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.base_model import BaseModelParams
+from rlhf_pipeline.params.data import DataParams
+from rlhf_pipeline.params.ppo import PPOParams
+from rlhf_pipeline.params.reward import RewardParams
+from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sources import add_dedicated_pad_token, load_source_model
+from rlhf_pipeline.tokens import describe_prefix
 
 OUT = "models/base"
 
 
 class Params(StageParams):
     base_model: BaseModelParams = BaseModelParams()
+    # read only to check them against the model just built (dvc.yaml declares the few keys)
+    data: DataParams = DataParams()
+    task: TaskParams = TaskParams()
+    reward: RewardParams = RewardParams()
+    ppo: PPOParams = PPOParams()
+
+
+def require_fit_to_model(params: Params, model) -> None:
+    """Refuse (exit 2, nothing written) the values that cannot train this model, here at stage 1
+    rather than in train_policy after the corpus, labels and reward model are built."""
+    problems = model_fit_problems(
+        model,
+        params.base_model.source,
+        params.ppo,
+        params.reward.train.num_layers,
+        params.data.queries.query_length,
+        params.task.response_length,
+    )
+    if problems:
+        raise ParamsError("params.yaml", problems)
+
+
+def prefix_line(prefix: dict) -> str:
+    """The card's line on what starts every query, corpus prompt and scored text (none: no line)."""
+    if not prefix["ids"]:
+        return ""
+    return (
+        f"- Every sequence starts with the tokenizer's own prefix {prefix['tokens']} (ids {prefix['ids']}), as "
+        "its tokenizer adds it: queries, corpus prompts and reward-scored texts.\n"
+    )
 
 
 def main(params: Params) -> None:
     cfg = params.base_model
     model, tokenizer, provenance = load_source_model(cfg.source, cfg.revision)
+    require_fit_to_model(params, model)
     pad_id = add_dedicated_pad_token(model, tokenizer, cfg.pad_token)
     set_dropout(model, cfg.dropout)
     model.eval()
@@ -33,9 +71,7 @@ def main(params: Params) -> None:
         upstream = provenance.get("upstream")
         metadata = {
             "base_model": hub_id(upstream),
-            "base_model_relation": "quantized"
-            if provenance.get("upstream") and provenance.get("upstream_format")
-            else None,
+            "base_model_relation": "quantized" if hub_id(upstream) and provenance.get("upstream_format") else None,
             "license": provenance.get("license"),
             "library_name": "transformers",
             "pipeline_tag": "text-generation",
@@ -50,6 +86,9 @@ def main(params: Params) -> None:
             "eos_token_id": tokenizer.eos_token_id,
             "lineage": {"environment": environment_record()},
         }
+        prefix = describe_prefix(tokenizer)
+        if prefix["ids"]:  # absent: the tokenizer puts nothing before a text (SmolLM2, GPT-2)
+            metadata["sequence_prefix"] = prefix
         body = f"""# Base model
 
 Materialised by the `base_model` stage from `{cfg.source}` as fp32 safetensors.
@@ -58,7 +97,7 @@ Materialised by the `base_model` stage from `{cfg.source}` as fp32 safetensors.
 - Dedicated pad token `{cfg.pad_token}` (id {pad_id}), distinct from eos (id {tokenizer.eos_token_id}),
   as lm-human-preferences requires.
 - Dropout: {cfg.dropout} (the reference trains with dropout off).
-- Source sha256: `{provenance.get("source_sha256")}` (a local folder: over every file in it)
+{prefix_line(prefix)}- Source sha256: `{provenance.get("source_sha256")}` (a local folder: over every file in it)
 
 This is the frozen reference policy for PPO and the initialisation of the reward model and policy.
 

@@ -112,7 +112,18 @@ def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
         )
         for name, frame in frames.items()
     }
-    return splits, {"format": fmt, "labels/ceiling_accuracy": None}
+    metrics = {"format": fmt, "labels/ceiling_accuracy": None}
+    for name, columns in splits.items():
+        for what, n in columns.cuts.items():
+            metrics[f"{what}/{name}"] = n
+        if any(columns.cuts.values()):
+            print(
+                f"preferences: {cfg.source} ({name} split): {columns.cuts['truncated_prompts']} prompt(s) keep only "
+                f"their last tokens (data.queries.query_length {q.query_length}) and "
+                f"{columns.cuts['truncated_responses']} repl(ies) only their first (task.response_length "
+                f"{params.task.response_length})"
+            )
+    return splits, metrics
 
 
 def main(params: Params) -> None:
@@ -130,7 +141,10 @@ def main(params: Params) -> None:
         DatasetDict(
             {name: Dataset.from_dict(columns, features=features()) for name, columns in splits.items()}
         ).save_to_disk(str(tmp))
-        write_json(tmp / "format.json", {"format": metrics["format"], "source": cfg.source})
+        info = {"format": metrics["format"], "source": cfg.source}
+        if cfg.source != SIMULATED:  # what was cut to fit, for the validation report
+            info["truncated"] = {name: columns.cuts for name, columns in splits.items()}
+        write_json(tmp / "format.json", info)
     write_json(METRICS, metrics)
     print(
         f"preferences: {metrics['rows/train']} train + {metrics['rows/test']} test rows ({metrics['format']}) -> "

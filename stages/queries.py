@@ -8,7 +8,7 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 from datasets import Dataset, DatasetDict, Features, List, Value, load_from_disk
 
 from rlhf_pipeline.conversations import read_prompts, require_chat_template
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import ParamsError, PipelineError
 from rlhf_pipeline.io import LABELS, atomic_dir, is_local_source, require_tracked_location, write_json
 from rlhf_pipeline.models import load_tokenizer, require_dir
 from rlhf_pipeline.params import StageParams
@@ -56,6 +56,18 @@ def main(params: Params) -> None:
             raise PipelineError(f"{CORPUS} is missing; run `dvc repro corpus` first.") from None
         splits, counts = build_queries(
             corpus["text"], tokenizer, cfg.query_length, cfg.start_text, cfg.end_text, cfg.test_fraction, params.seed
+        )
+    if counts["test"] < cfg.min_test_queries:
+        kept = f"{counts['kept']} of {counts['prompts'] if params.task.chat else counts['passages']}"
+        raise ParamsError(
+            "params.yaml",
+            [
+                f"data.queries.min_test_queries: {cfg.min_test_queries}, but only {counts['test']} held-out queries "
+                f"(test_fraction {cfg.test_fraction} of the {kept} kept; {counts}); nothing was written. Give more "
+                "passages (data.corpus.num_passages) or prompts, relax the query rules (start_text/end_text, "
+                "query_length), raise test_fraction, or lower min_test_queries knowing the evaluation's standard "
+                "error grows"
+            ],
         )
     with atomic_dir(OUT) as tmp:
         DatasetDict(

@@ -37,7 +37,8 @@ def main(params: Params) -> None:
     except FileNotFoundError:
         raise PipelineError(f"{PREFS} is missing; run `dvc repro preferences` first.") from None
     info = Path(PREFS, "format.json")
-    fmt = read_json(info)["format"] if info.is_file() else "best_of_n"
+    written = read_json(info) if info.is_file() else {}
+    fmt = written.get("format", "best_of_n")
     tokenizer = optional_tokenizer(BASE)
     results = {}
     for name in ("train", "test"):
@@ -52,11 +53,17 @@ def main(params: Params) -> None:
             names=display_names(fmt),
         )
     summary = summary_payload(results)
+    if written.get("truncated"):  # a user's texts cut to the task's lengths by the preferences stage
+        summary["truncated"] = written["truncated"]
     with atomic_dir(OUT) as tmp:
         write_json(tmp / "result.json", {name: r.gx_json for name, r in results.items()})
         write_json(tmp / "summary.json", summary)
     write_data_docs({name: r.gx_json for name, r in results.items()}, DOCS, f"{PREFS}: preference-data contract")
     text = "\n".join(format_summary(r, title=f"{PREFS} {name}") for name, r in results.items())
+    for name, cuts in summary.get("truncated", {}).items():
+        text += f"\n{PREFS} {name}: cut to fit: " + ", ".join(
+            f"{n} {what.replace('_', ' ')}" for what, n in cuts.items()
+        )
     if not summary["success"]:
         raise DataContractError(f"the preference data failed its contract (details in {OUT}/summary.json):\n{text}")
     print(text)

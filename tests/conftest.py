@@ -112,7 +112,7 @@ def tiny_params(**overrides) -> dict:
         "seed": 1,
         "data": {
             "corpus": {"source": "generated", "num_passages": 12, "passage_tokens": 24, "batch_size": 6},
-            "queries": {"query_length": 16, "test_fraction": 0.25},
+            "queries": {"query_length": 16, "test_fraction": 0.25, "min_test_queries": 1},
             "preferences": {"num_samples": 4, "num_labels": 8, "num_test_labels": 4, "batch_size": 4},
             "validation": {"min_rows": 4, "max_label_share": 1.0},
         },

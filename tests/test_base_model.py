@@ -125,3 +125,86 @@ def test_a_saved_tokenizer_pads_as_asked_and_forgets_how_it_was_loaded(tmp_path)
     assert config["padding_side"] == "left" and not {"local_files_only", "is_local"} & set(config)
     assert AutoTokenizer.from_pretrained(tmp_path).padding_side == "left"
     assert tokenizer.padding_side == "right" and tokenizer.init_kwargs.get("local_files_only")  # the caller's as it was
+
+
+def run_base_model(root: Path, source: str) -> subprocess.CompletedProcess:
+    (root / "params.yaml").write_text(yaml.safe_dump(full_params({"base_model": {"source": source}})))
+    add_pipeline_definition(root)
+    return subprocess.run(
+        [sys.executable, str(REPO / "stages/base_model.py")], cwd=root, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_users_gguf_is_a_source_like_the_default(tmp_path):
+    """The default's own GGUF file, copied into data/models/ as a user would bring one: dequantised
+    to fp32 safetensors, its sha256 and format on the card (SmolLM2 puts no BOS: no prefix noted)."""
+    import hashlib
+    import os
+
+    from rlhf_pipeline.sources import embedded_gguf_path
+
+    gguf = embedded_gguf_path()
+    (tmp_path / "data/models").mkdir(parents=True)
+    os.link(gguf, tmp_path / "data/models" / gguf.name)  # the same bytes, no copy
+    result = run_base_model(tmp_path, f"data/models/{gguf.name}")
+    assert result.returncode == 0, result.stderr
+    card = read_model_card(tmp_path / "models/base")
+    assert card["source_sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert card["source_format"] == f"GGUF Q4_1 ({gguf.name}), dequantised to fp32" and card["source_file"] == gguf.name
+    assert "sequence_prefix" not in card and card.get("base_model") is None  # "SmolLM2 135M Instruct" is no hub id
+    assert (tmp_path / "models/base/model.safetensors").is_file() and not list(
+        (tmp_path / "models/base").glob("*.gguf")
+    )
+    assert load_tokenizer(tmp_path / "models/base").pad_token == "<|pad|>"
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("not a gguf", "is not a GGUF file gguf can read"),
+        ("two ggufs", "is not a .gguf file nor a folder holding exactly one"),
+        ("a file beside it", "holds notes.txt beside model.gguf; a GGUF source folder holds only the .gguf"),
+        ("a gguf beside safetensors", "holds model.gguf: a GGUF file beside other weights"),
+    ],
+)
+def test_a_bad_gguf_source_is_refused_before_loading(tmp_path, case, message):
+    folder = tmp_path / "data/models/src"
+    if case == "a gguf beside safetensors":
+        build_tiny_model(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.gguf").write_bytes(b"GGUF" + b"\x00" * 12 if case == "not a gguf" else b"not a gguf")
+    if case == "two ggufs":
+        (folder / "other.gguf").write_bytes(b"GGUF")
+    if case == "a file beside it":
+        (folder / "notes.txt").write_text("hi")
+    result = run_base_model(tmp_path, "data/models/src/model.gguf" if case == "not a gguf" else "data/models/src")
+    assert result.returncode == 2, result.stderr
+    assert "base_model.source" in result.stderr and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"ppo": {"freeze_layers": 2}},
+            "ppo.freeze_layers: 2, but the base model (tiny-llama, LlamaForCausalLM) has 2",
+        ),
+        ({"reward": {"train": {"num_layers": 3}}}, "reward.train.num_layers: 3, but the base model (tiny-llama"),
+        (
+            {"data": {"queries": {"query_length": 200}}, "task": {"response_length": 100}},
+            "200 + 100 = 300 tokens, more than the 256 positions",
+        ),
+    ],
+)
+def test_values_the_model_cannot_take_stop_the_first_stage(tmp_path, overrides, message):
+    """The tiny Llama has 2 blocks and 256 positions: a value that depends on the model is refused
+    by base_model as soon as the model is built (exit 2, nothing written), not at train_policy."""
+    params = full_params({"base_model": {"source": "tiny-llama"}, **overrides})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    add_pipeline_definition(tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "stages/base_model.py")], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "models").exists()

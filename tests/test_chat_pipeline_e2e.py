@@ -61,7 +61,12 @@ def chat_project(tmp_path_factory, tiny_chat_base_dir):
     params = json.loads(json.dumps(TINY_PARAMS))
     params["base_model"] = {"source": "data/models/tiny"}
     params["task"] = {"chat": True, "response_length": 16, "truncate_token": None}
-    params["data"]["queries"] = {"query_length": 32, "test_fraction": 0.25, "prompts": "data/labels/prompts.jsonl"}
+    params["data"]["queries"] = {
+        "query_length": 32,
+        "test_fraction": 0.25,
+        "prompts": "data/labels/prompts.jsonl",
+        "min_test_queries": 1,
+    }
     params["data"]["preferences"] = {"source": "data/labels/chat.jsonl"}
     params["data"]["validation"] = {"min_rows": 16}
     (root / "params.yaml").write_text(yaml.safe_dump(parse_params(params).model_dump(mode="json"), sort_keys=False))

@@ -299,15 +299,18 @@ def test_a_first_party_import_inside_a_function_says_why():
 
 def test_the_base_model_stage_runs_only_the_bottom_of_the_library():
     """base_model's code dependencies: editing anything else in the library reruns nothing from
-    the base model on. These ten modules (and the two package markers) are the floor: the runner
-    and the params it validates, errors and atomic writes, the model card and the environment
-    record it carries, the base-model sources, the admission of a user's model folder and the
-    model helpers they use, and the entry point's offline environment."""
+    the base model on. These modules (and the two package markers) are the floor: the runner and
+    the params it validates, errors and atomic writes, the model card and the environment record
+    it carries, the base-model sources, the admission of a user's model folder and the model
+    helpers they use, the entry point's offline environment, the tokenizer's prefix the card
+    records, and the check of the model-dependent values (fit.py, with the four schemas whose keys
+    it checks: ppo, reward, data, task) as soon as the model is built."""
     found = {f for f in project_files(REPO / "stages/base_model.py") if f.startswith("rlhf_pipeline/")}
     assert found == {
         "rlhf_pipeline/__init__.py",
         "rlhf_pipeline/environment.py",
         "rlhf_pipeline/errors.py",
+        "rlhf_pipeline/fit.py",
         "rlhf_pipeline/io.py",
         "rlhf_pipeline/model_folder.py",
         "rlhf_pipeline/modelcard.py",
@@ -315,8 +318,13 @@ def test_the_base_model_stage_runs_only_the_bottom_of_the_library():
         "rlhf_pipeline/offline.py",
         "rlhf_pipeline/params/__init__.py",
         "rlhf_pipeline/params/base_model.py",
+        "rlhf_pipeline/params/data.py",
+        "rlhf_pipeline/params/ppo.py",
+        "rlhf_pipeline/params/reward.py",
+        "rlhf_pipeline/params/task.py",
         "rlhf_pipeline/runner.py",
         "rlhf_pipeline/sources.py",
+        "rlhf_pipeline/tokens.py",
     }
 
 
@@ -325,7 +333,8 @@ def test_the_base_model_stage_runs_only_the_bottom_of_the_library():
     [  # the PPO maths, the PPO schema, the reward model: none reaches a stage upstream of its first reader
         ("rlhf_pipeline/ppo/advantages.py", {"train_policy"}),
         ("rlhf_pipeline/ppo/losses.py", {"train_policy"}),
-        ("rlhf_pipeline/params/ppo.py", {"train_policy", "evaluate"}),  # evaluate: ppo.kl.estimator
+        # evaluate: ppo.kl.estimator; base_model: freeze_layers and lora checked against the model it builds
+        ("rlhf_pipeline/params/ppo.py", {"base_model", "train_policy", "evaluate"}),
         ("rlhf_pipeline/params/evaluate.py", {"evaluate"}),
         ("rlhf_pipeline/contract.py", {"validate_preferences"}),
         ("rlhf_pipeline/reward.py", {"train_reward", "normalize_reward", "train_policy", "evaluate"}),

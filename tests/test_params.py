@@ -258,7 +258,7 @@ def test_check_params_outside_a_project_says_which_checks_it_could_not_run(tmp_p
         "ok",
         "note: the file sets nothing: every value is the schema's default",
         f"note: no dvc.yaml in {tmp_path}, so whether it spells out every key a stage tracks was not checked",
-        "note: no models/base yet, so the ppo section was not checked against the model (train_policy does)",
+        "note: no models/base yet, so the values that depend on the model were not checked (base_model does)",
     ]
 
 

@@ -42,7 +42,7 @@ TINY_PARAMS = {
     "seed": 3,
     "data": {
         "corpus": {"num_passages": 200, "passage_tokens": 40, "batch_size": 32},
-        "queries": {"query_length": 12, "test_fraction": 0.2},
+        "queries": {"query_length": 12, "test_fraction": 0.2, "min_test_queries": 8},
         "preferences": {"num_labels": 64, "num_test_labels": 16, "batch_size": 32},
         "validation": {"min_rows": 32},
     },
@@ -456,7 +456,8 @@ AFTER_REWARD = {"train_reward", "normalize_reward", "train_policy", "evaluate"}
 MAY_STALE = {
     "gae": {"train_policy", "evaluate"},
     "ppo loss": {"train_policy", "evaluate"},
-    "ppo field": {"train_policy", "evaluate"},
+    # base_model checks ppo.freeze_layers and ppo.lora against the model it builds; its rerun repeats its bytes
+    "ppo field": {"base_model", "train_policy", "evaluate"},
     "reward loss": AFTER_REWARD,
     "contract": {"validate_preferences"} | AFTER_REWARD,
 }

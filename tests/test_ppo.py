@@ -587,8 +587,8 @@ FIT_CASES = {
 
 @pytest.mark.parametrize("case", sorted(FIT_CASES))
 def test_a_ppo_section_the_model_cannot_train_is_named_from_its_config(case, tiny_base_dir):
+    from rlhf_pipeline.fit import ppo_fit_problems as fit_problems
     from rlhf_pipeline.models import model_skeleton
-    from rlhf_pipeline.ppo.policy import fit_problems
 
     overrides, message = FIT_CASES[case]
     problems = fit_problems(make_params(**overrides).ppo, model_skeleton(tiny_base_dir), "models/base")
@@ -596,8 +596,8 @@ def test_a_ppo_section_the_model_cannot_train_is_named_from_its_config(case, tin
 
 
 def test_a_ppo_section_the_model_can_train_has_no_fit_problem(tiny_base_dir):
+    from rlhf_pipeline.fit import ppo_fit_problems as fit_problems
     from rlhf_pipeline.models import model_skeleton
-    from rlhf_pipeline.ppo.policy import fit_problems
 
     skeleton = model_skeleton(tiny_base_dir)
     assert next(skeleton.parameters()).device.type == "meta"  # nothing was read or allocated
@@ -644,7 +644,7 @@ def test_train_policy_refuses_before_loading_and_check_params_agrees(case, proje
     copy.rename(base)
     with pytest.raises(SystemExit) as exit_:  # a model not built from base_model.source is not held against it
         main(["check-params"])
-    assert exit_.value.code == 0 and "was not checked against the model" in capsys.readouterr().out
+    assert exit_.value.code == 0 and "values that depend on the model were not checked" in capsys.readouterr().out
     source = load_params("params.yaml").base_model.source
     save_card(base, {"source": source, "library_name": "transformers"}, "# Base model\n")
     with pytest.raises(SystemExit) as exit_:

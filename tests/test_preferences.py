@@ -374,3 +374,44 @@ def test_the_stage_refuses_a_text_the_contract_refuses(project, capsys):
     err = capsys.readouterr().err
     assert "column 'rejected', row " in err and BAD_CHARACTER_CHECK in err and "Traceback" not in err
     assert not (project / "data" / "preferences").exists()
+
+
+def test_replies_that_differ_only_after_the_cut_are_refused_with_the_file_rows(project, capsys):
+    """task.response_length is 8 tokens here: a pair that differs only after them would train as two
+    identical replies, so the stage refuses the file (exit 3), naming the file's rows, and writes nothing."""
+    same_start = "Well, the film we saw together last night was, all things considered,"
+    rows = [
+        {"prompt": f"Prompt number {i}.", "chosen": f"A good answer {i}.", "rejected": f"A bad answer {i}."}
+        for i in range(10)
+    ]
+    rows[6] = {"prompt": "How was it?", "chosen": same_start + " wonderful.", "rejected": same_start + " dreadful."}
+    (project / "data" / "labels").mkdir(parents=True)
+    pd.DataFrame(rows).to_json(project / "data" / "labels" / "pairs.jsonl", orient="records", lines=True)
+    project.write_params(**{"data.preferences.source": "data/labels/pairs.jsonl", "data.queries.test_fraction": 0.1})
+    assert run_stage_script("preferences") == 3
+    err = capsys.readouterr().err
+    assert "differ only after their first 8 tokens (task.response_length)" in err and "rows [6]" in err
+    assert not (project / "data" / "preferences").exists()
+
+
+def test_cut_prompts_and_replies_are_counted_and_reported(project, capsys):
+    """Prompts longer than query_length keep their end, replies longer than response_length their
+    start: the stage counts both (metrics, format.json) and the validation report repeats them."""
+    rows = [{"prompt": f"Prompt number {i}.", "chosen": f"Yes {i}.", "rejected": f"No {i}."} for i in range(10)]
+    rows[2]["prompt"] = "Tell me, in as many words as you like, what you thought of the film we saw. " * 3
+    rows[3]["chosen"] = "It was a wonderful film with a kind story, fine acting and a happy ending for all."
+    (project / "data" / "labels").mkdir(parents=True)
+    pd.DataFrame(rows).to_json(project / "data" / "labels" / "pairs.jsonl", orient="records", lines=True)
+    project.write_params(**{"data.preferences.source": "data/labels/pairs.jsonl", "data.queries.test_fraction": 0.1})
+    assert run_stage_script("preferences") == 0
+    metrics = json.loads((project / "metrics" / "preferences.json").read_text())
+    info = json.loads((project / "data" / "preferences" / "format.json").read_text())["truncated"]
+    assert sum(metrics[f"truncated_prompts/{s}"] for s in ("train", "test")) == 1
+    assert sum(metrics[f"truncated_responses/{s}"] for s in ("train", "test")) == 1
+    assert {s: info[s] for s in info} == {
+        s: {w: metrics[f"{w}/{s}"] for w in ("truncated_prompts", "truncated_responses")} for s in ("train", "test")
+    }
+    assert "keep only their last tokens" in capsys.readouterr().out
+    assert run_stage_script("validate_preferences") == 0
+    summary = json.loads((project / "data" / "validation" / "summary.json").read_text())
+    assert summary["truncated"] == info

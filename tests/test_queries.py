@@ -136,6 +136,26 @@ def test_queries_stage(project, tiny_tokenizer):
     )
 
 
+def test_too_few_held_out_queries_stop_the_queries_stage(project, capsys):
+    """6 passages leave 2 held-out queries: below data.queries.min_test_queries (3) the stage stops
+    with exit 2 (a noisy evaluation at the end is no answer) and writes nothing."""
+    corpus_file = project / "data" / "raw" / "corpus.txt"
+    corpus_file.parent.mkdir(parents=True, exist_ok=True)
+    corpus_file.write_text("\n".join(CORPUS) + "\n")
+    project.write_params(
+        **{
+            "data.corpus.source": "data/raw/corpus.txt",
+            "data.queries.test_fraction": 0.34,
+            "data.queries.min_test_queries": 3,
+        }
+    )
+    assert run_stage_script("corpus") == 0
+    assert run_stage_script("queries") == 2
+    err = capsys.readouterr().err
+    assert "data.queries.min_test_queries: 3, but only 1 held-out queries" in err and "Traceback" not in err
+    assert not (project / "data" / "queries").exists()
+
+
 def test_queries_stage_refuses_when_nothing_survives(project, capsys):
     (project / "data" / "raw").mkdir(parents=True, exist_ok=True)
     (project / "data" / "raw" / "corpus.txt").write_text("no periods here\nnor here\n")

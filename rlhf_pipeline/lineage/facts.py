@@ -19,7 +19,7 @@ PACKAGES = ("torch", "transformers", "datasets", "dvc", "prefect")
 VALIDATION_SUMMARY = "data/validation/summary.json"
 PREFERENCES_DIR = "data/preferences"
 BASE_MODEL_DIR = "models/base"
-BASE_MODEL_KEYS = ("source", "source_sha256", "source_file", "base_model", "revision")
+BASE_MODEL_KEYS = ("source", "source_sha256", "source_file", "base_model", "revision", "sequence_prefix")
 MODEL_CARD_KEYS = ("base_model", "library_name", "device", "license", "task_mode", "chat_template_sha256")
 
 

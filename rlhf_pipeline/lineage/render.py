@@ -99,6 +99,8 @@ def _input_lines(dataset: dict[str, Any]) -> list[str]:
     ]
     if base := facets.get("baseModel"):
         provenance = f"source={base.get('source', '?')} source_sha256={base.get('source_sha256', '?')}"
+        # what the tokenizer puts before every sequence (a BOS); absent from the card when nothing
+        provenance += f" sequence_prefix={(base.get('sequence_prefix') or {}).get('tokens') or 'none'}"
         lines.append(f"      base model: {provenance} ({base['card']})")
     if card := facets.get("modelCard"):
         lines.append("      model card: " + ", ".join(f"{k}={v}" for k, v in card.items() if not k.startswith("_")))

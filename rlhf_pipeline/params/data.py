@@ -42,6 +42,14 @@ class QueriesParams(Strict):
     start_text: str | None = Field(".", description="Keep tokens after its first occurrence; null disables.")
     end_text: str | None = Field(".", description="Cut after its last occurrence; null disables.")
     test_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    min_test_queries: int = Field(
+        64,
+        gt=0,
+        le=MAX_ROWS,
+        description="Fewest held-out queries the queries stage accepts (not a reference detail: the evaluation's "
+        "standard error over fewer is too wide to tell a policy from the base); a corpus whose passages the rules "
+        "drop stops there, not with a noisy number at the end.",
+    )
 
 
 class PreferencesParams(Strict):

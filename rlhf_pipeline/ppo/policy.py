@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from rlhf_pipeline.errors import NonFiniteError, ParamsError
+from rlhf_pipeline.fit import linear_layer_names, ppo_fit_problems
 from rlhf_pipeline.functional import non_finite_tensors
 from rlhf_pipeline.models import backbone_of, load_causal_lm, model_skeleton, save_tokenizer, transformer_layers
 from rlhf_pipeline.params.ppo import LoraParams, PPOParams
@@ -154,83 +155,10 @@ def build_policy(
     return policy
 
 
-def _is_linear(module: nn.Module) -> bool:
-    """A linear layer a LoRA adapter can wrap: ``nn.Linear``, or GPT-2's ``Conv1D``."""
-    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
-
-
-def linear_layer_names(block: nn.Module) -> list[str]:
-    """The last names of the linear layers of a transformer block (what ``'all-linear'`` adapts)."""
-    return sorted({name.rsplit(".", 1)[-1] for name, module in block.named_modules() if _is_linear(module)})
-
-
-# --------------------------------------------------------------------------------------------
-# what the ppo section asks of the base model, checked before it loads
-# --------------------------------------------------------------------------------------------
-def fit_problems(cfg: PPOParams, model: nn.Module, where: str) -> list[str]:
-    """Why ``cfg`` cannot train ``model`` (a skeleton is enough: only names and shapes are read),
-    one ``key: value ...`` line each naming the model's fact it conflicts with; [] when it can.
-
-    - ``freeze_layers`` must leave the top block trainable: with every block frozen a LoRA adapter
-      has nowhere to go, and the policy and reference would run different paths for one model;
-    - each ``lora.target_modules`` entry must name (as peft matches names: the module's name or
-      its last dotted parts) linear layers inside the trained blocks: not a norm or an MLP, and not
-      ``lm_head`` (outside the blocks, and tied to the frozen embeddings in most small LMs);
-    - ``lora.rank`` at most the smaller side of every adapted layer: past it the adapter only
-      adds parameters."""
-    if cfg.freeze_layers == 0 and cfg.lora is None:
-        return []
-    layers = transformer_layers(backbone_of(model), "ppo.lora" if cfg.lora is not None else "ppo.freeze_layers")
-    depth, name = len(layers), type(model).__name__
-    if cfg.freeze_layers >= depth:
-        return [
-            f"ppo.freeze_layers: {cfg.freeze_layers}, but the base model ({where}, {name}) has {depth} blocks; at "
-            f"most {depth - 1}, so the top block trains (with every block frozen LoRA has no block to adapt and "
-            "the policy and its reference would be computed by different paths)"
-        ]
-    if cfg.lora is None:
-        return []
-    trained = layers[cfg.freeze_layers :]
-    linear = linear_layer_names(trained[0])
-    span = f"blocks {cfg.freeze_layers}-{depth - 1} of the base model ({where}, {name})"
-    if not linear:
-        return [f"ppo.lora: the trained {span} hold no linear layer for an adapter; set ppo.lora: null"]
-    targets = linear if cfg.lora.target_modules == "all-linear" else cfg.lora.target_modules
-    problems, widths = [], {}
-    for target in targets:
-        matched = [
-            module
-            for block in trained
-            for module_name, module in block.named_modules()
-            if module_name == target or module_name.endswith("." + target)
-        ]
-        if not matched:
-            problems.append(
-                f"ppo.lora.target_modules: {target!r} names no module of the trained {span}; their linear "
-                f"layers are {', '.join(linear)} (or 'all-linear')"
-            )
-        elif not all(_is_linear(module) for module in matched):
-            kind = next(type(module).__name__ for module in matched if not _is_linear(module))
-            problems.append(
-                f"ppo.lora.target_modules: {target!r} is a {kind} in the {span}, not a linear layer; LoRA adapts "
-                f"the linear layers {', '.join(linear)}"
-            )
-        else:
-            widths[target] = min(min(module.weight.shape) for module in matched)
-    narrowest = min(widths, key=widths.get, default=None)
-    if narrowest is not None and cfg.lora.rank > widths[narrowest]:
-        problems.append(
-            f"ppo.lora.rank: {cfg.lora.rank}, more than the width {widths[narrowest]} of {narrowest!r} in the "
-            f"{span} (the smaller side of its weight); a rank above min(in, out) adds parameters and no "
-            f"expressiveness: at most {widths[narrowest]}"
-        )
-    return problems
-
-
 def require_fit(cfg: PPOParams, base_dir: str | Path, world_size: int = 1) -> None:
     """Refuse (params.yaml's exit code) a ``ppo`` section that cannot train the model at ``base_dir``
     on ``world_size`` processes, from its config alone: before any weight loads."""
-    problems = fit_problems(cfg, model_skeleton(base_dir), str(base_dir))
+    problems = ppo_fit_problems(cfg, model_skeleton(base_dir), str(base_dir))
     split = cfg.process_split_problem(world_size)
     if split:
         problems.append(split)
