@@ -270,9 +270,7 @@ def read_jsonl(path: Path) -> dict[str, list]:
                 raise DataContractError(too_deep)
             for key, value in row.items():
                 values = columns.get(key)
-                if (
-                    values is None
-                ):  # a new name: NaN in every row before (not setdefault: it builds that list each call)
+                if values is None:  # a new name: NaN in every row before (setdefault would build it each call)
                     values = columns[key] = [math.nan] * rows
                 values.append(replace_surrogates(value))
             rows += 1
