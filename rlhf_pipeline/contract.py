@@ -43,7 +43,7 @@ from rlhf_pipeline.preferences import (
     detect_format,
     display_names,
     sample_columns,
-    split_rows,
+    split_positions,
     to_flat_frame,
 )
 
@@ -341,6 +341,26 @@ def hashable(value: Any) -> Any:
 CHUNK_ROWS = 50_000  # rows Great Expectations validates at once: its memory grows with the batch, not the file
 
 
+def as_checked(frame, texts_too: bool = True):
+    """``frame`` with its non-numeric columns as Python objects, as Great Expectations checks them:
+    GX checks types per value and nothing is coerced to text; a list or array where a text or label
+    belongs becomes a tuple, which the type checks refuse and the duplicate checks can hash.
+
+    ``texts_too=False`` leaves pandas' own text columns (``str`` dtype: every value a text or
+    missing, held compactly) as they are; a frame validated in chunks converts them chunk by chunk,
+    since a million texts as Python objects take several times their compact size."""
+    import pandas as pd
+
+    converted = {}
+    for column in frame.columns:
+        series = frame[column]
+        if pd.api.types.is_numeric_dtype(series) or (not texts_too and isinstance(series.dtype, pd.StringDtype)):
+            continue
+        values = [hashable(replace_surrogates(v)) for v in series.tolist()]
+        converted[column] = pd.Series(values, dtype=object, index=series.index)
+    return frame.assign(**converted) if converted else frame
+
+
 def validate_dataframe(
     df,
     validation_params,
@@ -365,21 +385,13 @@ def validate_dataframe(
         min_rows: overrides ``validation_params.min_rows`` (e.g. for a test split).
         names: flat column -> the user's column name, for messages.
     """
-    import pandas as pd
-
     names = names or {}
-    frame = df.reset_index(drop=True).copy()
-    for column in frame.columns:
-        if not pd.api.types.is_numeric_dtype(frame[column]):
-            # object dtype: GX checks types per value, and nothing is coerced to text; a list or
-            # array where a text or label belongs becomes a tuple, which the type checks refuse and
-            # the duplicate checks can hash
-            frame[column] = pd.Series([hashable(replace_surrogates(v)) for v in frame[column].tolist()], dtype=object)
+    frame = df.reset_index(drop=True)  # no copy: pandas copies on write, and nothing here writes in place
     user_columns = [c for c in frame.columns if not str(c).startswith("_")]
     context = ephemeral_context()
     text_suite = build_text_suite(validation_params)
     if len(frame) <= CHUNK_ROWS:
-        frame = add_helper_columns(frame, tokenizer, validation_params.max_text_chars)
+        frame = add_helper_columns(as_checked(frame), tokenizer, validation_params.max_text_chars)
         suite = build_suite(frame, validation_params, label_check=label_check, min_rows=min_rows)
         rows = run_suite(context, frame, suite).to_json_dict()
         cells = text_cells(frame)
@@ -387,6 +399,7 @@ def validate_dataframe(
         texts = run_suite(context, cells, text_suite, result_format="COMPLETE").to_json_dict()
         text_failures = _text_failures_of(texts, cells, frame, user_columns, names)
     else:
+        frame = as_checked(frame, texts_too=False)  # lists become tuples here; texts stay compact
         rows, texts, text_failures = _validate_in_chunks(
             context, frame, user_columns, validation_params, tokenizer, label_check, min_rows, names, text_suite
         )
@@ -411,7 +424,13 @@ def _validate_in_chunks(context, frame, user_columns, validation, tokenizer, lab
     import pandas as pd
 
     helpers = add_helper_columns(frame.iloc[:0], tokenizer, validation.max_text_chars)  # the columns only
-    whole = frame[user_columns].apply(lambda column: pd.util.hash_pandas_object(column.astype(str), index=False))
+    # chunk by chunk: hashing a text column encodes all of its values at once
+    whole = pd.concat(
+        frame[user_columns]
+        .iloc[start : start + CHUNK_ROWS]
+        .apply(lambda column: pd.util.hash_pandas_object(column.astype(str), index=False))
+        for start in range(0, len(frame), CHUNK_ROWS)
+    )
     if "best" in frame.columns:  # the label share needs every row's label
         whole["_label_share"] = add_helper_columns(frame[["best"]])["_label_share"]
     if "_max_tokens" in helpers.columns:
@@ -438,7 +457,9 @@ def _validate_in_chunks(context, frame, user_columns, validation, tokenizer, lab
     row_suite = build_suite(helpers, validation, label_check, min_rows, select=lambda kind: not in_whole(kind))
     order: list[tuple] = []  # GX's own order of the results (not the suite's): from the first chunk
     for start in range(0, len(frame), CHUNK_ROWS):
-        chunk = add_helper_columns(frame.iloc[start : start + CHUNK_ROWS], tokenizer, validation.max_text_chars)
+        chunk = add_helper_columns(
+            as_checked(frame.iloc[start : start + CHUNK_ROWS]), tokenizer, validation.max_text_chars
+        )
         if not order:
             every = run_suite(context, chunk, build_suite(helpers, validation, label_check, min_rows)).to_json_dict()
             order = [_result_key(r) for r in every["results"]]
@@ -663,7 +684,6 @@ def validate_file_cli(
     ``result_path`` and Great Expectations Data Docs to ``docs_dir`` if given; returns 0 (passed)
     or 3 (refused).
     """
-    import pandas as pd
 
     data, seed = load_data_params(params_path)
     validation = data.validation
@@ -671,12 +691,11 @@ def validate_file_cli(
     if frame.empty and not len(frame.columns):
         raise DataContractError(f"{path} holds no rows.")
     # the preferences stage's split rule, so that the CLI passes only what the stage takes
-    splits = split_rows(frame, path, data.queries.test_fraction, seed)
+    rows = split_positions(frame, path, data.queries.test_fraction, seed)
     by_column = "split" in frame.columns
-    too_few = train_rows_problem(len(splits["train"]), by_column, data, path)
+    too_few = train_rows_problem(len(rows["train"]), by_column, data, path)
     if by_column:  # validated as the stage sees it: without the split column (a random split keeps the file's rows)
-        frame = pd.concat(splits.values(), ignore_index=True)
-    del splits  # counted (or joined) only: their memory goes before the contract runs
+        frame = frame.drop(columns="split").iloc[rows["train"] + rows["test"]]
     fmt = detect_format(frame, path)
     tokenizer = optional_tokenizer(tokenizer_dir)
     flat = to_flat_frame(frame, fmt, tokenizer, path)

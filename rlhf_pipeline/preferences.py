@@ -299,7 +299,7 @@ def to_flat_frame(frame, fmt: str, tokenizer=None, where: str = "preferences"):
     """
     if fmt == CONVERSATIONAL:
         frame, fmt = to_text_pairs(frame, where, tokenizer), PAIRWISE
-    flat = frame.copy()
+    flat = frame.copy(deep=False)  # pandas copies on write: the caller's frame is never changed
     if fmt == PAIRWISE:
         flat = flat.rename(columns={"prompt": "query", "chosen": "sample0", "rejected": "sample1"})
         flat["best"] = 0
@@ -546,8 +546,9 @@ def _numbered(part):
     return part
 
 
-def split_by_column(frame, source: str) -> dict[str, pd.DataFrame]:  # noqa: F821
-    """The train and test rows of a file with a ``split`` column, which must hold both and nothing else."""
+def split_by_column(frame, source: str) -> dict[str, list[int]]:
+    """The row numbers of the train and test rows of a file with a ``split`` column, which must hold
+    both and nothing else."""
     values = set(map(str, frame["split"].unique()))
     if not values <= {"train", "test"} or "train" not in values or "test" not in values:
         raise DataContractError(
@@ -555,7 +556,7 @@ def split_by_column(frame, source: str) -> dict[str, pd.DataFrame]:  # noqa: F82
             "Rename other values (e.g. 'validation') or drop the column to hold out data.queries.test_fraction at "
             "random."
         )
-    return {name: _numbered(frame[frame["split"] == name].drop(columns="split")) for name in ("train", "test")}
+    return {name: np.flatnonzero((frame["split"] == name).to_numpy()).tolist() for name in ("train", "test")}
 
 
 def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -> tuple[dict[str, pd.DataFrame], str]:  # noqa: F821
@@ -587,18 +588,24 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
     return split_rows(frames["all"], source, test_fraction, seed), fmt
 
 
-def split_rows(frame, source: str, test_fraction: float, seed: int) -> dict[str, pd.DataFrame]:  # noqa: F821
-    """The train and test rows of one user file: those its ``split`` column names, else a seeded
-    ``test_fraction`` held out at random (the rule ``rlhf validate-preferences`` applies too)."""
+def split_positions(frame, source: str, test_fraction: float, seed: int) -> dict[str, list[int]]:
+    """The row numbers of the train and test rows of one user file: those its ``split`` column
+    names, else a seeded ``test_fraction`` held out at random (the rule ``rlhf validate-preferences``
+    applies too, counting rows without copying them)."""
     if "split" in frame.columns:
         return split_by_column(frame, source)
     if len(frame) < 2:
         raise DataContractError(f"{source}: at least 2 rows are needed to hold out a test split.")
     train_idx, test_idx = split_indices(len(frame), test_fraction, seed)
-    return {
-        "train": _numbered(frame.iloc[train_idx]),
-        "test": _numbered(frame.iloc[test_idx]),
-    }
+    return {"train": train_idx, "test": test_idx}
+
+
+def split_rows(frame, source: str, test_fraction: float, seed: int) -> dict[str, pd.DataFrame]:  # noqa: F821
+    """The train and test frames of one user file (:func:`split_positions`), without the ``split``
+    column, the file's row numbers kept for messages."""
+    rows = split_positions(frame, source, test_fraction, seed)
+    frame = frame.drop(columns="split", errors="ignore")
+    return {name: _numbered(frame.iloc[positions]) for name, positions in rows.items()}
 
 
 def to_pairwise(columns) -> pd.DataFrame:  # noqa: F821
