@@ -41,12 +41,12 @@ def check_params_file(path: str | os.PathLike, root: str | os.PathLike) -> None:
 
 def check_fit_to_base_model(path: str | os.PathLike, root: Path) -> str | None:
     """The values that depend on the model (``ppo.freeze_layers``, ``ppo.lora``,
-    ``reward.train.num_layers``, query + response length) against ``root``/models/base when it
+    ``reward.train.num_layers``, query + response length, ``task.truncate_token``) against ``root``/models/base when it
     was built from the params' ``base_model.source`` (ParamsError when they cannot train it); else
     why this was not checked."""
     from rlhf_pipeline.fit import model_fit_problems  # loads torch and transformers: only when models/base is checked
     from rlhf_pipeline.modelcard import read_card  # loads huggingface_hub: the same
-    from rlhf_pipeline.models import model_skeleton  # the same
+    from rlhf_pipeline.models import load_tokenizer, model_skeleton  # the same
 
     params, base = parse_params(read_params_file(path), str(path)), root / "models" / "base"
     if not (base / "config.json").is_file():
@@ -64,6 +64,8 @@ def check_fit_to_base_model(path: str | os.PathLike, root: Path) -> str | None:
         params.reward.train.num_layers,
         params.data.queries.query_length,
         params.task.response_length,
+        load_tokenizer(base),
+        params.task.truncate_token,
     )
     if problems:
         raise ParamsError(str(path), problems)

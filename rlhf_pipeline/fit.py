@@ -1,7 +1,8 @@
 """What the params ask of the base model, checked against its skeleton before anything trains.
 
 The base model's depth, module names, widths and context decide which values can train it:
-``ppo.freeze_layers``, ``ppo.lora``, ``reward.train.num_layers`` and the query + response length.
+``ppo.freeze_layers``, ``ppo.lora``, ``reward.train.num_layers`` and the query + response length;
+its vocabulary, which ``task.truncate_token`` must be one token of.
 The rules live here, below training and the stages, so that the ``base_model`` stage checks them
 as soon as it has built the model (stage 1 of 9, not at stage 7 after the corpus, the labels and
 the reward model), ``train_policy`` again before it loads a weight, and ``rlhf check-params``
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from rlhf_pipeline.models import backbone_of, context_problem, transformer_layers
+from rlhf_pipeline.tokens import single_token_problem
 
 if TYPE_CHECKING:
     from rlhf_pipeline.params.ppo import PPOParams
@@ -114,9 +116,15 @@ def model_fit_problems(
     reward_num_layers: int | None,
     query_length: int,
     response_length: int,
+    tokenizer=None,
+    truncate_token: str | None = None,
 ) -> list[str]:
-    """Every problem of the params against ``model`` (a skeleton or the built model)."""
+    """Every problem of the params against ``model`` (a skeleton or the built model) and its
+    ``tokenizer`` (its vocabulary: ``task.truncate_token`` must be one of its tokens)."""
     problems = ppo_fit_problems(ppo, model, where)
     problems += [p for p in (reward_layers_problem(reward_num_layers, model, where),) if p]
     problems += [p for p in (context_problem(model.config, query_length, response_length, where),) if p]
+    if tokenizer is not None and truncate_token is not None:
+        problem = single_token_problem(tokenizer, truncate_token, "task.truncate_token")
+        problems += [f"{problem} (the base model's tokenizer, {where})"] if problem else []
     return problems

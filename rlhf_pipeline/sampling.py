@@ -20,11 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_pipeline.conversations import end_of_turn, require_chat_template
-from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.functional import logprobs_and_entropy, logprobs_from_logits, truncate_response
 from rlhf_pipeline.models import backbone_of, transformer_layers
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.progress import Progress
+from rlhf_pipeline.tokens import single_token_id
 
 
 @dataclass
@@ -321,18 +321,6 @@ def response_outputs(
 def iterate_batches(n: int, batch_size: int):
     for start in range(0, n, batch_size):
         yield slice(start, min(start + batch_size, n))
-
-
-def single_token_id(tokenizer, text: str | None, key: str) -> int | None:
-    """Token id of ``text`` (e.g. task.truncate_token '.'), which must encode to exactly one token."""
-    if text is None:
-        return None
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1:
-        raise PipelineError(
-            f"{key} {text!r} encodes to {len(ids)} tokens {ids} with this tokenizer; it must be a single token."
-        )
-    return ids[0]
 
 
 @dataclass

@@ -13,6 +13,8 @@ so a tokenizer without one (the default) encodes to the same ids as before.
 
 from __future__ import annotations
 
+from rlhf_pipeline.errors import PipelineError
+
 # a probe text every tokenizer encodes to at least one token
 _PROBE = "a"
 
@@ -52,3 +54,21 @@ def describe_prefix(tokenizer) -> dict:
     """What the model card and lineage record: the prefix's ids and their text."""
     prefix = special_prefix(tokenizer)
     return {"ids": prefix, "tokens": tokenizer.convert_ids_to_tokens(prefix)}
+
+
+def single_token_problem(tokenizer, text: str, key: str) -> str | None:
+    """Why ``text`` (e.g. ``task.truncate_token`` '.') is not exactly one token of ``tokenizer``, or None."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        return f"{key} {text!r} encodes to {len(ids)} tokens {ids} with this tokenizer; it must be a single token."
+    return None
+
+
+def single_token_id(tokenizer, text: str | None, key: str) -> int | None:
+    """Token id of ``text``, which must encode to exactly one token; None when ``text`` is None."""
+    if text is None:
+        return None
+    problem = single_token_problem(tokenizer, text, key)
+    if problem:
+        raise PipelineError(problem)
+    return tokenizer.encode(text, add_special_tokens=False)[0]

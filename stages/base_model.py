@@ -32,7 +32,7 @@ class Params(StageParams):
     ppo: PPOParams = PPOParams()
 
 
-def require_fit_to_model(params: Params, model) -> None:
+def require_fit_to_model(params: Params, model, tokenizer) -> None:
     """Refuse (exit 2, nothing written) the values that cannot train this model, here at stage 1
     rather than in train_policy after the corpus, labels and reward model are built."""
     problems = model_fit_problems(
@@ -42,6 +42,8 @@ def require_fit_to_model(params: Params, model) -> None:
         params.reward.train.num_layers,
         params.data.queries.query_length,
         params.task.response_length,
+        tokenizer,
+        params.task.truncate_token,
     )
     if problems:
         raise ParamsError("params.yaml", problems)
@@ -60,7 +62,7 @@ def prefix_line(prefix: dict) -> str:
 def main(params: Params) -> None:
     cfg = params.base_model
     model, tokenizer, provenance = load_source_model(cfg.source, cfg.revision)
-    require_fit_to_model(params, model)
+    require_fit_to_model(params, model, tokenizer)
     pad_id = add_dedicated_pad_token(model, tokenizer, cfg.pad_token)
     set_dropout(model, cfg.dropout)
     model.eval()

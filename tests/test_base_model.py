@@ -195,11 +195,13 @@ def test_a_bad_gguf_source_is_refused_before_loading(tmp_path, case, message):
             {"data": {"queries": {"query_length": 200}}, "task": {"response_length": 100}},
             "200 + 100 = 300 tokens, more than the 256 positions",
         ),
+        ({"task": {"truncate_token": "a full stop"}}, "task.truncate_token 'a full stop' encodes to"),
     ],
 )
 def test_values_the_model_cannot_take_stop_the_first_stage(tmp_path, overrides, message):
-    """The tiny Llama has 2 blocks and 256 positions: a value that depends on the model is refused
-    by base_model as soon as the model is built (exit 2, nothing written), not at train_policy."""
+    """The tiny Llama has 2 blocks, 256 positions and a byte-level vocabulary: a value that depends
+    on the model is refused by base_model as soon as the model is built (exit 2, nothing written),
+    not at train_policy."""
     params = full_params({"base_model": {"source": "tiny-llama"}, **overrides})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     add_pipeline_definition(tmp_path)
