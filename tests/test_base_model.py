@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import add_pipeline_definition, full_params
+from conftest import add_pipeline_definition, full_params, run_stage_script
 
 from rlhf_pipeline.io import content_hash
 from rlhf_pipeline.modelcard import read_card as read_model_card
@@ -198,15 +198,15 @@ def test_a_bad_gguf_source_is_refused_before_loading(tmp_path, case, message):
         ({"task": {"truncate_token": "a full stop"}}, "task.truncate_token 'a full stop' encodes to"),
     ],
 )
-def test_values_the_model_cannot_take_stop_the_first_stage(tmp_path, overrides, message):
+def test_values_the_model_cannot_take_stop_the_first_stage(tmp_path, monkeypatch, capsys, overrides, message):
     """The tiny Llama has 2 blocks, 256 positions and a byte-level vocabulary: a value that depends
     on the model is refused by base_model as soon as the model is built (exit 2, nothing written),
     not at train_policy."""
     params = full_params({"base_model": {"source": "tiny-llama"}, **overrides})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     add_pipeline_definition(tmp_path)
-    result = subprocess.run(
-        [sys.executable, str(REPO / "stages/base_model.py")], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 2 and message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "models").exists()
+    monkeypatch.chdir(tmp_path)
+    assert run_stage_script("base_model") == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "models").exists()
