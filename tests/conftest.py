@@ -11,6 +11,11 @@ import shutil
 import sys
 from pathlib import Path
 
+# `import dvc` binds DVC's log handlers to the sys.stdout/sys.stderr of that moment, and they raise
+# (LoggingException) once that stream is closed. Imported here, they get pytest's session-long streams;
+# imported first inside a test using capsys, they would keep its stream, closed when that test ends, and
+# the next in-process DVC warning (the flow's checkout, say) would crash a later test.
+import dvc  # noqa: F401
 import pytest
 import torch
 import yaml
