@@ -69,7 +69,7 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
     from rlhf_pipeline.params.schema import Params
     from rlhf_pipeline.ppo.policy import PolicyWithValue
     from rlhf_pipeline.ppo.trainer import PPOTrainer
-    from rlhf_pipeline.reward import RewardModel
+    from rlhf_pipeline.reward.adoption import reward_model_on_base
 
     params = Params.model_validate(
         {
@@ -101,12 +101,12 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
     if value_model == "shared":
         policy = PolicyWithValue(lm).to(plan.device)
     else:
-        value_init = RewardModel.from_base(
+        value_init = reward_model_on_base(
             model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed + 1)
         )
         policy = PolicyWithValue(lm, value_init.backbone.train(), value_init.head).to(plan.device)
     ref_model = load_causal_lm(model_dir, plan.device)
-    reward_model = RewardModel.from_base(
+    reward_model = reward_model_on_base(
         model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed)
     ).to(plan.device)
 

@@ -1,6 +1,6 @@
 """Probe: reward-model variants trained on the pipeline's own preference data (``data/preferences``).
 
-Trains a :class:`rlhf_pipeline.reward.RewardModel` with the library's ``train_reward_model`` (the
+Trains a :class:`rlhf_pipeline.reward.model.RewardModel` with the library's ``train_reward_model`` (the
 stage's training loop) on the first ``--labels`` train rows and reports best-of-N accuracy on the
 test rows, for one variant per call: how many of the base model's blocks the reward model keeps
 (``--layers``), how many of those are frozen (``--freeze``, embeddings always frozen here),
@@ -28,7 +28,8 @@ def main() -> None:
 
     from rlhf_pipeline.models import freeze_lower_layers, load_tokenizer
     from rlhf_pipeline.params.reward import RewardTrainParams
-    from rlhf_pipeline.reward import RewardModel, best_of_n_accuracy, preference_tensors, train_reward_model
+    from rlhf_pipeline.reward.adoption import reward_model_on_base
+    from rlhf_pipeline.reward.training import best_of_n_accuracy, preference_tensors, train_reward_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=None)
@@ -51,7 +52,7 @@ def main() -> None:
     train = tuple(t[:n] for t in train)
     gold = np.asarray(prefs["test"]["gold"])
     ceiling = float((gold.argmax(1) == np.asarray(prefs["test"]["best"])).mean())
-    model = RewardModel.from_base(
+    model = reward_model_on_base(
         "models/base",
         tokenizer.pad_token_id,
         generator=torch.Generator().manual_seed(args.seed),

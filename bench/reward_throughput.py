@@ -5,7 +5,7 @@ data (a ``--prompt-tokens`` prompt with ``--response-tokens`` chosen/rejected co
 fixed-seed random token ids), the same number of pairs per optimizer step, full fine-tune, fp32,
 CPU, for 1 warmup step + ``--steps`` timed steps each:
 
-- ours: :func:`rlhf_pipeline.reward.train_reward_model` (N=2 softmax loss == Bradley-Terry) via
+- ours: :func:`rlhf_pipeline.reward.training.train_reward_model` (N=2 softmax loss == Bradley-Terry) via
   ``RewardModel.score_best_of_n``, which packs each prompt and its two responses into one
   sequence with a block attention mask, so the prompt is computed once for both;
 - TRL: ``RewardTrainer`` on ``AutoModelForSequenceClassification(num_labels=1)`` from the same
@@ -56,11 +56,12 @@ def make_data(tokenizer, num_pairs: int, prompt_tokens: int, response_tokens: in
 def run_ours(model_dir: Path, tokenizer, data, args) -> list[float]:
     """Per-step wall times (seconds) of the project's reward training, warmup step included."""
     from rlhf_pipeline.params.reward import RewardTrainParams
-    from rlhf_pipeline.reward import Labels, RewardModel, train_reward_model
+    from rlhf_pipeline.reward.adoption import reward_model_on_base
+    from rlhf_pipeline.reward.training import Labels, train_reward_model
 
     prompts, chosen, rejected = data
     seed_everything(args.seed)
-    model = RewardModel.from_base(model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed))
+    model = reward_model_on_base(model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed))
     samples = torch.stack([chosen, rejected], dim=1)  # (B, 2, R): index 0 is the preferred one
     best = torch.zeros(len(prompts), dtype=torch.long)
     stamps: list[float] = []

@@ -67,6 +67,13 @@ class DamagedArtifactError(PipelineError):
     exit_code = 7
 
 
+class BusyError(PipelineError):
+    """Another run holds the project (the retrain flow's lock): nothing was changed; try again later.
+    The code is sysexits' EX_TEMPFAIL, which schedulers read as "retry later"."""
+
+    exit_code = 75
+
+
 COMMAND_NOT_FOUND_EXIT_CODE = 127  # the shell's: a stage's command (e.g. `python`) is not on PATH
 
 # Exit codes of failures that are the same on every attempt: the retrain flow fails at once on these.

@@ -21,9 +21,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from rlhf_pipeline.io import write_figure
 from rlhf_pipeline.ppo.kl import kl_penalty
 from rlhf_pipeline.progress import Progress
-from rlhf_pipeline.reward import RewardModel, task_scores
+from rlhf_pipeline.reward.model import RewardModel
+from rlhf_pipeline.reward.normalization import task_scores
 from rlhf_pipeline.sampling import ResponseSampler, iterate_batches, response_outputs, shared_lower_blocks
 
 
@@ -234,7 +236,7 @@ def load_snapshot(policy_lm: nn.Module, snapshot: str | Path) -> None:
 
 
 def overoptimization_plot(points: list[dict], path: str | Path, shipped_update: int | None = None) -> None:
-    """Gold and proxy against sqrt(KL) (Gao et al. 2022), as a PNG: checkpoints joined in update
+    """Gold and proxy against sqrt(KL) (Gao et al. 2022), as a PNG written atomically: checkpoints joined in update
     order, both scores as improvements over the base in base-std units with +-1 standard-error
     bars (paired, same queries), each point labelled with its update, the shipped policy ringed."""
     import matplotlib
@@ -273,5 +275,5 @@ def overoptimization_plot(points: list[dict], path: str | Path, shipped_update: 
         ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    write_figure(fig, path, dpi=110)
     plt.close(fig)

@@ -111,6 +111,12 @@ def atomic_file(target: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
             raise
 
 
+def write_figure(figure: Any, target: str | os.PathLike, dpi: int) -> None:
+    """Save a matplotlib ``figure`` as a PNG at ``target``, atomically (the one way a plot is written)."""
+    with atomic_file(target, "wb") as handle:
+        figure.savefig(handle, format="png", dpi=dpi)
+
+
 def write_json(target: str | os.PathLike, payload: Any) -> None:
     with atomic_file(target) as handle:
         json.dump(payload, handle, indent=2, sort_keys=True, default=float)

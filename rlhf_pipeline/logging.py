@@ -17,3 +17,18 @@ def open_live(directory: str):
         yield live
     finally:
         live.end()
+
+
+def step_logger(live, keys: tuple[str, ...] | None = None, prefix: str = ""):
+    """A trainer's ``log(record)`` callback: each key of the record (``keys`` only, when given; never
+    ``update``, the step itself) as a DVCLive metric named ``prefix + key``, then the next step. With
+    ``live`` None (a process other than the main one) it logs nothing."""
+
+    def log(record: dict) -> None:
+        if live is None:
+            return
+        for key in keys if keys is not None else [k for k in record if k != "update"]:
+            live.log_metric(prefix + key, record[key])
+        live.next_step()
+
+    return log

@@ -63,15 +63,15 @@ def usage_snippet(target: str, kind: str, reward_pooling: str | None = None) -> 
     package, and (last-token pooling) as a stock transformers sequence classifier."""
     if kind == "reward":
         project = f"""```python
-from rlhf_pipeline.reward import RewardModel
+from rlhf_pipeline.reward.persistence import load_reward_model
 
-reward_model = RewardModel.load("{target}")
+reward_model = load_reward_model("{target}")
 print(reward_model.score(["The movie was"], [" a delight from start to end."]))  # normalised rewards
 ```"""
         if reward_pooling != "last":
             return project + (
                 "\n\nIt pools the mean over the response tokens, which no stock transformers class does: "
-                "a stock `AutoModel*` load of this folder fails, naming `RewardModel.load`."
+                "a stock `AutoModel*` load of this folder fails, naming `load_reward_model`."
             )
         return f"""```python
 from transformers import AutoModelForSequenceClassification, AutoTokenizer

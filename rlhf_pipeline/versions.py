@@ -103,9 +103,9 @@ def require_recorded_run(root: str | Path) -> None:
 
 def reward_scorer(root: str | Path):
     """The challenger's reward model as a text scorer, in batches."""
-    from rlhf_pipeline.reward import RewardModel  # loads torch and transformers: only for the gate
+    from rlhf_pipeline.reward.persistence import load_reward_model  # loads torch and transformers: only for the gate
 
-    model = RewardModel.load(Path(root, REWARD_DIR))
+    model = load_reward_model(Path(root, REWARD_DIR))
 
     def score(queries: list[str], responses: list[str]) -> list[float]:
         out: list[float] = []

@@ -25,7 +25,8 @@ from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.reward import RewardParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.queries import draw_queries, load_queries
-from rlhf_pipeline.reward import HEAD_FILE, RewardModel, fit_normalization, score_query_responses, set_gain_bias
+from rlhf_pipeline.reward.normalization import normalize_on_base_samples, score_query_responses
+from rlhf_pipeline.reward.persistence import HEAD_FILE, load_reward_model, save_reward_model
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sampling import ResponseSampler
 
@@ -44,7 +45,7 @@ def main(params: Params) -> None:
     require_dir(BASE, "base_model")
     require_dir(TRAINED, "train_reward", HEAD_FILE)
     tokenizer = load_tokenizer(BASE)
-    model = RewardModel.load(TRAINED)
+    model = load_reward_model(TRAINED)
     base = load_causal_lm(BASE).eval()
     sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
     # Queries come from the train split, the set PPO optimises over; drawing each of them once
@@ -55,12 +56,9 @@ def main(params: Params) -> None:
     fit_queries = draw_queries(train_queries, cfg.normalize_samples, generator)
     eval_queries = draw_queries(train_queries, cfg.eval_samples, generator)
 
-    set_gain_bias(model, 1.0, 0.0)
-    fit_responses, _ = sampler.sample_batched(
-        base, fit_queries, generator, cfg.batch_size, cfg.truncate, progress="normalize_reward fit"
+    gain, bias, raw = normalize_on_base_samples(
+        model, base, sampler, fit_queries, generator, cfg, "normalize_reward fit"
     )
-    raw = score_query_responses(model, fit_queries, fit_responses, cfg.batch_size, normalized=False)
-    gain, bias = fit_normalization(model, raw, cfg.target_mean, cfg.target_std)
 
     eval_responses, _ = sampler.sample_batched(
         base, eval_queries, generator, cfg.batch_size, cfg.truncate, progress="normalize_reward check"
@@ -92,7 +90,7 @@ def main(params: Params) -> None:
             )
 
     with atomic_dir(OUT, checksums=True) as tmp:
-        model.save(tmp)
+        save_reward_model(model, tmp)
         save_tokenizer(tokenizer, tmp)
         write_card(
             tmp,

@@ -11,7 +11,7 @@ import torch
 from rlhf_pipeline.distributed import make_accelerator, resolve_device, whole_model
 from rlhf_pipeline.io import atomic_dir, content_hash, write_json
 from rlhf_pipeline.labelers import gold_labeler
-from rlhf_pipeline.logging import open_live
+from rlhf_pipeline.logging import open_live, step_logger
 from rlhf_pipeline.modelcard import write_card
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_context, require_dir
 from rlhf_pipeline.params import StageParams
@@ -20,9 +20,9 @@ from rlhf_pipeline.params.ppo import PPOParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.ppo.checkpoint import Checkpointer, fingerprint_of
 from rlhf_pipeline.ppo.policy import build_policy, require_fit, save_policy
-from rlhf_pipeline.ppo.trainer import PPOTrainer
+from rlhf_pipeline.ppo.trainer import PPOTrainer, history_summary
 from rlhf_pipeline.queries import load_queries
-from rlhf_pipeline.reward import HEAD_FILE, RewardModel
+from rlhf_pipeline.reward.persistence import HEAD_FILE, load_reward_model
 from rlhf_pipeline.runner import declared_code_hash, project_root, run_stage
 
 BASE, REWARD, QUERIES, PREFS = "models/base", "models/reward", "data/queries", "data/preferences"
@@ -39,7 +39,7 @@ class Params(StageParams):
 def summary(cfg, episodes: int, device: str) -> str:
     """The card's first paragraph: how the policy was trained and where its parts are."""
     how = "PPO (lm-human-preferences details)"
-    if cfg.advantage != "gae":
+    if cfg.critic_free:
         how += f" with the critic-free {cfg.advantage.upper()} advantage ({cfg.samples_per_query} samples per query)"
     if cfg.lora is not None:
         how += f" through a rank-{cfg.lora.rank} LoRA adapter, merged into the saved weights"
@@ -56,6 +56,19 @@ def gold_statistics(path: str) -> tuple[float, float]:
 
     gold = torch.tensor([score for row in load_from_disk(path)["train"]["gold"] for score in row], dtype=torch.float64)
     return gold.mean().item(), gold.std().item()
+
+
+def checkpoint_fingerprint(params: Params, uses_reward_model: bool) -> str:
+    """Params, inputs and code of this run: a checkpoint of another version of any of them is not resumed."""
+    reward_hash = content_hash(f"{REWARD}/{HEAD_FILE}") if uses_reward_model else None
+    return fingerprint_of(
+        params.seed,
+        params.ppo.model_dump(),
+        params.task.model_dump(),
+        reward_hash,
+        content_hash(f"{QUERIES}"),
+        declared_code_hash("train_policy", project_root()),
+    )
 
 
 def main(params: Params) -> None:
@@ -77,33 +90,14 @@ def main(params: Params) -> None:
     frozen_device = "cpu" if cfg.offload_frozen else plan.device
     # with LoRA the reference is the policy's own base weights (its adapter off): no second copy
     ref_model = load_causal_lm(BASE, frozen_device) if cfg.lora is None else None
-    reward_model = RewardModel.load(REWARD, frozen_device) if cfg.score_source == "reward_model" else None
+    reward_model = load_reward_model(REWARD, frozen_device) if cfg.score_source == "reward_model" else None
     policy = build_policy(BASE, cfg, plan.device, REWARD)
     gold = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
     gold_standardization = gold_statistics(PREFS) if cfg.score_source == "gold" and gold is not None else None
-    reward_hash = content_hash(f"{REWARD}/reward_head.safetensors") if uses_reward_model else None
-    # params, inputs and code: a checkpoint of another version of any of them is not resumed
-    fingerprint = fingerprint_of(
-        params.seed,
-        cfg.model_dump(),
-        params.task.model_dump(),
-        reward_hash,
-        content_hash(f"{QUERIES}"),
-        declared_code_hash("train_policy", project_root()),
-    )
-    checkpointer = Checkpointer(CHECKPOINTS, fingerprint)
+    checkpointer = Checkpointer(CHECKPOINTS, checkpoint_fingerprint(params, uses_reward_model))
     # DVCLive starts afresh every time: on a resume the trainer replays the checkpoint's history
     # into it first, so the series match an uninterrupted run's step for step
     with open_live(LIVE) if is_main else nullcontext() as live:
-
-        def log(record: dict) -> None:
-            if live is None:
-                return
-            for key, value in record.items():
-                if key not in ("update",):
-                    live.log_metric(key, value)
-            live.next_step()
-
         trainer = PPOTrainer(
             policy,
             ref_model,
@@ -116,7 +110,7 @@ def main(params: Params) -> None:
             plan.device,
             checkpointer=checkpointer,
             gold_labeler=gold,
-            log=log,
+            log=step_logger(live),
             autocast=plan.autocast if plan.autocast_dtype else None,
             gold_standardization=gold_standardization,
             accelerator=accelerator,
@@ -127,25 +121,11 @@ def main(params: Params) -> None:
     if not is_main:
         return
 
-    last = history[-max(1, len(history) // 4) :]
-    first = history[: max(1, len(history) // 4)]
-    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
-    metrics = {
-        "updates": len(history),
-        "episodes": history[-1]["episodes"],
-        "device": plan.describe(),
-        "score/first_quarter": mean(first, "objective/score"),
-        "score/last_quarter": mean(last, "objective/score"),
-        "kl/last_quarter": mean(last, "objective/kl"),
-        "kl_coef/final": history[-1]["objective/kl_coef"],
-    }
-    if gold is not None:
-        metrics["gold/first_quarter"] = mean(first, "objective/gold")
-        metrics["gold/last_quarter"] = mean(last, "objective/gold")
+    metrics = {"device": plan.describe(), **history_summary(history, with_gold=gold is not None)}
     # how long the updates this process ran took: a measurement of the machine, in SPEED only,
     # which no stage declares (dvc.yaml's top-level metrics), so no output and no dvc.lock hash
     # holds a timing and a rerun writes the same bytes; none when it resumed at the last update
-    speed = {"episodes_per_second": mean(timings, "episodes_per_second")} if timings else {}
+    speed = {"episodes_per_second": sum(t["episodes_per_second"] for t in timings) / len(timings)} if timings else {}
     with atomic_dir(OUT, checksums=True) as tmp:
         save_policy(policy, tokenizer, tmp, params.task.temperature, params.task.response_length)
         write_card(

@@ -13,7 +13,10 @@ import torch
 from rlhf_pipeline.distributed import make_accelerator, whole_model
 from rlhf_pipeline.models import freeze_lower_layers, load_tokenizer
 from rlhf_pipeline.params.reward import RewardTrainParams
-from rlhf_pipeline.reward import Labels, RewardModel, train_reward_model
+from rlhf_pipeline.reward.adoption import reward_model_on_base
+from rlhf_pipeline.reward.model import RewardModel
+from rlhf_pipeline.reward.persistence import save_reward_model
+from rlhf_pipeline.reward.training import Labels, train_reward_model
 
 
 def main(base: str, out: str) -> None:
@@ -21,7 +24,7 @@ def main(base: str, out: str) -> None:
     pad = load_tokenizer(base).pad_token_id
 
     def build(seed: int = 0) -> RewardModel:
-        return RewardModel.from_base(base, pad, generator=torch.Generator().manual_seed(seed), pooling="mean")
+        return reward_model_on_base(base, pad, generator=torch.Generator().manual_seed(seed), pooling="mean")
 
     model = build()
     freeze_lower_layers(model.backbone, 1)  # frozen and trained weights side by side in the FSDP units
@@ -35,7 +38,7 @@ def main(base: str, out: str) -> None:
     history = train_reward_model(model, labels, cfg, torch.Generator().manual_seed(2), accelerator=accelerator)
     model = whole_model(accelerator, model, lambda: build(seed=99))  # another head init: the gathered weights count
     if model is not None:
-        model.save(out)
+        save_reward_model(model, out)
         (Path(out) / "history.json").write_text(json.dumps(history))
 
 

@@ -140,17 +140,6 @@ def test_summarize_without_a_gold_labeler_has_no_gold_metrics():
     assert not any(key.startswith("gold/") or key == "win_rate/gold" for key in summarize(base, policy))
 
 
-def load_evaluate_stage():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "stages" / "evaluate.py"
-    spec = importlib.util.spec_from_file_location("evaluate_stage", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "best_update, expected",
     [
@@ -163,7 +152,8 @@ def load_evaluate_stage():
     ],
 )
 def test_report_names_the_best_checkpoint(best_update, expected):
-    render_report = load_evaluate_stage().render_report
+    from rlhf_pipeline.evaluation_report import render_report
+
     points = [{"update": 0, "kl": 0.0, "proxy": -0.5, "gold": 0.1}, {"update": 4, "kl": 1.0, "proxy": 0.5, "gold": 0.3}]
     best = next(p for p in points if p["update"] == best_update)
     report = render_report({"queries": 2, "kl/mean": 1.0}, points, best, [])
@@ -179,7 +169,7 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     from rlhf_pipeline.evaluation import Evaluation, sample_and_score
     from rlhf_pipeline.models import load_causal_lm
     from rlhf_pipeline.params.task import TaskParams
-    from rlhf_pipeline.reward import RewardModel
+    from rlhf_pipeline.reward.adoption import reward_model_on_base
     from rlhf_pipeline.sampling import ResponseSampler, response_outputs, shared_lower_blocks
 
     base = load_causal_lm(tiny_base_dir).eval()
@@ -188,7 +178,7 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
         policy.model.layers[1].mlp.down_proj.weight.mul_(1.5)
     assert shared_lower_blocks(policy, base) == 1 and shared_lower_blocks(base, base) == 2
     pad = tiny_tokenizer.pad_token_id
-    reward = RewardModel.from_base(tiny_base_dir, pad, generator=torch.Generator().manual_seed(0)).eval()
+    reward = reward_model_on_base(tiny_base_dir, pad, generator=torch.Generator().manual_seed(0)).eval()
     sampler = ResponseSampler.from_tokenizer(TaskParams(response_length=6, truncate_token=None), tiny_tokenizer)
     queries = torch.randint(0, 250, (6, 5), generator=torch.Generator().manual_seed(0))
     queries[:2, :2] = pad

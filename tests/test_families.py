@@ -11,7 +11,7 @@ from torch import nn
 
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.models import backbone_of, freeze_lower_layers, transformer_layers
-from rlhf_pipeline.reward import RewardModel, attention_window
+from rlhf_pipeline.reward.model import RewardModel, attention_window
 
 PAD = VOCAB - 1
 

@@ -747,3 +747,26 @@ def test_a_swapped_cache_object_is_refused_before_it_is_trained_on_recorded_or_p
     assert str(victim) in message and "dvc repro --force STAGE" in message
     assert (root / "dvc.lock").read_bytes() == lock_before
     assert not remote.exists() or not any(remote.rglob("*")), "something was pushed"
+
+
+def test_the_flow_names_its_exit_codes_by_their_error_classes():
+    """Every exit code the flow gives is an `errors` class's code (one home for what each means), never
+    an integer written in the flow: no int literal as a RetrainError's code, an `exit_code=` value or
+    a `getattr(..., "exit_code", ...)` default."""
+    import ast
+
+    literals = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "flows/retrain").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+            values = [k.value for k in node.keywords if k.arg == "exit_code"]
+            if name.endswith(("Error", "Failed", "Locked", "Preferences")):
+                values += node.args[1:2]
+            if name == "getattr" and len(node.args) == 3:
+                values.append(node.args[2])
+            literals += [
+                f"{path.name}:{v.lineno}" for v in values if isinstance(v, ast.Constant) and isinstance(v.value, int)
+            ]
+    assert literals == []

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rlhf_pipeline import functional as fn
-from rlhf_pipeline import reward
 from rlhf_pipeline.ppo import advantages, kl, losses, trainer
+from rlhf_pipeline.reward import normalization, training
 
 
 def close(actual, expected, atol=1e-6):
@@ -449,7 +449,7 @@ def test_best_of_n_loss_by_hand():
     rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, math.log(2.0)], [1.0, 0.0, 0.0]], requires_grad=True)
     best = torch.tensor([0, 2, 1])
     # row 0: -log(e / (e + 2)) = log(e + 2) - 1;  row 1: -log(2 / 4) = log 2;  row 2: log(e + 2)
-    loss, acc = reward.best_of_n_loss(rewards, best)
+    loss, acc = training.best_of_n_loss(rewards, best)
     e = math.e
     close(loss, (math.log(e + 2) - 1 + math.log(2.0) + math.log(e + 2)) / 3)  # 0.9320122
     close(acc, 2.0 / 3.0)
@@ -461,15 +461,15 @@ def test_best_of_n_loss_by_hand():
 
 def test_best_of_n_loss_margin():
     rewards = torch.tensor([[math.log(3.0), 0.0]])
-    loss, acc = reward.best_of_n_loss(rewards, torch.tensor([0]), margin=torch.tensor([math.log(3.0)]))
+    loss, acc = training.best_of_n_loss(rewards, torch.tensor([0]), margin=torch.tensor([math.log(3.0)]))
     close(loss, math.log(2.0))  # logits become [0, 0]
     close(acc, 1.0)  # accuracy on the raw rewards
 
 
 def test_pairwise_loss_by_hand():
-    close(reward.pairwise_loss(torch.tensor([1.0]), torch.tensor([0.0])), math.log(1 + math.exp(-1.0)))
+    close(training.pairwise_loss(torch.tensor([1.0]), torch.tensor([0.0])), math.log(1 + math.exp(-1.0)))
     close(
-        reward.pairwise_loss(
+        training.pairwise_loss(
             torch.tensor([math.log(3.0), 2.0]), torch.tensor([0.0, 2.0]), torch.tensor([math.log(3.0), 0.0])
         ),
         math.log(2.0),
@@ -480,27 +480,28 @@ def test_pairwise_loss_equals_best_of_two():
     g = torch.Generator().manual_seed(1)
     chosen, rejected, margin = torch.randn(3, 7, generator=g)
     close(
-        reward.pairwise_loss(chosen, rejected),
-        reward.best_of_n_loss(torch.stack([chosen, rejected], dim=1), torch.zeros(7, dtype=torch.long))[0],
+        training.pairwise_loss(chosen, rejected),
+        training.best_of_n_loss(torch.stack([chosen, rejected], dim=1), torch.zeros(7, dtype=torch.long))[0],
     )
     # chosen in column 1 this time, with a margin
     close(
-        reward.pairwise_loss(chosen, rejected, margin),
-        reward.best_of_n_loss(torch.stack([rejected, chosen], dim=1), torch.ones(7, dtype=torch.long), margin)[0],
+        training.pairwise_loss(chosen, rejected, margin),
+        training.best_of_n_loss(torch.stack([rejected, chosen], dim=1), torch.ones(7, dtype=torch.long), margin)[0],
     )
 
 
 def test_normalization_gain_bias():
-    assert reward.normalization_gain_bias(2.0, 4.0) == pytest.approx((0.25, -0.5))
-    assert reward.normalization_gain_bias(torch.tensor(2.0), torch.tensor(4.0), 1.0, 2.0) == pytest.approx((0.5, 0.0))
+    assert normalization.normalization_gain_bias(2.0, 4.0) == pytest.approx((0.25, -0.5))
+    gain_bias = normalization.normalization_gain_bias(torch.tensor(2.0), torch.tensor(4.0), 1.0, 2.0)
+    assert gain_bias == pytest.approx((0.5, 0.0))
     rng = np.random.default_rng(0)
     samples = rng.normal(3.0, 5.0, size=1000)
-    gain, bias = reward.normalization_gain_bias(samples.mean(), samples.std())
+    gain, bias = normalization.normalization_gain_bias(samples.mean(), samples.std())
     normed = gain * samples + bias
     assert normed.mean() == pytest.approx(0.0, abs=1e-9)
     assert normed.std() == pytest.approx(1.0)
     with pytest.raises(ValueError):
-        reward.normalization_gain_bias(1.0, 0.0)
+        normalization.normalization_gain_bias(1.0, 0.0)
 
 
 def test_minibatch_indices():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import yaml
 
 from rlhf_pipeline.errors import ParamsError
+from rlhf_pipeline.params.ppo import KLParams, PPOParams
 from rlhf_pipeline.params.schema import Params, load_params, parse_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +39,32 @@ def test_schema_defaults_are_the_reference_values():
     assert p.reward.normalize.normalize_samples == 256
     assert p.ppo.whiten_rewards and p.ppo.value_model == "shared"
     assert p.reward.train.pooling == "last" and p.reward.train.batch_size == 32
+
+
+# PPO and KL fields whose default is a value of the reference run: each description says "reference"
+# and links the line it follows, pinned to a commit of OpenAI's code or lm-human-preference-details.
+REFERENCE_PPO_FIELDS = {
+    "total_episodes", "batch_size", "nminibatches", "microbatch_size", "ppo_epochs", "lr", "anneal_lr", "adam_eps",
+    "tensorflow_adam", "max_grad_norm", "gamma", "lam", "cliprange", "cliprange_value", "vf_coef", "entropy_coef",
+    "whiten_rewards", "advantage", "value_model", "dropout",
+}  # fmt: skip
+PINNED_LINK = re.compile(
+    r"https://github\.com/(openai/lm-human-preferences|vwxyzjn/lm-human-preference-details)/blob/[0-9a-f]{40}/\S+#L\d+"
+)
+
+
+@pytest.mark.parametrize("schema", [PPOParams, KLParams])
+def test_every_ppo_and_kl_field_is_described_and_reference_values_link_their_line(schema):
+    fields = schema.model_fields
+    assert [name for name, field in fields.items() if not field.description] == []
+    cited = REFERENCE_PPO_FIELDS if schema is PPOParams else set(fields)
+    assert cited <= set(fields)
+    missing = [
+        name
+        for name in sorted(cited)
+        if "reference" not in fields[name].description.lower() or not PINNED_LINK.search(fields[name].description)
+    ]
+    assert missing == []
 
 
 def broken(path: str, value, **also):

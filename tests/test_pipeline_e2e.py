@@ -320,7 +320,7 @@ def test_each_stage_read_every_param_it_declares(project):
     "module, importers",
     [
         ("rlhf_pipeline/models.py", ALL_STAGES),
-        ("rlhf_pipeline/reward.py", {"train_reward", "normalize_reward", "train_policy", "evaluate"}),
+        ("rlhf_pipeline/reward/model.py", {"train_reward", "normalize_reward", "train_policy", "evaluate"}),
     ],
 )
 def test_editing_a_module_reruns_exactly_the_stages_that_import_it(project, tmp_path, module, importers):
@@ -445,8 +445,8 @@ NARROW_EDITS = {
         '    @model_validator(mode="after")\n',
         '    new_knob: int = 0\n\n    @model_validator(mode="after")\n',
     ),
-    "reward loss": (
-        "rlhf_pipeline/reward.py",
+    "reward loss": (  # the reward model's training: its only reader is train_reward
+        "rlhf_pipeline/reward/training.py",
         "    loss = F.cross_entropy(logits, best)\n",
         '    loss = F.cross_entropy(logits, best, reduction="mean")\n',
     ),
@@ -458,7 +458,7 @@ MAY_STALE = {
     "ppo loss": {"train_policy", "evaluate"},
     # base_model checks ppo.freeze_layers and ppo.lora against the model it builds; its rerun repeats its bytes
     "ppo field": {"base_model", "train_policy", "evaluate"},
-    "reward loss": AFTER_REWARD,
+    "reward loss": {"train_reward"},
     "contract": {"validate_preferences"} | AFTER_REWARD,
 }
 

@@ -23,11 +23,16 @@ import rlhf_pipeline.ppo.checkpoint as checkpoint_module
 from rlhf_pipeline.errors import NonFiniteError
 from rlhf_pipeline.io import write_checksums
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
+from rlhf_pipeline.params.ppo import ADVANTAGE_ESTIMATORS, CRITIC_FREE
 from rlhf_pipeline.params.schema import Params
-from rlhf_pipeline.ppo.checkpoint import Checkpointer
+from rlhf_pipeline.ppo import advantages
+from rlhf_pipeline.ppo.advantages import CRITIC_FREE_ESTIMATORS
+from rlhf_pipeline.ppo.checkpoint import Checkpointer, snapshot_name, snapshot_update
 from rlhf_pipeline.ppo.policy import PolicyWithValue, build_policy
 from rlhf_pipeline.ppo.trainer import PPOTrainer
-from rlhf_pipeline.reward import RewardModel
+from rlhf_pipeline.reward.adoption import reward_model_on_base
+from rlhf_pipeline.reward.model import RewardModel
+from rlhf_pipeline.reward.persistence import save_reward_model
 from rlhf_pipeline.sampling import hidden_from
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +55,7 @@ def make_params(**ppo) -> Params:
 @pytest.fixture(scope="module")
 def reward_model(tiny_base_dir):
     tokenizer = load_tokenizer(tiny_base_dir)
-    return RewardModel.from_base(
+    return reward_model_on_base(
         tiny_base_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0)
     ).eval()
 
@@ -315,12 +320,12 @@ def policy_project(tiny_base_dir, reward_model, queries, tmp_path_factory):
     root = tmp_path_factory.mktemp("policy_project")
     shutil.copytree(tiny_base_dir, root / "models/base")
     # the CPU default's reward layout: mean pooling, backbone in backbone/, a top-level config.json
-    # that only names RewardModel.load (stock AutoModel loaders refuse it with that name)
+    # that only names load_reward_model (stock AutoModel loaders refuse it with that name)
     mean_pooling = RewardModel(reward_model.backbone, reward_model.pad_token_id, "mean")
     mean_pooling.head.load_state_dict(reward_model.head.state_dict())
-    mean_pooling.save(root / "models/reward")
+    save_reward_model(mean_pooling, root / "models/reward")
     assert (root / "models/reward/backbone/config.json").exists()
-    assert "RewardModel.load" in (root / "models/reward/config.json").read_text()
+    assert "load_reward_model" in (root / "models/reward/config.json").read_text()
     load_tokenizer(tiny_base_dir).save_pretrained(root / "models/reward")
     write_checksums(root / "models/reward")  # what normalize_reward writes: stages check it before loading
     rows = {"query_ids": queries.tolist(), "query": ["q"] * len(queries)}
@@ -663,3 +668,20 @@ def test_the_first_update_starts_at_the_reference(split, tiny_base_dir, reward_m
     trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(total_episodes=16, **split))
     (first,) = trainer.train(progress=False)
     assert abs(first["objective/kl"]) <= 1e-6, first["objective/kl"]
+
+
+def test_the_estimator_names_are_one_table():
+    """ppo.advantage's names (params) and the functions the trainer calls (ppo/advantages.py) agree:
+    gae plus one function for each critic-free name, and nothing else."""
+    assert set(CRITIC_FREE_ESTIMATORS) == set(CRITIC_FREE)
+    assert set(ADVANTAGE_ESTIMATORS) == {"gae", *CRITIC_FREE_ESTIMATORS}
+    with pytest.raises(ValueError, match=r"expected one of \['gae', 'rloo', 'grpo'\]"):
+        advantages.estimate("ppo", torch.zeros(2, 3), None, torch.ones(2, 3), 1.0, 0.95, 2)
+
+
+def test_snapshot_names_are_written_and_read_by_one_rule(tmp_path):
+    """The checkpointer names each snapshot with snapshot_name; the evaluation reads the update back
+    with snapshot_update, and the snapshot glob finds it."""
+    assert snapshot_name(7) == "update_00007.safetensors" and snapshot_update(snapshot_name(123456)) == 123456
+    assert snapshot_update(tmp_path / snapshot_name(12)) == 12
+    assert Path(snapshot_name(3)).match(checkpoint_module.SNAPSHOT_GLOB)

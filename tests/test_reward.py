@@ -11,18 +11,11 @@ import torch
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
 from rlhf_pipeline.models import freeze_lower_layers, load_tokenizer
 from rlhf_pipeline.params.reward import RewardTrainParams
-from rlhf_pipeline.reward import (
-    Labels,
-    RewardModel,
-    best_of_n_accuracy,
-    best_of_n_loss,
-    fit_normalization,
-    init_reward_head,
-    masked_mean_hidden,
-    packed_best_of_n_mask,
-    score_query_responses,
-    train_reward_model,
-)
+from rlhf_pipeline.reward.adoption import adopt_sequence_classifier, reward_model_on_base
+from rlhf_pipeline.reward.model import init_reward_head, masked_mean_hidden, packed_best_of_n_mask
+from rlhf_pipeline.reward.normalization import fit_normalization, score_query_responses
+from rlhf_pipeline.reward.persistence import load_reward_model, reward_offset, save_reward_model, stock_classifier
+from rlhf_pipeline.reward.training import Labels, best_of_n_accuracy, best_of_n_loss, train_reward_model
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +24,7 @@ def pad(tiny_base_dir):
 
 
 def make_rm(tiny_base_dir, pad, pooling="last", seed=0):
-    return RewardModel.from_base(
+    return reward_model_on_base(
         tiny_base_dir, pad, generator=torch.Generator().manual_seed(seed), pooling=pooling
     ).eval()
 
@@ -137,8 +130,8 @@ def test_constant_scores_cannot_be_normalised(tiny_base_dir, pad):
 def test_save_and_load_round_trip(tiny_base_dir, pad, tmp_path):
     rm = make_rm(tiny_base_dir, pad, "mean")
     fit_normalization(rm, torch.tensor([0.0, 1.0, 4.0]), 0.5, 2.0)
-    rm.save(tmp_path)
-    loaded = RewardModel.load(tmp_path)
+    save_reward_model(rm, tmp_path)
+    loaded = load_reward_model(tmp_path)
     assert loaded.pooling == "mean"
     queries, samples = batch(pad)
     torch.testing.assert_close(loaded.score_best_of_n(queries, samples), rm.score_best_of_n(queries, samples))
@@ -147,14 +140,14 @@ def test_save_and_load_round_trip(tiny_base_dir, pad, tmp_path):
 def test_last_pooling_saves_a_stock_sequence_classifier_that_scores_like_the_project(tiny_base_dir, pad, tmp_path):
     """`AutoModelForSequenceClassification` loads models saved with last pooling; its logit is the
     normalised score (gain folded into score.weight) minus config.reward_offset, on unpadded and
-    right-padded rows, and `RewardModel.load` reads the same folder back."""
+    right-padded rows, and `load_reward_model` reads the same folder back."""
     from transformers import AutoModelForSequenceClassification
 
     rm = make_rm(tiny_base_dir, pad)
     with torch.no_grad():
         rm.head.bias.fill_(0.3)  # a non-zero head bias too: both constants go into the offset
     fit_normalization(rm, torch.tensor([0.0, 1.0, 4.0]), 0.5, 2.0)
-    rm.save(tmp_path)
+    save_reward_model(rm, tmp_path)
     stock = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
     assert type(stock).__name__ == "LlamaForSequenceClassification" and stock.config.num_labels == 1
     g = torch.Generator().manual_seed(1)
@@ -164,9 +157,9 @@ def test_last_pooling_saves_a_stock_sequence_classifier_that_scores_like_the_pro
     with torch.no_grad():
         ours = rm(rows)
         logits = stock(input_ids=rows, attention_mask=(rows != pad).long()).logits[:, 0]
-    assert stock.config.reward_offset == pytest.approx(rm.offset()) and abs(rm.offset()) > 0.1
+    assert stock.config.reward_offset == pytest.approx(reward_offset(rm)) and abs(reward_offset(rm)) > 0.1
     torch.testing.assert_close(logits + stock.config.reward_offset, ours, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(RewardModel.load(tmp_path)(rows), ours)
+    torch.testing.assert_close(load_reward_model(tmp_path)(rows), ours)
 
 
 def test_mean_pooling_cannot_be_loaded_as_a_stock_classifier(tiny_base_dir, pad, tmp_path):
@@ -174,24 +167,27 @@ def test_mean_pooling_cannot_be_loaded_as_a_stock_classifier(tiny_base_dir, pad,
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     rm = make_rm(tiny_base_dir, pad, "mean")
-    rm.save(tmp_path)
+    save_reward_model(rm, tmp_path)
     for stock in (AutoModelForSequenceClassification, AutoModel):
-        with pytest.raises(ValueError, match=r"RewardModel\.load"):  # the message names the loader to use
+        with pytest.raises(ValueError) as refusal:
             stock.from_pretrained(tmp_path)
+        message = str(refusal.value)  # names the loader to use, before transformers' advice to upgrade
+        loader = message.find("no transformers version loads it; use rlhf_pipeline.reward.persistence.load_reward")
+        assert 0 <= loader < message.find("upgrade"), message
     with pytest.raises(ValueError, match="no stock Hugging Face class"):
-        rm.as_sequence_classifier()
+        stock_classifier(rm)
 
 
 @pytest.mark.parametrize("pooling", ["mean", "last"])
 def test_text_in_score_out_from_the_saved_folder(tiny_base_dir, pad, tmp_path, pooling):
-    """RewardModel.load(dir).score(queries, responses), the card's snippet: texts tokenized without
+    """load_reward_model(dir).score(queries, responses), the card's snippet: texts tokenized without
     special tokens, queries left-padded, responses right-padded, scores equal to the token-id scorer."""
     rm = make_rm(tiny_base_dir, pad, pooling)
     fit_normalization(rm, torch.tensor([0.0, 1.0, 4.0]), 0.5, 2.0)
-    rm.save(tmp_path)
+    save_reward_model(rm, tmp_path)
     tokenizer = load_tokenizer(tiny_base_dir)
     tokenizer.save_pretrained(tmp_path)  # as the train_reward stage does
-    loaded = RewardModel.load(tmp_path)
+    loaded = load_reward_model(tmp_path)
     queries, responses = ["the film", "a long and winding query"], [" was fine.", " ok"]
     scores = loaded.score(queries, responses)
     assert isinstance(scores, list) and len(scores) == 2
@@ -199,7 +195,7 @@ def test_text_in_score_out_from_the_saved_folder(tiny_base_dir, pad, tmp_path, p
         q = torch.tensor([tokenizer(query, add_special_tokens=False)["input_ids"]])
         r = torch.tensor([[tokenizer(response, add_special_tokens=False)["input_ids"]]])
         assert score == pytest.approx(rm.score_best_of_n(q, r)[0, 0].item(), abs=1e-5)  # padding changes nothing
-    with pytest.raises(PipelineError, match=r"needs a tokenizer: load the model with RewardModel\.load"):
+    with pytest.raises(PipelineError, match=r"needs a tokenizer: load the model with \S+\.load_reward_model"):
         rm.score(queries, responses)
 
 
@@ -310,7 +306,7 @@ def test_a_non_finite_gradient_stops_before_the_step(tiny_base_dir, pad):
 def save_stock_reward_model(rm, tokenizer, directory, drop_rows: int = 0):
     """What a user brings: a one-label AutoModelForSequenceClassification folder with its tokenizer
     (``drop_rows``: its embeddings lack the pipeline's last added tokens, e.g. the dedicated pad)."""
-    stock = rm.as_sequence_classifier()
+    stock = stock_classifier(rm)
     if drop_rows:
         stock.resize_token_embeddings(stock.config.vocab_size - drop_rows)
         stock.config.pad_token_id = 0  # its own pad is one of the tokens it still has
@@ -326,7 +322,7 @@ def test_an_existing_sequence_classifier_is_adopted_with_its_scores(
     rm = make_rm(tiny_base_dir, pad, seed=3)
     fit_normalization(rm, torch.tensor([0.0, 1.0, 4.0]), 0.5, 2.0)
     source = save_stock_reward_model(rm, tiny_tokenizer, Path("data/models/external"), drop_rows=1)
-    adopted = RewardModel.from_sequence_classifier(str(source), tiny_tokenizer).eval()
+    adopted = adopt_sequence_classifier(str(source), tiny_tokenizer).eval()
     assert adopted.pooling == "last" and adopted.backbone.get_input_embeddings().num_embeddings == len(tiny_tokenizer)
     queries, samples = batch(pad)  # left-padded queries, a right-padded sample: pads are never attended
     torch.testing.assert_close(adopted.score_best_of_n(queries, samples), rm.score_best_of_n(queries, samples))
@@ -342,24 +338,24 @@ def test_a_sequence_classifier_that_cannot_be_a_reward_model_is_refused(
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(PipelineError, match=r"reward.pretrained \('missing/dir'\) could not be loaded"):
-        RewardModel.from_sequence_classifier("missing/dir", tiny_tokenizer)
+        adopt_sequence_classifier("missing/dir", tiny_tokenizer)
     # a folder DVC does not track for train_reward: changing it would not rerun the stage
     outside = save_stock_reward_model(make_rm(tiny_base_dir, pad), tiny_tokenizer, Path("elsewhere"))
     with pytest.raises(
         ParamsError, match="reward.pretrained: the local model folder elsewhere is outside data/models/"
     ):
-        RewardModel.from_sequence_classifier(str(outside), tiny_tokenizer)
+        adopt_sequence_classifier(str(outside), tiny_tokenizer)
     source = save_stock_reward_model(make_rm(tiny_base_dir, pad), tiny_tokenizer, Path("data/models/two"))
     two = AutoModelForSequenceClassification.from_pretrained(source, num_labels=2, ignore_mismatched_sizes=True)
     two.save_pretrained(source)
     with pytest.raises(PipelineError, match="has 2 labels; a reward model has one"):
-        RewardModel.from_sequence_classifier(str(source), tiny_tokenizer)
+        adopt_sequence_classifier(str(source), tiny_tokenizer)
     bpe = ByteLevelBPETokenizer()  # the same byte alphabet, merges learned from other text: other ids
     bpe.train_from_iterator(["zebra quartz jumps"] * 20, vocab_size=300, special_tokens=["<|endoftext|>"])
     other = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, pad_token="<|endoftext|>")
     source = save_stock_reward_model(make_rm(tiny_base_dir, pad), other, Path("data/models/other"))
     with pytest.raises(PipelineError, match="uses a different tokenizer from the base model"):
-        RewardModel.from_sequence_classifier(str(source), tiny_tokenizer)
+        adopt_sequence_classifier(str(source), tiny_tokenizer)
 
 
 def test_train_reward_stage_adopts_reward_pretrained_instead_of_training(project, tiny_base_dir, tiny_tokenizer, pad):
@@ -374,8 +370,8 @@ def test_train_reward_stage_adopts_reward_pretrained_instead_of_training(project
         assert run_stage_script(stage) == 0, stage
     metrics = read_json(project / "metrics" / "reward_train.json")
     assert metrics["train/steps"] == 0 and metrics["trainable_parameters"] == 0 and "train/final_loss" not in metrics
-    adopted = RewardModel.load(project / "models" / "reward_unnormalized")
-    external = RewardModel.from_sequence_classifier(str(source), tiny_tokenizer).eval()
+    adopted = load_reward_model(project / "models" / "reward_unnormalized")
+    external = adopt_sequence_classifier(str(source), tiny_tokenizer).eval()
     queries, samples = batch(pad)
     torch.testing.assert_close(adopted.score_best_of_n(queries, samples), external.score_best_of_n(queries, samples))
     card = read_card(project / "models" / "reward_unnormalized")

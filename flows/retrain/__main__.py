@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     error = state.result(raise_on_failure=False)
     print(f"retrain failed: {error if isinstance(error, BaseException) else state.message}", file=sys.stderr)
-    return getattr(error, "exit_code", 1)
+    return getattr(error, "exit_code", PipelineError.exit_code)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from rlhf_pipeline.errors import (
     EXIT_CODE_MEANINGS,
     NOT_RETRIED_EXIT_CODES,
     MissingPackageError,
+    ParamsError,
+    PipelineError,
     StorageError,
     storage_failure,
 )
@@ -35,7 +37,7 @@ _MISSING_MODULE = re.compile(r"^(ModuleNotFoundError|ImportError): ", re.MULTILI
 class RetrainError(Exception):
     """A retrain run failed for a reason the user can act on; ``exit_code`` is the CLI's."""
 
-    def __init__(self, message: str, exit_code: int = 1):
+    def __init__(self, message: str, exit_code: int = PipelineError.exit_code):
         super().__init__(message)
         self.exit_code = exit_code
 
@@ -46,12 +48,15 @@ def open_repo(root: Path):
 
     if not (root / "dvc.yaml").is_file():
         raise RetrainError(
-            f"{root / 'dvc.yaml'} not found: --repo must point at a DVC project (the folder holding dvc.yaml)", 2
+            f"{root / 'dvc.yaml'} not found: --repo must point at a DVC project (the folder holding dvc.yaml)",
+            ParamsError.exit_code,
         )
     try:
         return Repo(str(root))
     except NotDvcRepoError as error:
-        raise RetrainError(f"{root} is not a DVC repository ({error}): run `dvc init` there first", 2) from None
+        raise RetrainError(
+            f"{root} is not a DVC repository ({error}): run `dvc init` there first", ParamsError.exit_code
+        ) from None
 
 
 def keep_lock_copy(root: Path) -> bool:
@@ -102,7 +107,7 @@ def recover_unreadable_lock(root: Path, logger) -> None:
             f"{root / LOCK_FILE} cannot be read by DVC ({problem}), and the flow holds no earlier copy of it "
             f"({copy}). Restore the last committed one with `git checkout -- {LOCK_FILE}`, then run the flow (or "
             "`dvc repro`) again: stages recorded since that commit rerun or come back from DVC's run cache.",
-            2,
+            ParamsError.exit_code,
         )
     shutil.copyfile(copy, root / LOCK_FILE)
     logger.warning(
@@ -160,7 +165,7 @@ def stage_order(repo: str | Path) -> list[str]:
     with open_repo(Path(repo).resolve()) as dvc_repo:
         stages = [s for s in dvc_repo.index.stages if not s.is_data_source]
         if not stages:
-            raise RetrainError(f"{Path(repo) / 'dvc.yaml'} defines no stages", 2)
+            raise RetrainError(f"{Path(repo) / 'dvc.yaml'} defines no stages", ParamsError.exit_code)
         position = {stage: index for index, stage in enumerate(stages)}
         # edges point from a stage to the stages it depends on: reversed, a dependency comes first
         graph = dvc_repo.index.graph.reverse().subgraph(stages)
@@ -358,7 +363,7 @@ def stage_exit_code(result: CommandResult) -> int:
     if not found and storage_failure(RuntimeError(text)):
         return StorageError.exit_code  # DVC's own writes (cache, checkout, dvc.lock) failed for storage
     code = int(found[-1]) if found else 1
-    return MissingPackageError.exit_code if code == 1 and _MISSING_MODULE.search(text) else code
+    return MissingPackageError.exit_code if code == PipelineError.exit_code and _MISSING_MODULE.search(text) else code
 
 
 def stage_failure_message(stage: str, code: int, output: str, attempts: int | None = None) -> str:

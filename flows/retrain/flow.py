@@ -43,8 +43,11 @@ from flows.retrain.report import publish_summary
 from rlhf_pipeline.errors import (
     EXIT_CODE_MEANINGS,
     NOT_RETRIED_EXIT_CODES,
+    BusyError,
     DamagedArtifactError,
+    DataContractError,
     ParamsError,
+    PipelineError,
     StorageError,
 )
 from rlhf_pipeline.lineage.verify import RESTORE_ADVICE, stage_input_problems, stage_output_problems, verify_paths
@@ -64,7 +67,7 @@ LOCK_RELATIVE_PATH = Path(".dvc") / "tmp" / "retrain.lock"
 class StageFailed(RetrainError):
     """A ``dvc repro`` of one stage failed; ``exit_code`` is the stage command's exit status."""
 
-    def __init__(self, message: str, exit_code: int = 1, stage: str = ""):
+    def __init__(self, message: str, exit_code: int = PipelineError.exit_code, stage: str = ""):
         super().__init__(message, exit_code)
         self.stage = stage
 
@@ -104,8 +107,8 @@ def _newest_preference_file(incoming: Path) -> Path:
         candidates = [p for p in incoming.iterdir() if p.is_file() and p.suffix in PREFERENCE_SUFFIXES]
         if candidates:
             return max(candidates, key=lambda p: (p.stat().st_mtime, p.name))
-        raise RetrainError(f"no .jsonl or .parquet preference file in {incoming}", 2)
-    raise RetrainError(f"incoming preference path {incoming} does not exist", 2)
+        raise RetrainError(f"no .jsonl or .parquet preference file in {incoming}", ParamsError.exit_code)
+    raise RetrainError(f"incoming preference path {incoming} does not exist", ParamsError.exit_code)
 
 
 def refuse_retry_on_contract_errors(task, task_run, state) -> bool:
@@ -116,7 +119,7 @@ def refuse_retry_on_contract_errors(task, task_run, state) -> bool:
             error = state.result(raise_on_failure=False)
         except Exception:  # noqa: BLE001 - unknown failure: retry it
             return True
-    return getattr(error, "exit_code", 1) not in NOT_RETRIED_EXIT_CODES
+    return getattr(error, "exit_code", PipelineError.exit_code) not in NOT_RETRIED_EXIT_CODES
 
 
 @task(
@@ -230,12 +233,12 @@ def ingest_preferences(repo: str, incoming: str, target: str, validate_command: 
     source = _newest_preference_file(Path(incoming).expanduser().resolve())
     destination = (root / target).resolve()
     if root not in destination.parents:
-        raise RetrainError(f"preferences_target {target} is outside the repository {root}", 2)
+        raise RetrainError(f"preferences_target {target} is outside the repository {root}", ParamsError.exit_code)
     if source.suffix != destination.suffix:
         raise RetrainError(
             f"incoming preference file {source} is {source.suffix} but preferences_target {target} is "
             f"{destination.suffix}: pass a preferences_target with the same extension",
-            2,
+            ParamsError.exit_code,
         )
     destination.parent.mkdir(parents=True, exist_ok=True)
     # the private copy keeps the suffix (the validator reads the format from it) and sits beside the
@@ -254,7 +257,9 @@ def ingest_preferences(repo: str, incoming: str, target: str, validate_command: 
             raise InvalidPreferences(
                 f"incoming preference file {source} failed validation (exit {check.returncode}); "
                 f"nothing was replaced.\n{summary.replace(str(private), str(source))}",
-                exit_code=3 if check.returncode == 3 else 1,
+                exit_code=DataContractError.exit_code
+                if check.returncode == DataContractError.exit_code
+                else PipelineError.exit_code,
             )
         unchanged = destination.is_file() and filecmp.cmp(private, destination, shallow=False)
         if not unchanged:
@@ -365,7 +370,7 @@ def retrain(
         raise RetrainLocked(
             f"another retrain run holds {lock_path} (waited {lock_timeout:g}s); nothing was changed. "
             "If no run is active the lock is stale only if its process died: the OS releases it then.",
-            exit_code=75,
+            exit_code=BusyError.exit_code,
         ) from None
     report: dict[str, Any] = {"status": "running", "repo": str(root), "stages": [], "ingested": None}
     try:

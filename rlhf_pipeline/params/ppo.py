@@ -2,19 +2,53 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
 from rlhf_pipeline.params import MAX_BATCH, MAX_ROWS, MAX_SMALL, Strict, refuse
 
+# Where each reference value comes from, pinned to a commit: OpenAI's code (its launch.py sets the
+# sentiment task's values over train_policy.py's defaults) and lm-human-preference-details' PyTorch port.
+OAI = "https://github.com/openai/lm-human-preferences/blob/cbfd210bb8b08f6bc5c26878c10984b90f516c66"
+OAI_POLICY, OAI_LAUNCH = f"{OAI}/lm_human_preferences/train_policy.py", f"{OAI}/launch.py"
+DETAILS = (
+    "https://github.com/vwxyzjn/lm-human-preference-details/blob/ccc19538e817e98a60d3253242ac15e2a562cb49/"
+    "lm_human_preference_details/train_policy_accelerate.py"
+)
+
 
 class KLParams(Strict):
-    adaptive: bool = True
-    init_coef: float = Field(0.15, ge=0.0)
-    target: float = Field(6.0, gt=0.0)
-    horizon: int = Field(10000, gt=0, le=MAX_ROWS)
-    estimator: Literal["k1", "k3"] = "k1"
+    """The KL penalty ``-beta * (log pi - log rho)`` on each response token, and how beta adapts."""
+
+    adaptive: bool = Field(
+        True,
+        description=f"Adapt the coefficient towards kl.target (reference: on, {OAI_LAUNCH}#L130); false: a "
+        "fixed coefficient init_coef.",
+    )
+    init_coef: float = Field(
+        0.15,
+        ge=0.0,
+        description=f"The KL coefficient beta at the start (reference 0.15: {OAI_LAUNCH}#L129, {DETAILS}#L41).",
+    )
+    target: float = Field(
+        6.0,
+        gt=0.0,
+        description="The per-response KL (nats) the adaptive controller steers to (reference 6.0: "
+        f"{OAI_LAUNCH}#L131, {DETAILS}#L35).",
+    )
+    horizon: int = Field(
+        10000,
+        gt=0,
+        le=MAX_ROWS,
+        description="Episodes over which the adaptive controller closes its (clipped at +-20%) proportional error "
+        f"(reference 10000: {OAI_POLICY}#L28, the controller at #L115-L125).",
+    )
+    estimator: Literal["k1", "k3"] = Field(
+        "k1",
+        description=f"Per-token KL estimator: k1 = log pi - log rho, the reference ({OAI_POLICY}#L150, "
+        f"{DETAILS}#L630); k3 = (r - 1) - log r with r = rho / pi, unbiased and never negative (Schulman 2020).",
+    )
 
 
 class LoraParams(Strict):
@@ -37,13 +71,23 @@ class LoraParams(Strict):
     )
 
 
-ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo")
+# The one table of estimator names: ppo.advantage takes these; rlhf_pipeline.ppo.advantages holds one
+# function per name (tests/test_ppo.py checks that the two agree).
+AdvantageEstimator = Literal["gae", "rloo", "grpo"]
+ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)
 CRITIC_FREE = ("rloo", "grpo")  # estimators that learn no value function
 
 
 class PPOParams(Strict):
+    """PPO on the policy against the normalised reward model: each field's default is the reference
+    value (lm-human-preferences' sentiment run) where the reference has one, with the line it follows."""
+
     total_episodes: int = Field(
-        1_000_000, gt=0, le=MAX_ROWS, description="Episodes over the whole run, all processes together."
+        1_000_000,
+        gt=0,
+        le=MAX_ROWS,
+        description="Episodes over the whole run, all processes together (reference 1,000,000: "
+        f"{OAI_LAUNCH}#L123, {DETAILS}#L49).",
     )
     batch_size: int = Field(
         512,
@@ -51,41 +95,88 @@ class PPOParams(Strict):
         le=MAX_BATCH,
         description="Episodes per rollout/update over all processes (global, as in lm-human-preference-details): "
         "with N processes each samples and scores a contiguous batch_size/N, and the rollout is gathered, so "
-        "advantages, whitening and the KL controller see the whole batch and every step equals the one-process step.",
+        "advantages, whitening and the KL controller see the whole batch and every step equals the one-process step "
+        f"(reference 512: {OAI_LAUNCH}#L124).",
     )
     nminibatches: int = Field(
         1,
         gt=0,
         le=MAX_BATCH,
-        description="Optimizer steps per PPO epoch; each minibatch (batch_size/nminibatches) is global too.",
+        description="Optimizer steps per PPO epoch; each minibatch (batch_size/nminibatches) is global too "
+        f"(reference 1: {OAI_POLICY}#L50, {DETAILS}#L62).",
     )
     microbatch_size: int = Field(
         512,
         gt=0,
         le=MAX_BATCH,
         description="Episodes per forward/backward on one process (gradient accumulation); memory, not maths. "
-        "With N processes it must divide batch_size/nminibatches/N.",
+        "With N processes it must divide batch_size/nminibatches/N (reference: no accumulation, "
+        f"{DETAILS}#L54).",
     )
-    ppo_epochs: int = Field(4, gt=0, le=MAX_SMALL)
-    lr: float = Field(1.0e-5, gt=0.0)
-    anneal_lr: bool = True
-    adam_eps: float = Field(1.0e-5, gt=0.0)
+    ppo_epochs: int = Field(
+        4,
+        gt=0,
+        le=MAX_SMALL,
+        description=f"Passes over each rollout (reference 4, noptepochs: {OAI_POLICY}#L51, {DETAILS}#L63).",
+    )
+    lr: float = Field(
+        1.0e-5, gt=0.0, description=f"Adam's learning rate (reference 1e-5: {OAI_LAUNCH}#L122, {DETAILS}#L64)."
+    )
+    anneal_lr: bool = Field(
+        True,
+        description="Anneal the learning rate linearly to 0 over the updates (reference: on, "
+        f"{OAI_POLICY}#L172-L173, {DETAILS}#L555-L557).",
+    )
+    adam_eps: float = Field(1.0e-5, gt=0.0, description=f"Adam's epsilon (reference 1e-5: {DETAILS}#L65).")
     tensorflow_adam: bool = Field(
         True,
         description="Adam with epsilon added to sqrt(v) before bias correction (TensorFlow, OAI); false: "
-        "torch.optim.Adam.",
+        f"torch.optim.Adam (reference: on, {DETAILS}#L122).",
     )
-    max_grad_norm: float | None = Field(None, gt=0.0)
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    lam: float = Field(0.95, ge=0.0, le=1.0)
-    cliprange: float = Field(0.2, gt=0.0)
-    cliprange_value: float = Field(0.2, gt=0.0)
-    vf_coef: float = Field(0.1, ge=0.0)
-    entropy_coef: float = Field(0.0, ge=0.0)
-    whiten_rewards: bool = True
-    advantage: Literal["gae", "rloo", "grpo"] = Field(
+    max_grad_norm: float | None = Field(
+        None,
+        gt=0.0,
+        description="Clip the gradient's global norm to this; null: no clipping (the reference clips nothing, "
+        f"{OAI_POLICY}#L177).",
+    )
+    gamma: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description=f"Discount of GAE (reference 1: {OAI_POLICY}#L56, {DETAILS}#L69).",
+    )
+    lam: float = Field(
+        0.95,
+        ge=0.0,
+        le=1.0,
+        description=f"GAE's lambda (reference 0.95: {OAI_POLICY}#L57, {DETAILS}#L70).",
+    )
+    cliprange: float = Field(
+        0.2, gt=0.0, description=f"PPO's ratio clip epsilon (reference 0.2: {OAI_POLICY}#L54, {DETAILS}#L67)."
+    )
+    cliprange_value: float = Field(
+        0.2,
+        gt=0.0,
+        description="Clip of the value prediction around the rollout's value "
+        f"(reference 0.2: {OAI_POLICY}#L55, {DETAILS}#L68).",
+    )
+    vf_coef: float = Field(
+        0.1, ge=0.0, description=f"Weight of the value loss (reference 0.1: {OAI_POLICY}#L53, {DETAILS}#L66)."
+    )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description=f"Weight of an entropy bonus; 0: none (the reference only logs the entropy, {OAI_POLICY}#L359).",
+    )
+    whiten_rewards: bool = Field(
+        True,
+        description="Whiten the rewards (no mean shift) before GAE (reference: on, "
+        f"{OAI_POLICY}#L58 and #L324-L325, {DETAILS}#L71).",
+    )
+    advantage: AdvantageEstimator = Field(
         "gae",
-        description="Advantage estimator: gae (a value head and GAE, the reference); rloo (each response's return "
+        description="Advantage estimator: gae (a value head and GAE, the reference: "
+        f"{OAI_POLICY}#L327-L338); rloo (each response's return "
         "minus the mean return of the other samples of its query) or grpo (the return standardised within its "
         "query's samples): critic-free, no value head, no value loss; both need samples_per_query >= 2.",
     )
@@ -93,8 +184,8 @@ class PPOParams(Strict):
         1,
         gt=0,
         le=MAX_SMALL,
-        description="Responses sampled per query in a rollout (sharing one prefill); batch_size counts responses, "
-        "so an update sees batch_size / samples_per_query queries. Reference: 1.",
+        description="Responses sampled per query in a rollout (sharing one prefill), the group size of rloo and "
+        "grpo; batch_size counts responses, so an update sees batch_size / samples_per_query queries. Reference: 1.",
     )
     lora: LoraParams | None = Field(None, description="null: full fine-tune (the reference); else a LoRA adapter.")
     seed: int | None = Field(
@@ -104,24 +195,35 @@ class PPOParams(Strict):
         description="PPO's own random streams (episode order, sampling, minibatches); null: the root seed. Another "
         "value reruns PPO alone, on the same reward model and evaluation queries.",
     )
-    kl: KLParams = KLParams()
+    kl: KLParams = Field(KLParams(), description="The KL penalty and its controller.")
     score_source: Literal["reward_model", "gold"] = Field(
         "reward_model",
-        description="What scores a response: the trained reward model, or (an ablation, as Gao et al. 2022 do "
-        "with their gold model) the simulated labeler's own score, standardised on the labelled base-model samples: "
-        "what PPO "
-        "reaches with a perfect reward on this budget. 'gold' needs data.preferences.source: simulated.",
+        description="What scores a response: the trained reward model (the reference), or (an ablation, as Gao et "
+        "al. 2022 do with their gold model) the simulated labeler's own score, standardised on the labelled "
+        "base-model samples: what PPO reaches with a perfect reward on this budget. 'gold' needs "
+        "data.preferences.source: simulated.",
     )
     value_model: Literal["shared", "separate"] = Field(
         "shared",
-        description="shared: zero-init scalar head on the policy backbone (reference); "
-        "separate: a value model initialised from the reward model (TRL style).",
+        description="shared: zero-init scalar head on the policy backbone (the reference: "
+        f"{DETAILS}#L318); separate: a value model initialised from the reward model (TRL style).",
     )
     freeze_layers: int = Field(
-        0, ge=0, le=MAX_SMALL, description="Freeze embeddings and the lowest K blocks of the policy."
+        0,
+        ge=0,
+        le=MAX_SMALL,
+        description="Freeze embeddings and the lowest K blocks of the policy (reference 0: all trained).",
     )
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout in the policy while training (reference 0: OAI's policy runs without dropout, "
+        f"{OAI}/lm_human_preferences/policy.py#L48).",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: CUDA (bf16 autocast, TF32) when a GPU is visible, else the CPU in fp32."
+    )
     offload_frozen: bool = Field(False, description="Keep reference/reward models on CPU between uses.")
     checkpoint_every: int = Field(10, gt=0, le=MAX_ROWS, description="Updates between checkpoints.")
     deterministic: bool = Field(True, description="torch deterministic algorithms (bit-identical resume on CPU).")

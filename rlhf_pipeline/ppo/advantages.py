@@ -117,6 +117,10 @@ def grpo(returns: Tensor, samples_per_query: int, eps: float = 1e-4) -> Tensor:
     return (centred / (groups.std(-1, keepdim=True) + eps)).reshape(returns.shape)
 
 
+# ppo.advantage's critic-free names (rlhf_pipeline.params.ppo.CRITIC_FREE), each with its function
+CRITIC_FREE_ESTIMATORS = {"rloo": rloo, "grpo": grpo}
+
+
 def per_token(advantages: Tensor, mask: Tensor) -> Tensor:
     """A response-level advantage ``(B,)`` on each of its tokens that count: ``(B, T)``, 0 elsewhere."""
     zero = torch.zeros((), dtype=advantages.dtype, device=advantages.device)
@@ -136,7 +140,8 @@ def estimate(
     on the value head's estimates, or a critic-free estimator of each response's summed reward."""
     if estimator == "gae":
         return gae(rewards, values, gamma, lam, mask)
-    critic_free = {"rloo": rloo, "grpo": grpo}
-    if estimator not in critic_free:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected gae, rloo or grpo")
-    return per_token(critic_free[estimator](sequence_returns(rewards, mask), samples_per_query), mask), None
+    if estimator not in CRITIC_FREE_ESTIMATORS:
+        expected = ["gae", *CRITIC_FREE_ESTIMATORS]
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {expected}")
+    returns = sequence_returns(rewards, mask)
+    return per_token(CRITIC_FREE_ESTIMATORS[estimator](returns, samples_per_query), mask), None

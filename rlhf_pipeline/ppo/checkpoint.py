@@ -29,7 +29,17 @@ from rlhf_pipeline.io import (
     sha256_file,
 )
 
-SNAPSHOT_GLOB = "update_*.safetensors"
+SNAPSHOT_GLOB = "update_*.safetensors"  # the one naming of snapshots: snapshot_name writes it, snapshot_update reads it
+
+
+def snapshot_name(update: int) -> str:
+    """The file name of the snapshot taken after PPO update ``update``: ``update_00012.safetensors``."""
+    return f"update_{update:05d}.safetensors"
+
+
+def snapshot_update(path: str | Path) -> int:
+    """The PPO update a snapshot file holds, from its name (the inverse of :func:`snapshot_name`)."""
+    return int(Path(path).name.removeprefix("update_").removesuffix(".safetensors"))
 
 
 def rng_state() -> dict:
@@ -146,7 +156,7 @@ class Checkpointer:
             raise NonFiniteError(
                 f"The weights after update {update} are not finite ({', '.join(bad[:3])}...). {self.last_good()}"
             )
-        path = self.snapshots / f"update_{update:05d}.safetensors"
+        path = self.snapshots / snapshot_name(update)
         with atomic_file(path, "wb") as handle:
             handle.write(save_safetensors(snapshot))
         sums_path = self.snapshots / CHECKSUMS

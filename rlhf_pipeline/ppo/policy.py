@@ -17,7 +17,7 @@ from rlhf_pipeline.fit import linear_layer_names, ppo_fit_problems
 from rlhf_pipeline.functional import non_finite_tensors
 from rlhf_pipeline.models import backbone_of, load_causal_lm, model_skeleton, save_tokenizer, transformer_layers
 from rlhf_pipeline.params.ppo import LoraParams, PPOParams
-from rlhf_pipeline.reward import RewardModel
+from rlhf_pipeline.reward.persistence import load_reward_model
 from rlhf_pipeline.sampling import hidden_from, response_outputs
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -148,7 +148,7 @@ def build_policy(
     if cfg.critic_free or cfg.value_model == "shared":
         policy = PolicyWithValue(lm, critic=not cfg.critic_free)
     else:
-        value_init = RewardModel.load(reward_dir, device)
+        value_init = load_reward_model(reward_dir, device)
         policy = PolicyWithValue(lm, value_init.backbone.train(), value_init.head)
     if cfg.lora is not None:
         policy.add_lora(cfg.lora, cfg.freeze_layers)

@@ -6,7 +6,7 @@ The loop in :meth:`PPOTrainer.train` reads top to bottom:
    ``samples_per_query`` responses per query from the current policy; the sampling pass also
    yields the old logprobs and (shared value head) the old values; the reference logprobs come
    from the frozen base model (or, with LoRA, the policy with its adapter off); each response is
-   scored as the task says (:func:`rlhf_pipeline.reward.task_scores`);
+   scored as the task says (:func:`rlhf_pipeline.reward.normalization.task_scores`);
 2. advantages (:meth:`PPOTrainer.advantages`): per-token KL penalty ``-kl_coef * kl``, score at
    the last token, whitened without mean shift; then the estimator ``ppo.advantage`` (GAE on the
    value head, or critic-free RLOO / GRPO); advantages whitened;
@@ -54,7 +54,8 @@ from rlhf_pipeline.ppo.checkpoint import Checkpointer, rng_state, set_rng_state
 from rlhf_pipeline.ppo.kl import AdaptiveKLController, FixedKLController, compute_rewards, kl_penalty
 from rlhf_pipeline.ppo.losses import policy_loss, value_loss
 from rlhf_pipeline.ppo.policy import PolicyWithValue
-from rlhf_pipeline.reward import RewardModel, task_scores
+from rlhf_pipeline.reward.model import RewardModel
+from rlhf_pipeline.reward.normalization import task_scores
 from rlhf_pipeline.sampling import ResponseSampler, response_outputs, supports_trunk_split
 from rlhf_pipeline.training import accumulate_and_step, set_lr
 
@@ -96,35 +97,35 @@ class Advantages:
 def minibatch_indices(
     batch_size: int,
     nminibatches: int,
-    microbatch_size: int,
+    chunk_size: int,
     generator: torch.Generator | None,
 ) -> list[list[Tensor]]:
-    """Index tensors for one PPO epoch: shuffled minibatches, each split into microbatches.
+    """Index tensors for one PPO epoch: shuffled minibatches, each cut into chunks of ``chunk_size``
+    rows (the trainer's chunk is one process's share of the minibatch, which that process then
+    cuts into microbatches of ``ppo.microbatch_size``).
 
     The permutation is ``torch.randperm(batch_size, generator=generator)``; minibatch ``k``
     is its slice ``[k*M, (k+1)*M)`` with ``M = batch_size / nminibatches``, cut into
-    consecutive chunks of ``microbatch_size``.
+    consecutive chunks of ``chunk_size``.
 
     Why: OAI reshuffles the rollout batch every PPO epoch and takes one optimizer step per
-    minibatch; microbatches are gradient-accumulation chunks of a minibatch
-    (lm-human-preference-details), so the update is the same whatever fits in memory.
+    minibatch; the chunks of a minibatch are summed into that one step (processes, then gradient
+    accumulation, as in lm-human-preference-details), so the update is the same whatever fits.
 
     Raises:
-        ValueError: unless ``nminibatches`` divides ``batch_size`` and ``microbatch_size``
-        divides the minibatch size.
+        ValueError: unless ``nminibatches`` divides ``batch_size`` and ``chunk_size`` divides the
+        minibatch size.
     """
-    if batch_size <= 0 or nminibatches <= 0 or microbatch_size <= 0:
+    if batch_size <= 0 or nminibatches <= 0 or chunk_size <= 0:
         raise ValueError("minibatch_indices: sizes must be positive")
     if batch_size % nminibatches:
         raise ValueError(f"minibatch_indices: nminibatches={nminibatches} does not divide batch_size={batch_size}")
     minibatch_size = batch_size // nminibatches
-    if minibatch_size % microbatch_size:
-        raise ValueError(
-            f"minibatch_indices: microbatch_size={microbatch_size} does not divide minibatch size {minibatch_size}"
-        )
+    if minibatch_size % chunk_size:
+        raise ValueError(f"minibatch_indices: chunk_size={chunk_size} does not divide minibatch size {minibatch_size}")
     perm = torch.randperm(batch_size, generator=generator)
     return [
-        [perm[start + m : start + m + microbatch_size] for m in range(0, minibatch_size, microbatch_size)]
+        [perm[start + m : start + m + chunk_size] for m in range(0, minibatch_size, chunk_size)]
         for start in range(0, batch_size, minibatch_size)
     ]
 
@@ -165,7 +166,7 @@ class PPOTrainer:
         self.pad_id, self.query_length = tokenizer.pad_token_id, queries.shape[1]
         self.sampler = ResponseSampler.from_tokenizer(task, tokenizer)
         self.num_updates = cfg.total_episodes // cfg.batch_size
-        self.group = cfg.samples_per_query
+        self.samples_per_query = cfg.samples_per_query
         self._split_over_processes(accelerator)
         self.freeze = cfg.freeze_layers
         for frozen in (ref_model, reward_model):
@@ -212,7 +213,7 @@ class PPOTrainer:
     def batch_queries(self, update: int) -> Tensor:
         """This process's queries of an update: a seeded permutation per pass over the train queries,
         so the data position is a pure function of the update index (exact resume)."""
-        n, wanted = len(self.queries), self.cfg.batch_size // self.group
+        n, wanted = len(self.queries), self.cfg.batch_size // self.samples_per_query
         start = update * wanted
         rows = []
         while len(rows) < wanted:
@@ -272,11 +273,11 @@ class PPOTrainer:
                 queries,
                 generator,
                 value_head=self.policy.value_head if self.policy.critic and self.policy.shared else None,
-                num_samples=self.group,
+                num_samples=self.samples_per_query,
                 capture_layers=(self.freeze,) if self.use_trunk else (),
                 process_share=(self.rank, self.world_size),
             )
-            queries = queries.repeat_interleave(self.group, 0) if self.group > 1 else queries
+            queries = queries.repeat_interleave(self.samples_per_query, 0) if self.samples_per_query > 1 else queries
             query_responses = torch.cat([queries, sampled.responses], 1)
             values = sampled.values
             if self.policy.critic and not self.policy.shared:
@@ -314,7 +315,9 @@ class PPOTrainer:
         )
         if cfg.whiten_rewards:
             rewards = whiten(rewards, mask, shift_mean=False)
-        advantages, returns = estimate(cfg.advantage, rewards, ro.values, mask, cfg.gamma, cfg.lam, self.group)
+        advantages, returns = estimate(
+            cfg.advantage, rewards, ro.values, mask, cfg.gamma, cfg.lam, self.samples_per_query
+        )
         return Advantages(rewards=rewards, non_score=non_score, advantages=whiten(advantages, mask), returns=returns)
 
     # ---- 3: the loss ------------------------------------------------------------------------
@@ -517,3 +520,27 @@ class PPOTrainer:
                 self.save_checkpoint(done)
         bar.close()
         return self.history
+
+
+def history_summary(history: list[dict], with_gold: bool) -> dict:
+    """The run's metrics from its per-update records: the score (and gold, ``with_gold``) averaged
+    over the first and the last quarter of the updates, the KL over the last quarter, and the final
+    KL coefficient. Quarters, not single updates: one update's batch mean is noisy."""
+    quarter = max(1, len(history) // 4)
+    first, last = history[:quarter], history[-quarter:]
+
+    def mean(rows: list[dict], key: str) -> float:
+        return sum(r[key] for r in rows) / len(rows)
+
+    metrics = {
+        "updates": len(history),
+        "episodes": history[-1]["episodes"],
+        "score/first_quarter": mean(first, "objective/score"),
+        "score/last_quarter": mean(last, "objective/score"),
+        "kl/last_quarter": mean(last, "objective/kl"),
+        "kl_coef/final": history[-1]["objective/kl_coef"],
+    }
+    if with_gold:
+        metrics["gold/first_quarter"] = mean(first, "objective/gold")
+        metrics["gold/last_quarter"] = mean(last, "objective/gold")
+    return metrics
