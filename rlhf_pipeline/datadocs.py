@@ -12,6 +12,7 @@ numbered instead).
 from __future__ import annotations
 
 import html
+import json
 import re
 from pathlib import Path
 
@@ -50,14 +51,21 @@ def static_page(page: str) -> str:
     return page.replace("</head>", f"{STYLE}\n</head>", 1)
 
 
-def render_result(result: dict) -> str:
-    """GX's Data Docs page of one validation result (its JSON dict), made static."""
+def render_result(result: dict, heading: str = "") -> str:
+    """GX's Data Docs page of one validation result (its JSON dict), made static, with ``heading``
+    (what was validated: the file and the split) first on the page."""
     from great_expectations.core.expectation_validation_result import ExpectationSuiteValidationResultSchema
     from great_expectations.render.renderer import ValidationResultsPageRenderer
     from great_expectations.render.view import DefaultJinjaPageView
 
-    loaded = ExpectationSuiteValidationResultSchema().load(result)
-    return static_page(DefaultJinjaPageView().render(ValidationResultsPageRenderer().render(loaded)))
+    # Plain JSON values: an observed value GX computed with pandas is a numpy float, whose repr
+    # ("np.float64(0.26)") GX's number formatter cannot parse: it logs a traceback and shows "--".
+    plain = json.loads(json.dumps(result))
+    loaded = ExpectationSuiteValidationResultSchema().load(plain)
+    page = static_page(DefaultJinjaPageView().render(ValidationResultsPageRenderer().render(loaded)))
+    if heading:
+        page = re.sub(r"(<body\b[^>]*>)", lambda m: f"{m[1]}\n<h1>{html.escape(heading)}</h1>", page, count=1)
+    return page
 
 
 def write_data_docs(results: dict[str, dict], directory: str | Path, title: str) -> Path:
@@ -66,7 +74,7 @@ def write_data_docs(results: dict[str, dict], directory: str | Path, title: str)
     rows = []
     with atomic_dir(directory) as tmp:
         for name, result in results.items():
-            (tmp / f"{name}.html").write_text(render_result(result), encoding="utf-8")
+            (tmp / f"{name}.html").write_text(render_result(result, f"{title}, split {name}"), encoding="utf-8")
             stats = result.get("statistics", {})
             verdict = "passed" if result.get("success") else "FAILED"
             rows.append(

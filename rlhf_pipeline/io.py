@@ -51,6 +51,7 @@ def atomic_dir(target: str | os.PathLike, checksums: bool = False) -> Iterator[P
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; outputs are meant to be shared
             yield tmp
+            share_modes(tmp)
             if checksums:
                 write_checksums(tmp)
             old = target.parent / f".{target.name}.old-{os.getpid()}"
@@ -61,6 +62,15 @@ def atomic_dir(target: str | os.PathLike, checksums: bool = False) -> Iterator[P
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         shutil.rmtree(old, ignore_errors=True)
+
+
+def share_modes(directory: Path) -> None:
+    """Make everything under ``directory`` readable by all: files 0644, folders 0755. Some writers
+    (safetensors among them) create their files 0600, and an output is read by others: a colleague
+    on a shared cache, a server, a container running as another user."""
+    for path in directory.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
 @contextlib.contextmanager

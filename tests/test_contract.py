@@ -190,7 +190,12 @@ def test_validate_preferences_stage(project, capsys):
     summary = read_json(project / "data" / "validation" / "summary.json")
     assert summary["success"] is True and summary["rows"] == 40 and summary["failures"] == []
     assert set(read_json(project / "data" / "validation" / "result.json")) == {"train", "test"}
-    assert "ok:" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "ok:" in captured.out
+    # GX renders every observed value (pandas gives numpy floats, which its formatter chokes on)
+    assert "Traceback" not in captured.out + captured.err and "num_to_str" not in captured.out + captured.err
+    page = (project / "data" / "validation_docs" / "train.html").read_text()
+    assert "<h1>data/preferences: preference-data contract, split train</h1>" in page
 
     rows = pairwise_rows(40)
     rows[1]["rejected"] = rows[1]["chosen"]
@@ -237,6 +242,19 @@ def test_data_docs_are_gx_pages_readable_offline(tmp_path, capsys, chromium):
             assert report.failed == [] and report.errors == []
             assert ("FAILED" if name == "index.html" else "Unsuccessful Expectations") in report.result["text"]
             assert name == "index.html" or "✘" in report.result["text"]
+
+
+def test_data_docs_show_the_label_share_and_log_no_traceback(tmp_path, capsys, caplog):
+    """The label share GX observes is a numpy float, which GX's own number formatter cannot parse
+    (it logged two tracebacks per run and showed "--"): the page shows the number, nothing is logged,
+    and the page names the file it checked."""
+    code, out = check(tmp_path, capsys, best_of_n_rows(), docs_dir=str(tmp_path / "docs"))
+    assert code == 0, out
+    logged = caplog.text + capsys.readouterr().err
+    assert "num_to_str" not in logged and "Traceback" not in logged, logged
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", (tmp_path / "docs" / "prefs.html").read_text()))
+    assert f"{tmp_path / 'prefs.jsonl'}: preference-data contract" in text
+    assert re.search(r"maximum value must be less than or equal to 0\.95 \. 0\.25 ", text), text
 
 
 @pytest.mark.parametrize("margin", [float("inf"), float("-inf")])

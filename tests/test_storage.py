@@ -93,3 +93,23 @@ def test_stage_with_a_read_only_output_folder_exits_5(project, capsys, tmp_path)
     assert code == StorageError.exit_code == 5
     assert "stage queries: error: could not write metrics/queries.json: Read-only file system." in err
     assert "Traceback" not in err
+
+
+def test_an_output_folder_is_readable_by_everyone(tmp_path):
+    """safetensors writes its files 0600; a folder written through atomic_dir ends 0644 / 0755,
+    so a colleague, a server or a container running as another user can read a model."""
+    import stat
+
+    target = tmp_path / "models" / "policy"
+    with atomic_dir(target, checksums=True) as tmp:
+        save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+        (tmp / "backbone").mkdir()
+        save_file({"w": torch.zeros(2)}, str(tmp / "backbone" / "model.safetensors"))
+    modes = {p.relative_to(target).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in [target, *target.rglob("*")]}
+    assert modes == {
+        ".": 0o755,
+        "backbone": 0o755,
+        "backbone/model.safetensors": 0o644,
+        "model.safetensors": 0o644,
+        "SHA256SUMS": 0o644,
+    }, {k: oct(v) for k, v in modes.items()}
