@@ -6,6 +6,8 @@ local .txt/.jsonl/.parquet file, or a hub dataset id; see rlhf_pipeline/corpus.p
 
 from __future__ import annotations
 
+import _interpreter  # noqa: F401  (first: exit 6 when this Python lacks the project's packages)
+
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
 from datasets import Dataset

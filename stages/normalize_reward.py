@@ -9,6 +9,8 @@ with the gold score is measured on that same fresh sample.
 
 from __future__ import annotations
 
+import _interpreter  # noqa: F401  (first: exit 6 when this Python lacks the project's packages)
+
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
 import math

@@ -7,6 +7,8 @@ See rlhf_pipeline/preferences.py for the formats.
 
 from __future__ import annotations
 
+import _interpreter  # noqa: F401  (first: exit 6 when this Python lacks the project's packages)
+
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
 import numpy as np

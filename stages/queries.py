@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import _interpreter  # noqa: F401  (first: exit 6 when this Python lacks the project's packages)
+
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
 from datasets import Dataset, DatasetDict, Features, List, Value, load_from_disk

@@ -8,6 +8,8 @@ nothing downstream trains on bad labels. ``min_rows`` applies to the train split
 
 from __future__ import annotations
 
+import _interpreter  # noqa: F401  (first: exit 6 when this Python lacks the project's packages)
+
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
 from pathlib import Path

@@ -23,6 +23,10 @@ import yaml
 torch.set_num_threads(1)  # the test machine has 2 shared cores
 
 REPO = Path(__file__).resolve().parents[1]
+# A stage script's first import is stages/_interpreter.py, found because Python puts a script's folder
+# first on sys.path; the stages run in-process here (runpy, importlib) need that folder too. Appended,
+# not prepended: stages/evaluate.py must not shadow a library module of that name.
+sys.path.append(str(REPO / "stages"))
 PAD_TOKEN = "<|pad|>"
 
 

@@ -72,7 +72,8 @@ def _with_parents(name: str) -> list[str]:
 
 def project_files(script: Path, root: Path = REPO) -> dict[str, str]:
     """Project files that running ``script`` imports, relative to ``root``: ``{file: importer}``
-    (the script maps to itself), so a failure can say how a file is reached."""
+    (the script maps to itself), so a failure can say how a file is reached. A module beside the
+    script (``stages/_interpreter.py``) counts too: Python puts a script's folder first on sys.path."""
     script = script.resolve()
     found = {script.relative_to(root).as_posix(): script.relative_to(root).as_posix()}
     queue = [script]
@@ -80,6 +81,10 @@ def project_files(script: Path, root: Path = REPO) -> dict[str, str]:
         current = queue.pop()
         importer = current.relative_to(root).as_posix()
         for name in sorted(imported_modules(current, root)):
+            beside = script.parent / f"{name}.py"
+            if "." not in name and beside.is_file() and beside.relative_to(root).as_posix() not in found:
+                found[beside.relative_to(root).as_posix()] = importer
+                queue.append(beside)
             for module in _with_parents(name):
                 path = module_path(module, root)
                 if path is None:

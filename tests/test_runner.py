@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_stage_time_counts_from_process_start():
@@ -12,3 +13,21 @@ def test_stage_time_counts_from_process_start():
     code = "import time; time.sleep(1.0); from rlhf_pipeline.runner import seconds_since_process_start as s; print(s())"
     seconds = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert 1.0 <= seconds < 60.0
+
+
+def test_a_stage_run_by_a_python_without_the_project_exits_6_naming_what_is_missing(tmp_path):
+    """`.venv/bin/dvc repro` with no venv active runs the system's `python`, which lacks the project:
+    the stage stops at its first import (stages/_interpreter.py) with exit 6, the missing package
+    and the fix, not a traceback and exit 1 (which the retrain flow would retry)."""
+    import _interpreter
+
+    from rlhf_pipeline.errors import MissingPackageError
+
+    assert _interpreter.MISSING_PACKAGE_EXIT_CODE == MissingPackageError.exit_code
+    stages = Path(__file__).resolve().parents[1] / "stages"
+    for script in sorted(stages.glob("[!_]*.py")):
+        # -S: no site-packages, so neither the project nor torch can be imported
+        ran = subprocess.run([sys.executable, "-S", str(script)], cwd=tmp_path, capture_output=True, text=True)
+        assert ran.returncode == MissingPackageError.exit_code, (script.name, ran.stderr)
+        assert "No module named 'rlhf_pipeline'" in ran.stderr and "source .venv/bin/activate" in ran.stderr
+        assert "Traceback" not in ran.stderr

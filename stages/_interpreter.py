@@ -1,0 +1,22 @@
+"""The first import of every stage script. It sits beside them, so whatever Python runs a stage finds
+it: one that lacks the project's packages (`.venv/bin/dvc repro` without the venv activated runs the
+system's `python`) stops here with exit 6 naming the missing package and the fix, instead of a
+ModuleNotFoundError traceback and exit 1, the code the retrain flow retries. Standard library only.
+"""
+
+import importlib.util
+import sys
+
+# rlhf_pipeline.errors.MissingPackageError.exit_code, which cannot be imported from a Python that lacks
+# the package; tests/test_runner.py checks that the two agree
+MISSING_PACKAGE_EXIT_CODE = 6
+REQUIRED = ("rlhf_pipeline", "torch", "transformers", "datasets", "dvc")
+
+missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
+if missing:
+    sys.stderr.write(
+        f"ERROR: No module named {missing[0]!r} (missing: {', '.join(missing)}) in {sys.executable}, the Python "
+        "running this stage: it is not the project's. Run `dvc` with the project's virtual environment active "
+        "(`source .venv/bin/activate`; `make setup` creates it), or with .venv/bin first on PATH.\n"
+    )
+    sys.exit(MISSING_PACKAGE_EXIT_CODE)
