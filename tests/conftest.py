@@ -180,15 +180,25 @@ def run_stage_script(name: str, argv: list[str] | None = None) -> int:
 
 
 @pytest.fixture(scope="session")
-def versioned(tmp_path_factory, tiny_base_dir):
-    """A tiny project run once and committed, with a local DVC remote: HEAD's policy is the first
-    candidate of the registry (tests/test_registry.py and the flow's gate test copy it)."""
+def tiny_run(tmp_path_factory, tiny_base_dir):
+    """The tiny pipeline run once (every params key each stage reads recorded beside it) and
+    committed, with a local DVC remote; returns (root, the `dvc repro` result). A full run costs about
+    a minute here, so the e2e tests, the registry's and the flow's gate share this one: each test
+    reads it or copies it before changing anything."""
     from test_pipeline_e2e import build_project, sh
 
-    root = build_project(tmp_path_factory.mktemp("registry"), tiny_base_dir, {})
-    remote = root.parent / "remote"
-    sh(["dvc", "remote", "add", "-d", "local", str(remote)], root)
-    sh(["dvc", "repro"], root)
+    from rlhf_pipeline.runner import RECORD_READS_ENV
+
+    root = build_project(tmp_path_factory.mktemp("tiny-run"), tiny_base_dir, {})
+    sh(["dvc", "remote", "add", "-d", "local", str(root.parent / "remote")], root)
+    result = sh(["dvc", "repro"], root, **{RECORD_READS_ENV: str(root.parent / f"{root.name}-reads")})
     sh(["git", "add", "-A"], root)
-    sh(["git", "commit", "-qm", "run 1"], root)
-    return root
+    sh(["git", "commit", "-qm", "repro"], root)
+    return root, result
+
+
+@pytest.fixture(scope="session")
+def versioned(tiny_run):
+    """The tiny run as the registry sees it: HEAD's policy is the first candidate
+    (tests/test_registry.py and the flow's gate test copy it)."""
+    return tiny_run[0]

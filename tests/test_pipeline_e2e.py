@@ -20,7 +20,7 @@ from stage_imports import pipeline_stages, stage_importers
 
 from rlhf_pipeline.modelcard import read_card as read_model_card
 from rlhf_pipeline.params.schema import parse_params
-from rlhf_pipeline.runner import RECORD_READS_ENV, declared_param_keys
+from rlhf_pipeline.runner import declared_param_keys
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
@@ -122,13 +122,10 @@ def build_project(root: Path, model_dir: Path, params_overrides: dict) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory, tiny_base_dir):
-    root = build_project(tmp_path_factory.mktemp("e2e"), tiny_base_dir, {})  # base_model keeps the dedicated pad
-    result = sh(["dvc", "repro"], root, **{RECORD_READS_ENV: str(root.parent / f"{root.name}-reads")})
-    sh(["git", "add", "-A"], root)
-    sh(["git", "commit", "-qm", "repro"], root)
-    return root, result
+@pytest.fixture
+def project(tiny_run):
+    """The tiny run (conftest.tiny_run, shared with the registry's tests): read it, or copy it first."""
+    return tiny_run
 
 
 def ran_stages(result) -> set[str]:
@@ -319,7 +316,6 @@ def test_each_stage_read_every_param_it_declares(project):
 @pytest.mark.parametrize(
     "module, importers",
     [
-        ("rlhf_pipeline/models.py", ALL_STAGES),
         ("rlhf_pipeline/reward/model.py", {"train_reward", "normalize_reward", "train_policy", "evaluate"}),
     ],
 )
