@@ -99,6 +99,56 @@ print(tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_spe
 ```"""
 
 
+# What a user of each kind of model should know before relying on it (the card's Limitations).
+LIMITATIONS = {
+    "reward": [
+        "It scores what its labels preferred, on the distribution it was trained on (the base model's "
+        "samples on this project's queries); far from those, its scores mean little.",
+        "Its held-out accuracy is measured on labels from the same source as its training labels: it says "
+        "how well it imitates that labeller, not whether the labeller is right.",
+        "A policy optimised against it finds what it over-rewards: watch the gold score against the KL "
+        "(the evaluate stage's over-optimisation curve).",
+    ],
+    "policy": [
+        "It was optimised against a learned reward model (a proxy): a high proxy score at a large KL from "
+        "the base is reward hacking, not quality. Its held-out gold and proxy gain, KL and win rates are the "
+        "evaluate stage's (`evaluation/report.md`, `metrics/evaluate.json`), measured after this card was "
+        "written.",
+        "It inherits the base model's knowledge, biases and languages; the preference data moved its style, "
+        "not its facts.",
+        "The CPU default is a demonstration: a 135M model, a few hundred episodes and a simulated labeller.",
+    ],
+}
+
+
+def preference_data_line(source: str, labeler: str | None) -> str:
+    """One line on the preference data a model learnt from: simulated labels (the labeller that
+    ranked the base model's samples), a local file, or a hub dataset."""
+    if source == "simulated":
+        return (
+            f"Simulated labels: base-model samples for this project's queries, ranked by the `{labeler}` labeller "
+            "(a scorer standing in for people; the same labeller is the evaluation's gold judge)."
+        )
+    if hub_id(source):
+        return f"The hub dataset `{source}` (data.preferences.source), converted and checked by the data contract."
+    return f"The label file `{source}` (data.preferences.source), converted and checked by the data contract."
+
+
+def held_out_result(metric: str, value: float, dataset: str, metric_type: str, task: str = "text-classification"):
+    """One ``model-index`` entry: ``metric`` measured on held-out ``dataset`` (4 decimals)."""
+    from huggingface_hub import EvalResult
+
+    return EvalResult(
+        task_type=task,
+        dataset_type="rlhf-pipeline-held-out",
+        dataset_name=dataset,
+        dataset_split="test",
+        metric_type=metric_type,
+        metric_name=metric,
+        metric_value=round(float(value), 4),
+    )
+
+
 def write_card(
     directory: str | os.PathLike,
     *,
@@ -112,12 +162,17 @@ def write_card(
     metrics: dict,
     inputs: list[str],
     datasets: list[str] | None = None,
+    data: list[str] | None = None,
+    eval_results: list | None = None,
     extra_metadata: dict | None = None,
     reward_pooling: str | None = None,
     chat_template: str | None = None,
 ) -> None:
     """The card of a model trained from ``base_dir``: its base model and licence come from that
-    model's card; ``target`` is where the model lands (not the temporary folder it is written to)."""
+    model's card; ``target`` is where the model lands (not the temporary folder it is written to).
+    ``data``: lines on what it learnt from (its Training data section); ``eval_results``:
+    ``huggingface_hub.EvalResult``s of held-out measurements, the card's ``model-index``;
+    the Limitations section is :data:`LIMITATIONS` of ``kind``."""
     import torch
 
     base = read_card(base_dir)
@@ -139,6 +194,9 @@ def write_card(
         "task_mode": "chat" if chat_template else "continuation",
         "chat_template_sha256": hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None,
         "device": device,
+        # model-index: the Hub reads held-out results from here (it needs the model's name beside them)
+        "model_name": title if eval_results else None,
+        "eval_results": eval_results or None,
         "lineage": {
             "base_model_dir": base_dir,
             "inputs": hashes,
@@ -154,7 +212,12 @@ def write_card(
     lineage += record_lines(environment)
     evaluation = [f"- `{k}`: {v:.4f}" if isinstance(v, float) else f"- `{k}`: {v}" for k, v in metrics.items()]
     body = [f"# {title}", "", summary.strip(), "", "## Usage", "", usage_snippet(target, kind, reward_pooling), ""]
+    if data:
+        body += ["## Training data", "", *(f"- {line}" for line in data), ""]
     body += ["## Training procedure and hyperparameters", "", "```yaml"]
     body += [yaml.safe_dump(hyperparameters, sort_keys=False).strip(), "```", "", "## Evaluation", ""]
-    body += [*(evaluation or ["(none)"]), "", "## Lineage", "", *lineage, "", f"Full chain: `rlhf lineage {target}`."]
+    body += [*(evaluation or ["(none)"]), ""]
+    if kind in LIMITATIONS:
+        body += ["## Limitations", "", *(f"- {line}" for line in LIMITATIONS[kind]), ""]
+    body += ["## Lineage", "", *lineage, "", f"Full chain: `rlhf lineage {target}`."]
     save_card(directory, metadata, "\n".join(body))

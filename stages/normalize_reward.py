@@ -20,7 +20,7 @@ from scipy.stats import spearmanr
 
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import gold_labeler
-from rlhf_pipeline.modelcard import write_card
+from rlhf_pipeline.modelcard import held_out_result, preference_data_line, write_card
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir, save_tokenizer
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.data import DataParams
@@ -40,6 +40,34 @@ class Params(StageParams):
     data: DataParams = DataParams()
     task: TaskParams = TaskParams()
     reward: RewardParams = RewardParams()
+
+
+def gold_correlation(labeler, texts: list[str], scores: torch.Tensor) -> dict:
+    """Spearman's correlation of the reward model's ``scores`` with the gold labeller's on ``texts``."""
+    gold = labeler.score(texts)
+    correlation = float(spearmanr(scores.numpy(), gold).statistic)
+    if math.isfinite(correlation):
+        return {"gold_correlation": correlation}
+    # undefined (NaN) when either side is constant, e.g. when the gold labeller scores every sample
+    # alike; JSON has no NaN, so the metric is null with the reason beside it
+    return {
+        "gold_correlation": None,
+        "gold_correlation_undefined": f"on the {len(gold)} samples the gold labeller gave {len(set(gold))} distinct "
+        f"score(s) and the reward model {len(set(scores.tolist()))}: a rank correlation needs both to vary",
+    }
+
+
+def correlation_result(metrics: dict) -> list:
+    """The card's model-index: the Spearman correlation with the gold labeller on fresh base-model
+    samples, where there is a gold labeller and the correlation is defined."""
+    if metrics.get("gold_correlation") is None:
+        return []
+    samples = f"{metrics['normalized/samples']} fresh base-model samples of train queries, gold-labelled"
+    return [
+        held_out_result(
+            "Spearman correlation with the gold labeller", metrics["gold_correlation"], samples, "spearmanr"
+        )
+    ]
 
 
 def main(params: Params) -> None:
@@ -79,17 +107,9 @@ def main(params: Params) -> None:
     }
     labeler = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
     if labeler is not None:
-        texts = tokenizer.batch_decode(eval_responses, skip_special_tokens=True)
-        gold = labeler.score(texts)
-        correlation = float(spearmanr(fresh.numpy(), gold).statistic)
-        # a rank correlation is undefined (NaN) when either side is constant, e.g. when the gold labeller
-        # scores every sample alike; JSON has no NaN, so the metric is null with the reason beside it
-        metrics["gold_correlation"] = correlation if math.isfinite(correlation) else None
-        if not math.isfinite(correlation):
-            metrics["gold_correlation_undefined"] = (
-                f"on the {len(gold)} samples the gold labeller gave {len(set(gold))} distinct score(s) and the "
-                f"reward model {len(set(fresh.tolist()))}: a rank correlation needs both to vary"
-            )
+        metrics.update(
+            gold_correlation(labeler, tokenizer.batch_decode(eval_responses, skip_special_tokens=True), fresh)
+        )
 
     with atomic_dir(OUT, checksums=True) as tmp:
         save_reward_model(model, tmp)
@@ -106,6 +126,12 @@ def main(params: Params) -> None:
             "(reward = gain * head + bias). This is the reward PPO optimises.",
             base_dir=BASE,
             datasets=[params.data.preferences.source],  # in the metadata when it is a hub id
+            data=[
+                preference_data_line(params.data.preferences.source, params.data.preferences.labeler),
+                f"Trained by train_reward (the card of `{TRAINED}`); gain and bias fitted here on "
+                f"{len(fit_queries)} base-model answers to train queries.",
+            ],
+            eval_results=correlation_result(metrics),
             tags=["reward-model", "normalized"],
             hyperparameters={
                 "reward.normalize": cfg.model_dump(),

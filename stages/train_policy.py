@@ -14,7 +14,7 @@ from rlhf_pipeline.distributed import make_accelerator, resolve_device, whole_mo
 from rlhf_pipeline.io import atomic_dir, content_hash, write_json
 from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.logging import open_live, step_logger
-from rlhf_pipeline.modelcard import write_card
+from rlhf_pipeline.modelcard import preference_data_line, write_card
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_context, require_dir
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.data import DataParams
@@ -58,6 +58,17 @@ def gold_statistics(path: str) -> tuple[float, float]:
 
     gold = torch.tensor([score for row in load_from_disk(path)["train"]["gold"] for score in row], dtype=torch.float64)
     return gold.mean().item(), gold.std().item()
+
+
+def training_data(params: Params, num_queries: int) -> list[str]:
+    """The card's Training data: the queries PPO sampled on, and what its score came from."""
+    scored_by = (
+        f"`{REWARD}`, a reward model trained on: "
+        + preference_data_line(params.data.preferences.source, params.data.preferences.labeler)
+        if params.ppo.score_source == "reward_model"
+        else f"the `{params.data.preferences.labeler}` labeller's own score (ppo.score_source: gold, an ablation)."
+    )
+    return [f"{num_queries} train queries of `{QUERIES}` (no held-out query was trained on).", f"Scored by {scored_by}"]
 
 
 def checkpoint_fingerprint(params: Params, uses_reward_model: bool) -> str:
@@ -139,6 +150,7 @@ def main(params: Params) -> None:
             summary=summary(cfg, metrics["episodes"], plan.describe()),
             base_dir=BASE,
             datasets=[params.data.preferences.source],  # in the metadata when it is a hub id
+            data=training_data(params, len(queries)),
             tags=["ppo", "rlhf", "policy"],
             hyperparameters={"ppo": cfg.model_dump(), "task": params.task.model_dump(), "seed": params.seed},
             metrics=metrics,

@@ -16,7 +16,7 @@ from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import atomic_dir, local_model_dir, read_json, write_json
 from rlhf_pipeline.logging import open_live, step_logger
 from rlhf_pipeline.model_folder import admit_model_folder
-from rlhf_pipeline.modelcard import write_card
+from rlhf_pipeline.modelcard import held_out_result, preference_data_line, write_card
 from rlhf_pipeline.models import freeze_lower_layers, load_causal_lm, load_tokenizer, require_dir, save_tokenizer
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.data import DataParams
@@ -50,6 +50,23 @@ class Params(StageParams):
 def build(params: Params, tokenizer, generator: torch.Generator | None = None) -> RewardModel:
     cfg = params.reward.train
     return reward_model_on_base(BASE, tokenizer.pad_token_id, cfg.dropout, generator, cfg.pooling, cfg.num_layers)
+
+
+def card_text(params: Params, train: Labels, test: Labels, test_accuracy: float) -> dict:
+    """The card's summary, Training data and model-index (the held-out accuracy)."""
+    n = test.samples.shape[1]
+    accuracy = held_out_result(
+        f"best-of-{n} accuracy (chance {1 / n:.2f})",
+        test_accuracy,
+        f"held-out preference labels ({len(test.best)} rows of {PREFS})",
+        "accuracy",
+    )
+    data = [
+        preference_data_line(params.data.preferences.source, params.data.preferences.labeler),
+        f"{len(train.best)} best-of-{train.samples.shape[1]} rows of `{PREFS}` for training, {len(test.best)} held "
+        "out; both splits passed the data contract (`data/validation`).",
+    ]
+    return {"summary": card_summary(params, train, test), "data": data, "eval_results": [accuracy]}
 
 
 def card_summary(params: Params, train: Labels, test: Labels) -> str:
@@ -127,7 +144,7 @@ def main(params: Params) -> None:
             kind="reward",
             reward_pooling=model.pooling,
             title="Reward model (before normalisation)",
-            summary=card_summary(params, train, test),
+            **card_text(params, train, test, test_accuracy),
             base_dir=BASE,
             datasets=[params.data.preferences.source],  # in the metadata when it is a hub id
             tags=["reward-model"],

@@ -157,6 +157,16 @@ def test_every_stage_ran_and_wrote_its_outputs(project):
     assert reward["pipeline_tag"] == "text-classification" and (root / "models/reward/config.json").is_file()
     policy = read_model_card(root / "models/policy")
     assert policy["pipeline_tag"] == "text-generation" and policy["lineage"]["base_model_dir"] == "models/base"
+    # what was learnt from and what to beware of; held-out results as the Hub's model-index where the
+    # stage measured them (the policy's held-out evaluation comes later: its card points there)
+    for model in ("reward_unnormalized", "reward", "policy"):
+        text = (root / "models" / model / "README.md").read_text()
+        assert "## Training data" in text and "## Limitations" in text, model
+    accuracy = json.loads((root / "metrics/reward_train.json").read_text())["test/accuracy"]
+    (result,) = read_model_card(root / "models/reward_unnormalized")["model-index"][0]["results"]
+    assert result["metrics"][0]["type"] == "accuracy" and result["metrics"][0]["value"] == round(accuracy, 4)
+    assert result["dataset"]["split"] == "test" and "held-out preference labels" in result["dataset"]["name"]
+    assert "model-index" not in policy and "evaluation/report.md" in (root / "models/policy/README.md").read_text()
     generation = json.loads((root / "models/policy/generation_config.json").read_text())
     sampling = TINY_PARAMS["task"]
     assert generation["do_sample"] is True and generation["max_new_tokens"] == sampling["response_length"]
