@@ -62,13 +62,11 @@ def gold_statistics(path: str) -> tuple[float, float]:
 
 def training_data(params: Params, num_queries: int) -> list[str]:
     """The card's Training data: the queries PPO sampled on, and what its score came from."""
-    scored_by = (
-        f"`{REWARD}`, a reward model trained on: "
-        + preference_data_line(params.data.preferences.source, params.data.preferences.labeler)
-        if params.ppo.score_source == "reward_model"
-        else f"the `{params.data.preferences.labeler}` labeller's own score (ppo.score_source: gold, an ablation)."
-    )
-    return [f"{num_queries} train queries of `{QUERIES}` (no held-out query was trained on).", f"Scored by {scored_by}"]
+    queries = f"{num_queries} train queries of `{QUERIES}` (no held-out query was trained on)."
+    labels = preference_data_line(params.data.preferences.source, params.data.preferences.labeler)
+    if params.ppo.score_source == "gold":
+        return [queries, f"Scored by the `{params.data.preferences.labeler}` labeller itself (ppo.score_source: gold)."]
+    return [queries, f"Scored by `{REWARD}`, the normalised reward model, trained on these labels:", labels]
 
 
 def checkpoint_fingerprint(params: Params, uses_reward_model: bool) -> str:
