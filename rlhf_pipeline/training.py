@@ -26,6 +26,18 @@ LossOf = Callable[[Tensor], tuple[Tensor, Any]]
 Refusal = Callable[[str, Any], Exception]
 
 
+def mean_of(records: Sequence[dict], key: str) -> float:
+    """The mean of ``key`` over a run's per-step (or per-update) ``records``."""
+    return sum(record[key] for record in records) / len(records)
+
+
+def quarters(records: Sequence[dict]) -> tuple[Sequence[dict], Sequence[dict]]:
+    """The first and the last quarter of a run's records (at least one record each): what a run's
+    metrics average over, since one step's batch mean is noisy."""
+    quarter = max(1, len(records) // 4)
+    return records[:quarter], records[-quarter:]
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

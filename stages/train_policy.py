@@ -26,6 +26,7 @@ from rlhf_pipeline.ppo.trainer import PPOTrainer, history_summary
 from rlhf_pipeline.queries import load_queries
 from rlhf_pipeline.reward.persistence import HEAD_FILE, load_reward_model
 from rlhf_pipeline.runner import declared_code_hash, project_root, run_stage
+from rlhf_pipeline.training import mean_of
 
 BASE, REWARD, QUERIES, PREFS = "models/base", "models/reward", "data/queries", "data/preferences"
 OUT, CHECKPOINTS, METRICS, LIVE = "models/policy", "checkpoints/policy", "metrics/policy.json", "dvclive/train_policy"
@@ -136,7 +137,7 @@ def main(params: Params) -> None:
     # how long the updates this process ran took: a measurement of the machine, in SPEED only,
     # which no stage declares (dvc.yaml's top-level metrics), so no output and no dvc.lock hash
     # holds a timing and a rerun writes the same bytes; none when it resumed at the last update
-    speed = {"episodes_per_second": sum(t["episodes_per_second"] for t in timings) / len(timings)} if timings else {}
+    speed = {"episodes_per_second": mean_of(timings, "episodes_per_second")} if timings else {}
     with atomic_dir(OUT, checksums=True) as tmp:
         save_policy(policy, tokenizer, tmp, params.task.temperature, params.task.response_length)
         write_card(

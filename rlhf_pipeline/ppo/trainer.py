@@ -57,7 +57,7 @@ from rlhf_pipeline.ppo.policy import PolicyWithValue
 from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.reward.normalization import task_scores
 from rlhf_pipeline.sampling import ResponseSampler, response_outputs, supports_trunk_split
-from rlhf_pipeline.training import accumulate_and_step, set_lr
+from rlhf_pipeline.training import accumulate_and_step, mean_of, quarters, set_lr
 
 
 @dataclass(kw_only=True)
@@ -526,21 +526,16 @@ def history_summary(history: list[dict], with_gold: bool) -> dict:
     """The run's metrics from its per-update records: the score (and gold, ``with_gold``) averaged
     over the first and the last quarter of the updates, the KL over the last quarter, and the final
     KL coefficient. Quarters, not single updates: one update's batch mean is noisy."""
-    quarter = max(1, len(history) // 4)
-    first, last = history[:quarter], history[-quarter:]
-
-    def mean(rows: list[dict], key: str) -> float:
-        return sum(r[key] for r in rows) / len(rows)
-
+    first, last = quarters(history)
     metrics = {
         "updates": len(history),
         "episodes": history[-1]["episodes"],
-        "score/first_quarter": mean(first, "objective/score"),
-        "score/last_quarter": mean(last, "objective/score"),
-        "kl/last_quarter": mean(last, "objective/kl"),
+        "score/first_quarter": mean_of(first, "objective/score"),
+        "score/last_quarter": mean_of(last, "objective/score"),
+        "kl/last_quarter": mean_of(last, "objective/kl"),
         "kl_coef/final": history[-1]["objective/kl_coef"],
     }
     if with_gold:
-        metrics["gold/first_quarter"] = mean(first, "objective/gold")
-        metrics["gold/last_quarter"] = mean(last, "objective/gold")
+        metrics["gold/first_quarter"] = mean_of(first, "objective/gold")
+        metrics["gold/last_quarter"] = mean_of(last, "objective/gold")
     return metrics

@@ -22,7 +22,7 @@ from rlhf_pipeline.optim import adam
 from rlhf_pipeline.params.reward import RewardTrainParams
 from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.sampling import iterate_batches
-from rlhf_pipeline.training import accumulate_and_step, set_lr
+from rlhf_pipeline.training import accumulate_and_step, mean_of, quarters, set_lr
 
 
 def best_of_n_loss(rewards: Tensor, best: Tensor, margin: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -208,7 +208,7 @@ def training_metrics(history: list[dict], test_accuracy: float, test_rows: int, 
         "trainable_parameters": trainable,
     }
     if history:
-        tail = history[-max(1, len(history) // 4) :]
-        metrics["train/final_loss"] = sum(r["loss"] for r in tail) / len(tail)
-        metrics["train/final_accuracy"] = sum(r["accuracy"] for r in tail) / len(tail)
+        _, last = quarters(history)
+        metrics["train/final_loss"] = mean_of(last, "loss")
+        metrics["train/final_accuracy"] = mean_of(last, "accuracy")
     return metrics
