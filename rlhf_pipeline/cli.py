@@ -143,8 +143,10 @@ def cmd_models(args) -> int:
                 "rlhf models get NAME [VERSION | --from-stage STAGE] -o DIR: name the artifact and DIR."
             )
         with writing(args.out):
-            got = versions.fetch(root, args.name, args.version, args.stage_filter, args.out)
+            got = versions.fetch(root, args.name, args.version, args.stage_filter, args.out, args.with_results)
         print(f"{got['out']}: {got['artifact']}@{got['version']} ({got['files_checked']} files match its SHA256SUMS)")
+        if args.with_results:
+            print(f"{got['out']}/README.md: the card's model-index holds the version's held-out results")
         return 0
     rows = versions.listing(root)
     print(json.dumps(rows, indent=2, default=str) if args.json else versions.render_listing(rows))
@@ -273,6 +275,12 @@ def _add_models_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--from-stage", dest="stage_filter", default=None, help="get: the version assigned this stage")
     p.add_argument("-o", "--out", default=None, help="get: the folder to write (must not exist)")
+    p.add_argument(
+        "--with-results",
+        action="store_true",
+        help="get: add the evaluate stage's held-out results at the version's commit to the policy card's "
+        "model-index (and its new hash to SHA256SUMS): the copy to publish on the Hub",
+    )
     p.set_defaults(func=cmd_models)
 
 

@@ -149,6 +149,24 @@ def held_out_result(metric: str, value: float, dataset: str, metric_type: str, t
     )
 
 
+def add_held_out_results(directory: str | os.PathLike, results: list, source: str) -> None:
+    """Put ``results`` (``huggingface_hub.EvalResult``s) in the card of ``directory`` as its ``model-index``,
+    and say under Evaluation where they were read (``source``). For a model whose held-out evaluation
+    ran after its card was written (the policy: the evaluate stage reads the finished model)."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(Path(directory, CARD))
+    card.data.eval_results = results
+    card.data.model_name = card.data.model_name or next(
+        (line[2:].strip() for line in card.text.splitlines() if line.startswith("# ")), Path(directory).name
+    )
+    card.text = card.text.replace(
+        "## Evaluation\n\n", f"## Evaluation\n\nHeld-out results (the card's model-index) from {source}.\n\n", 1
+    )
+    with atomic_file(Path(directory, CARD)) as handle:
+        handle.write(str(card))
+
+
 def write_card(
     directory: str | os.PathLike,
     *,

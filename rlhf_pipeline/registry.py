@@ -161,7 +161,10 @@ def resolve(root: str | Path, spec: str) -> Version:
         return found
     if version == "latest":
         if not registered:
-            raise PipelineError(f"{name} has no registered version yet; `rlhf models register` makes one.")
+            raise PipelineError(
+                f"{name} has no registered version yet; `rlhf models gate` registers HEAD's policy and the "
+                "reward model it was trained against."
+            )
         return registered[0]
     wanted = normalise_version(version)
     found = next((v for v in registered if v.version == wanted), None)

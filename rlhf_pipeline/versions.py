@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.errors import DamagedArtifactError, PipelineError
-from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums
+from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, sha256_file
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.lineage.record import git
+from rlhf_pipeline.modelcard import CARD, add_held_out_results, held_out_result
 from rlhf_pipeline.params.schema import load_params
 from rlhf_pipeline.promotion import (
     EVALUATION_METRICS,
@@ -189,12 +190,22 @@ def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dic
     }
 
 
-def fetch(root: str | Path, name: str, version: str | None, stage: str | None, out: str | Path) -> dict[str, Any]:
+def fetch(
+    root: str | Path, name: str, version: str | None, stage: str | None, out: str | Path, with_results: bool = False
+) -> dict[str, Any]:
     """A version's bytes through ``dvc artifacts get`` (DVC's cache or remote at the version's
-    commit), checked file by file against its ``SHA256SUMS`` before they replace ``out``."""
+    commit), checked file by file against its ``SHA256SUMS`` before they replace ``out``.
+
+    ``with_results``: then the card gains the version's held-out evaluation as its ``model-index``
+    (:func:`held_out_results`) and ``SHA256SUMS`` the card's new hash: a copy to publish."""
     from dvc.repo.artifacts import Artifacts  # loads DVC's repo: only when fetching
 
     root = Path(root).resolve()
+    if with_results and name != "policy":
+        raise PipelineError(
+            f"--with-results adds the evaluate stage's results to the policy's card; {name}'s card already holds "
+            "its held-out results (its stage wrote them). Fetch it without --with-results."
+        )
     target = resolve(root, f"{name}#{stage}" if stage else f"{name}@{version or 'latest'}")
     out = Path(out)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.get-", dir=out.parent if out.parent.exists() else None))
@@ -208,6 +219,14 @@ def fetch(root: str | Path, name: str, version: str | None, stage: str | None, o
             raise DamagedArtifactError(
                 f"{target.tag} as fetched does not match its {CHECKSUMS}: {'; '.join(problems[:5])}"
             )
+        if with_results:
+            add_held_out_results(
+                fetched,
+                held_out_results(root, target),
+                f"`{EVALUATION_METRICS}` at commit {target.commit[:12]} ({target.tag})",
+            )
+            recorded = read_checksums(fetched / CHECKSUMS) | {CARD: sha256_file(fetched / CARD)}
+            (fetched / CHECKSUMS).write_text("".join(f"{h}  {f}\n" for f, h in sorted(recorded.items())))
         if out.exists():
             raise PipelineError(f"{out} exists: choose a new folder (nothing was written).")
         shutil.move(str(fetched), str(out))
@@ -221,6 +240,32 @@ def fetch(root: str | Path, name: str, version: str | None, stage: str | None, o
         "out": str(out),
         "files_checked": files,
     }
+
+
+# the policy's held-out results, as the evaluate stage measured them: (metric, name, type), in base-model stds
+HELD_OUT_POLICY_RESULTS = (
+    ("gold/improvement_in_base_std", "gold reward gain over the base model (base-model stds)", "gold_gain"),
+    ("proxy/improvement_in_base_std", "reward-model score gain over the base model (base-model stds)", "proxy_gain"),
+    ("kl/mean", "KL from the base model (nats per response)", "kl"),
+    ("win_rate/gold", "win rate against the base model (gold judge)", "win_rate"),
+)
+
+
+def held_out_results(root: str | Path, target: Version) -> list:
+    """The ``model-index`` entries of ``target``: what the evaluate stage measured on held-out queries at its commit."""
+    text = file_at(root, target.commit, EVALUATION_METRICS)
+    measured = json.loads(text) if text else {}
+    results = [
+        held_out_result(label, measured[key], "held-out queries", metric_type, task="text-generation")
+        for key, label, metric_type in HELD_OUT_POLICY_RESULTS
+        if isinstance(measured.get(key), (int, float))
+    ]
+    if not results:
+        raise PipelineError(
+            f"{target.tag}: its commit {target.commit[:12]} records no held-out results in {EVALUATION_METRICS} "
+            "(the evaluate stage had not run): nothing was written. Fetch it without --with-results."
+        )
+    return results
 
 
 def assign_stage(root: str | Path, name: str, version: str, stage: str = PROD) -> Version:

@@ -21,6 +21,8 @@ import torch
 import yaml
 
 torch.set_num_threads(1)  # the test machine has 2 shared cores
+if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs a worker per core: the stages it starts get one thread too
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 # A stage script's first import is stages/_interpreter.py, found because Python puts a script's folder

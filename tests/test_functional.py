@@ -534,3 +534,18 @@ def test_non_finite_tensors_names_each_bad_tensor_and_skips_none():
     }
     assert fn.non_finite_tensors(named) == ["b", "d"]
     assert fn.non_finite_tensors({"c": None}) == [] and fn.non_finite_tensors({}) == []
+
+
+def test_non_finite_tensors_is_exact_where_a_sum_would_mislead():
+    """The check reads sums first: opposite infinities (a NaN sum) are still named, and finite values
+    whose float32 sum overflows are not (the element-by-element check decides)."""
+    big = torch.full((4,), 3.0e38)
+    assert torch.isinf(big.sum())  # the sum overflows although every value is finite
+    named = {
+        "overflowing": big,
+        "opposite_infinities": torch.tensor([float("inf"), float("-inf")]),
+        "half": torch.tensor([1.0, float("inf")], dtype=torch.bfloat16),
+        "fine": torch.randn(5, 5),
+    }
+    assert fn.non_finite_tensors(named) == ["opposite_infinities", "half"]
+    assert fn.non_finite_tensors({"overflowing": big}) == []

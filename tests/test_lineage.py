@@ -476,3 +476,25 @@ def test_json_event_validates_against_the_openlineage_schema(work, capsys):
     event["run"]["facets"]["git"].pop("_producer")
     with pytest.raises(Exception, match="_producer"):
         _validate_event(event)
+
+
+def test_the_event_names_this_package_as_producer_and_its_shipped_schema(work, capsys):
+    """No address of a repository that is not this project's: the producer is the package at its version,
+    each custom facet's schema is the schema.json the package ships (found by its $id), and with no git
+    remote nothing in the event names a web host."""
+    import rlhf_pipeline
+    import rlhf_pipeline.lineage as lineage_package
+
+    event = _lineage_json(capsys, "models/policy")
+    producer = f"pkg:generic/rlhf-pipeline@{rlhf_pipeline.__version__}"
+    assert event["producer"] == producer
+    shipped = json.loads((Path(lineage_package.__file__).parent / "schema.json").read_text())
+    facets = [
+        *event["run"]["facets"].values(),
+        *(f for d in event["inputs"] + event["outputs"] for f in d["facets"].values()),
+    ]
+    assert {f["_producer"] for f in facets} == {producer}
+    custom = [f["_schemaURL"] for f in facets if "openlineage.io" not in f["_schemaURL"]]
+    assert custom and {url.partition("#")[0] for url in custom} == {shipped["$id"]}
+    assert all(url.partition("#")[2].removeprefix("/$defs/") in shipped["$defs"] for url in custom)
+    assert "github.com" not in json.dumps(event)

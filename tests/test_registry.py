@@ -181,6 +181,26 @@ def test_gate_both_ways_register_every_version_and_roll_back(versioned, tmp_path
     sh(["dvc", "artifacts", "get", str(root), "policy", "--stage", "prod", "-o", str(dvc_out)], tmp_path)
     assert read_checksums(dvc_out / CHECKSUMS) == read_checksums(fetched / CHECKSUMS)
 
+    # the copy to publish: v1's card gains the held-out results its commit recorded (model-index), the
+    # rest is v1's bytes, and SHA256SUMS names the new card
+    from huggingface_hub import ModelCard
+
+    published = tmp_path / "published"
+    out = rlhf(root, "models", "get", "policy", "v1", "--with-results", "-o", str(published)).stdout
+    assert "model-index holds the version's held-out results" in out
+    v1_measured = json.loads(sh(["git", "show", "policy@v1.0.0:metrics/evaluate.json"], root).stdout)
+    card = ModelCard.load(published / "README.md")
+    results = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert results["kl"] == round(v1_measured["kl/mean"], 4)
+    assert results["win_rate"] == round(v1_measured["win_rate/gold"], 4)
+    assert "gold_gain" not in results  # the tiny model's gain is undefined (null): left out, not written as 0
+    assert card.data.model_name and "policy@v1.0.0" in card.text
+    assert checksum_problems(published, read_checksums(published / CHECKSUMS)) == []
+    changed = {
+        f for f, h in read_checksums(published / CHECKSUMS).items() if read_checksums(fetched / CHECKSUMS)[f] != h
+    }
+    assert changed == {"README.md"}
+
     # lineage of a version, without checking anything out, and between two versions
     text = rlhf(root, "lineage", "policy@v1").stdout
     assert "as recorded at" in text and "Lineage of models/policy" in text
@@ -233,6 +253,8 @@ def test_a_bad_version_or_revision_is_one_paragraph(versioned):
         (("lineage", "models/policy", "--rev", "no-such-branch"), "git knows no such revision"),
         (("models", "assign", "policy", "v7"), "has no version v7.0.0"),
         (("models", "get", "nothing", "-o", "x"), "declares no artifact 'nothing'"),
+        (("models", "get", "reward-model", "--with-results", "-o", "x"), "card already holds its held-out results"),
+        (("models", "get", "reward-model", "-o", "x"), "`rlhf models gate` registers HEAD's policy"),
     ):
         result = rlhf(versioned, *args, check=False)
         assert result.returncode != 0 and expected in result.stderr and "Traceback" not in result.stderr

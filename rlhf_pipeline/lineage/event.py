@@ -11,15 +11,20 @@ import os
 import uuid
 from typing import Any
 
+from rlhf_pipeline import __version__
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.lineage import facts, record
 
-PRODUCER = "https://github.com/rlhf-pipeline/rlhf-pipeline"
+# What made the event: this package at its version, as a package URL (purl). The project has no
+# canonical web address, so neither the producer nor the custom facets' schema names one: the schema
+# is the file shipped in the package (schema.json beside this module), identified by its $id.
+PRODUCER = f"pkg:generic/rlhf-pipeline@{__version__}"
 RUN_EVENT_SCHEMA = "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunEvent"
 # the version of each standard facet's published schema that the event follows
 STANDARD_FACET_VERSIONS = {"SourceCodeJobFacet": "1-0-1", "SourceCodeLocationJobFacet": "1-1-0"}
 STANDARD_FACETS = "https://openlineage.io/spec/facets/{version}/{name}.json#/$defs/{name}"
-CUSTOM_FACETS = PRODUCER + "/blob/main/rlhf_pipeline/lineage/schema.json#/$defs/{name}"
+CUSTOM_FACETS_SCHEMA = "urn:rlhf-pipeline:openlineage:facets"  # schema.json's $id
+CUSTOM_FACETS = CUSTOM_FACETS_SCHEMA + "#/$defs/{name}"
 
 
 def facet(name: str, **fields: Any) -> dict[str, Any]:
