@@ -12,31 +12,19 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from system_packages import find_or_install
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 
 def find_or_install_chromium() -> tuple[str | None, str]:
     """(path to Chromium, '') or (None, why it could not be had)."""
-    for name in CHROMIUM_NAMES:
-        if shutil.which(name):
-            return shutil.which(name), ""
-    if shutil.which("apt-get") is None or os.geteuid() != 0:
-        return None, "Chromium is not installed and cannot be installed here (needs root and apt-get)"
-    steps = (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"])
-    for step in steps:
-        proc = subprocess.run(
-            step, capture_output=True, text=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        )
-        if proc.returncode != 0:
-            return None, f"`{' '.join(step)}` failed: {(proc.stderr or proc.stdout).strip()[-300:]}"
-    found = shutil.which("chromium")
-    return (found, "") if found else (None, "apt-get installed chromium but it is not on PATH")
+    return find_or_install(CHROMIUM_NAMES, "chromium")
 
 
 @dataclass

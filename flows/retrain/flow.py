@@ -325,8 +325,15 @@ def dvc_push(repo: str, remote_args: list[str]) -> str:
     logger = get_run_logger()
     result = stream(dvc_command("push", *remote_args), Path(repo), logger)
     if result.returncode != 0:
+        # exit 5: the remote storage could not be written (unreachable, full, refused). The task's retries
+        # cover a remote that comes back; a push is safe to repeat, since DVC uploads only what the
+        # remote lacks and each object lands whole under its hash or not at all
         lines = "\n".join(result.output.splitlines()[-OUTPUT_TAIL_LINES:])
-        raise RetrainError(f"dvc push {' '.join(remote_args)} failed (exit {result.returncode}):\n{lines}")
+        raise RetrainError(
+            f"dvc push {' '.join(remote_args)} failed (exit {result.returncode}); the remote holds what was uploaded "
+            f"before the failure, and the next push sends the rest:\n{lines}",
+            exit_code=StorageError.exit_code,
+        )
     return result.output.splitlines()[-1] if result.output.strip() else "pushed"
 
 

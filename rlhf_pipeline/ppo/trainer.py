@@ -277,12 +277,14 @@ class PPOTrainer:
                 capture_layers=(self.freeze,) if self.use_trunk else (),
                 process_share=(self.rank, self.world_size),
             )
+            # sampling ends here: a separate value model's forward below counts with the reference's
+            # (the frozen forwards over query + response), as TRL's timings count it
+            t1 = time.perf_counter()
             queries = queries.repeat_interleave(self.samples_per_query, 0) if self.samples_per_query > 1 else queries
             query_responses = torch.cat([queries, sampled.responses], 1)
             values = sampled.values
             if self.policy.critic and not self.policy.shared:
                 values = self.policy.values_of(query_responses, query_responses != self.pad_id, self.query_length)
-        t1 = time.perf_counter()
         trunk = sampled.hidden[self.freeze] if self.use_trunk else None
         ref_logprobs = self.reference_logprobs(query_responses, trunk)
         t2 = time.perf_counter()
