@@ -219,3 +219,60 @@ def test_the_stage_refuses_what_it_cannot_honour_before_training(policy_project,
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert message in result.stderr
     assert not (out / "checkpoints").exists() and not (out / "models/policy").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# two machines of one process each (127.0.0.1 stands in for the network)
+# --------------------------------------------------------------------------------------------
+NODES_PORT = 29637
+
+
+def launch_nodes(script: str, *args: str, cwd: Path, port: int = NODES_PORT) -> list[subprocess.Popen]:
+    """``script`` on two machines of one process each, as two `accelerate launch` commands (rank 0 the
+    main process at 127.0.0.1): each in its own session, so a node can be killed whole."""
+    env = {**os.environ, "RLHF_PROJECT_ROOT": str(cwd), "GIT_DIR": "/nonexistent", "OMP_NUM_THREADS": "1"}
+    common = ["--num_processes", "2", "--num_machines", "2", "--main_process_ip", "127.0.0.1"]
+    common += ["--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu"]
+    return [
+        subprocess.Popen(
+            [ACCELERATE, "launch", *common, "--machine_rank", str(rank), script, *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
+
+
+def finished(nodes: list[subprocess.Popen]) -> list[str]:
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    for rank, (node, output) in enumerate(zip(nodes, outputs)):
+        assert node.returncode == 0, f"node {rank}: {output[-3000:]}"
+    return outputs
+
+
+def test_two_machines_of_one_process_train_the_one_process_reward_model(reward_runs, tiny_base_dir):
+    root, _ = reward_runs
+    finished(
+        launch_nodes(str(REPO / "tests/distributed_reward_run.py"), str(tiny_base_dir), str(root / "nodes"), cwd=root)
+    )
+    weights_close(root / "one", root / "nodes", ["reward_head.safetensors", "backbone/model.safetensors"])
+    one, nodes = (json.loads((root / run / "history.json").read_text()) for run in ("one", "nodes"))
+    assert [r["accuracy"] for r in nodes] == [r["accuracy"] for r in one]
+
+
+def test_two_machines_of_one_process_train_the_one_process_policy(policy_runs, policy_project):  # noqa: F811
+    """train_policy launched as 2 machines x 1 process (machine ranks 0 and 1, the main process at
+    127.0.0.1, gloo): the one-process policy and metrics, written once (the nodes share the folder)."""
+    root, _ = policy_runs
+    out = policy_copy(policy_project, root / "nodes")
+    outputs = finished(launch_nodes(str(REPO / "stages/train_policy.py"), cwd=out))
+    weights_close(root / "one", out, ["models/policy/model.safetensors", "models/policy/value_head.safetensors"])
+    one, nodes = (json.loads((root / run / "metrics/policy.json").read_text()) for run in ("one", "nodes"))
+    for key in ("score/first_quarter", "score/last_quarter", "kl/last_quarter", "kl_coef/final"):
+        assert nodes[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+    assert files_under(out) == files_under(root / "one")
+    assert sum(output.count("train_policy: 96 episodes") for output in outputs) == 1
