@@ -135,12 +135,19 @@ def test_the_flow_pushes_over_ssh_retries_a_cut_push_and_a_clone_pulls_it_all(ti
 
 
 def _push_attempts(flow_run_id) -> int:
+    """How many times the run's dvc-push task ran. Prefect 3 records task runs from events it sends in
+    batches, so the record can trail the flow's return by a moment: ask until it is there."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
 
+    deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="dvc-push")),
-        )
-    return max(run.run_count for run in runs)
+        while True:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="dvc-push")),
+            )
+            attempts = max((run.run_count for run in runs if run.state and run.state.is_final()), default=0)
+            if attempts or time.monotonic() > deadline:
+                return attempts
+            time.sleep(0.5)
