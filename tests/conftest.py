@@ -55,6 +55,17 @@ def materialize_tiny_base(directory: str | os.PathLike, warm_up: bool = True) ->
 
 
 @pytest.fixture(scope="session")
+def prefect_server():
+    """One temporary Prefect server per test process, for every module that runs flows (a second
+    harness in the same process would leave Prefect's event worker sending task-run records to the
+    first server, where the second's client never finds them)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
 def chromium() -> str:
     """Chromium from the distribution's packages, installed here when missing (root + apt-get);
     the browser tests are skipped, with the reason, only where it cannot be had."""

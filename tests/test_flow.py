@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at
 
 from filelock import FileLock  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 from flows.retrain import (  # noqa: E402
     DEPLOYMENT_NAME,
@@ -81,10 +80,10 @@ def _stage(name: str, out: str, deps: list[str], metrics: bool = False) -> dict:
     return spec
 
 
-@pytest.fixture(scope="session", autouse=True)
-def prefect_harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+@pytest.fixture(autouse=True)
+def prefect_harness(prefect_server):
+    """Every test here runs flows: on the process's one Prefect server (conftest.prefect_server)."""
+    yield
 
 
 @pytest.fixture

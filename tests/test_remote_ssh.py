@@ -17,7 +17,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at the repo root
 
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 from ssh_server import SshServer, find_or_install_sshd  # noqa: E402
 from test_pipeline_e2e import TINY_SOURCE, sh  # noqa: E402
 
@@ -30,10 +29,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(SSHD is None, reason=f"no Open
 REMOTE = "storage"  # the DVC remote's name
 
 
-@pytest.fixture(scope="module", autouse=True)
-def prefect_harness():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+@pytest.fixture(autouse=True)
+def prefect_harness(prefect_server):
+    """Every test here runs flows: on the process's one Prefect server (conftest.prefect_server)."""
+    yield
 
 
 @pytest.fixture
