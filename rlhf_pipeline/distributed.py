@@ -15,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from rlhf_pipeline.errors import LaunchConfigError, PipelineError
+from rlhf_pipeline.errors import LaunchConfigError, LostProcessError, PipelineError
 from rlhf_pipeline.functional import non_finite_tensors
 
 
@@ -116,8 +118,20 @@ def refuse_unsupported(device: torch.device, trunk_split: bool, stage: str, lora
         )
 
 
-def make_accelerator(device: torch.device, trunk_split: bool = False, stage: str = "training", lora: bool = False):
+def make_accelerator(
+    device: torch.device,
+    trunk_split: bool = False,
+    stage: str = "training",
+    lora: bool = False,
+    collective_timeout_s: float = 1800.0,
+):
     """The ``Accelerator`` for the launcher's processes and configuration (one process: a plain one).
+
+    ``collective_timeout_s`` is the process group's timeout: how long a collective waits for the
+    other processes (with gloo, every collective; with NCCL, its watchdog's limit). The process
+    state is made first with it, as accelerate documents for ``init_process_group`` arguments
+    (``InitProcessGroupKwargs`` would drop a value equal to its own NCCL default of 600 s, and gloo
+    would then wait torch's 1800 s).
 
     accelerate (1.15) turns FSDP on only for accelerator devices: on CPU processes an FSDP
     configuration would silently give DDP. Here it is honoured on CPU too (gloo), which is how
@@ -127,6 +141,7 @@ def make_accelerator(device: torch.device, trunk_split: bool = False, stage: str
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     refuse_unsupported(device, trunk_split, stage, lora)
+    PartialState(cpu=device.type == "cpu", timeout=timedelta(seconds=collective_timeout_s))
     accelerator = Accelerator(cpu=device.type == "cpu")
     if _flag("ACCELERATE_USE_FSDP") and accelerator.distributed_type == DistributedType.MULTI_CPU:
         accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # read from the launcher's environment
@@ -138,6 +153,38 @@ def make_accelerator(device: torch.device, trunk_split: bool = False, stage: str
             f"process group (accelerate sees {accelerator.num_processes}); each would train and write alone."
         )
     return accelerator
+
+
+# gloo's own words when a peer is gone: its socket closed (the process died) or a collective ran past
+# the process group's timeout (the process or its machine stopped answering); torch's DistError covers
+# the store, NCCL and the network where torch raises its own types
+_GLOO_LOST_PEER = re.compile(r"Connection closed by peer|Connection reset by peer|Timed out waiting \d+ms")
+
+
+@contextmanager
+def lost_processes_reported(accelerator, stage: str, timeout_key: str, timeout_s: float, resume: str):
+    """Inside the block, a collective that fails because another process is gone (killed, crashed,
+    or silent past ``timeout_key``) stops this process with :class:`LostProcessError`, whose
+    message says what happened and how to go on (``resume``), instead of gloo's traceback.
+    One process: nothing to lose, errors pass unchanged."""
+    try:
+        yield
+    except (RuntimeError, torch.distributed.DistError) as error:
+        if accelerator.num_processes == 1:
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if not (isinstance(error, torch.distributed.DistError) or _GLOO_LOST_PEER.search(reason)):
+            raise
+        if "Timed out" in reason or "timeout" in reason.lower():
+            what = (
+                f"did not answer within {timeout_key} = {timeout_s:g} s (it hangs, or its machine or network is down)"
+            )
+        else:
+            what = "closed its connection (it crashed or was killed, or its machine went down)"
+        raise LostProcessError(
+            f"{stage}: process {accelerator.process_index} of {accelerator.num_processes} stopped because another "
+            f"process {what}. {resume} The process group's own words: {reason}"
+        ) from error
 
 
 def is_fsdp(accelerator) -> bool:

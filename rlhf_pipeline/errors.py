@@ -59,6 +59,11 @@ class MissingPackageError(PipelineError):
     exit_code = 6
 
 
+class LostProcessError(PipelineError):
+    """One of the processes `accelerate launch` started is gone (killed, crashed, or silent past the
+    collective timeout), so the others cannot go on. Another launch can succeed: retried."""
+
+
 class DamagedArtifactError(PipelineError):
     """An artifact's bytes differ from the checksums recorded when it was written (a model's
     SHA256SUMS, a checkpoint's meta, dvc.lock or the DVC cache): nothing is trained on or pushed

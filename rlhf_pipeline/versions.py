@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.errors import DamagedArtifactError, PipelineError
-from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, sha256_file
+from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, write_checksums
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.lineage.record import git
-from rlhf_pipeline.modelcard import CARD, add_held_out_results, held_out_result
+from rlhf_pipeline.modelcard import add_held_out_results, held_out_result
 from rlhf_pipeline.params.schema import load_params
 from rlhf_pipeline.promotion import (
     EVALUATION_METRICS,
@@ -225,8 +225,7 @@ def fetch(
                 held_out_results(root, target),
                 f"`{EVALUATION_METRICS}` at commit {target.commit[:12]} ({target.tag})",
             )
-            recorded = read_checksums(fetched / CHECKSUMS) | {CARD: sha256_file(fetched / CARD)}
-            (fetched / CHECKSUMS).write_text("".join(f"{h}  {f}\n" for f, h in sorted(recorded.items())))
+            write_checksums(fetched)  # the files were checked above; the card is the one that changed
         if out.exists():
             raise PipelineError(f"{out} exists: choose a new folder (nothing was written).")
         shutil.move(str(fetched), str(out))

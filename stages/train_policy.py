@@ -10,7 +10,13 @@ from contextlib import nullcontext
 
 import torch
 
-from rlhf_pipeline.distributed import make_accelerator, resolve_device, whole_model
+from rlhf_pipeline.distributed import (
+    DevicePlan,
+    lost_processes_reported,
+    make_accelerator,
+    resolve_device,
+    whole_model,
+)
 from rlhf_pipeline.io import atomic_dir, content_hash, write_json
 from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.logging import open_live, step_logger
@@ -30,6 +36,7 @@ from rlhf_pipeline.training import mean_of
 
 BASE, REWARD, QUERIES, PREFS = "models/base", "models/reward", "data/queries", "data/preferences"
 OUT, CHECKPOINTS, METRICS, LIVE = "models/policy", "checkpoints/policy", "metrics/policy.json", "dvclive/train_policy"
+RESUME = f"Its last checkpoint in {CHECKPOINTS} is kept: launch every process again and the stage resumes from it."
 SPEED = "metrics/speed.json"  # dvc.yaml's top-level metrics: git keeps it, dvc.lock records no hash of it
 
 
@@ -75,7 +82,7 @@ def checkpoint_fingerprint(params: Params, uses_reward_model: bool) -> str:
     reward_hash = content_hash(f"{REWARD}/{HEAD_FILE}") if uses_reward_model else None
     return fingerprint_of(
         params.seed,
-        params.ppo.model_dump(),
+        params.ppo.model_dump(exclude={"collective_timeout_s"}),  # how long to wait changes no result
         params.task.model_dump(),
         reward_hash,
         content_hash(f"{QUERIES}"),
@@ -83,22 +90,10 @@ def checkpoint_fingerprint(params: Params, uses_reward_model: bool) -> str:
     )
 
 
-def main(params: Params) -> None:
-    cfg = params.ppo
-    uses_reward_model = cfg.score_source == "reward_model" or cfg.value_model == "separate"
-    require_dir(BASE, "base_model")
-    plan = resolve_device(cfg.device)
-    # one process unless `accelerate launch` started several; refuses what it cannot honour, before loading
-    accelerator = make_accelerator(plan.device, cfg.freeze_layers > 0, "train_policy", lora=cfg.lora is not None)
-    require_fit(cfg, BASE, accelerator.num_processes)  # the model's depth, modules and widths, from its config
-    if uses_reward_model:
-        require_dir(REWARD, "normalize_reward", HEAD_FILE)
-    is_main = accelerator.is_main_process
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=plan.device.type == "cuda")
-    tokenizer = load_tokenizer(BASE)
-    queries = load_queries(QUERIES, "train", tokenizer.pad_token_id)
-    require_context(BASE, queries.shape[1], params.task.response_length)
+def train(params: Params, plan: DevicePlan, accelerator, tokenizer, queries: torch.Tensor, uses_reward_model: bool):
+    """Load the models, run PPO (resuming from a checkpoint of this run) and return the whole trained
+    policy (None on processes other than 0), the history, the timings and the gold labeller."""
+    cfg, is_main = params.ppo, accelerator.is_main_process
     frozen_device = "cpu" if cfg.offload_frozen else plan.device
     # with LoRA the reference is the policy's own base weights (its adapter off): no second copy
     ref_model = load_causal_lm(BASE, frozen_device) if cfg.lora is None else None
@@ -128,8 +123,33 @@ def main(params: Params) -> None:
             accelerator=accelerator,
         )
         history = trainer.train(progress=is_main)
-    timings = trainer.timings
     policy = whole_model(accelerator, policy, lambda: build_policy(BASE, cfg, "cpu", REWARD))
+    return policy, history, trainer.timings, gold
+
+
+def main(params: Params) -> None:
+    cfg = params.ppo
+    uses_reward_model = cfg.score_source == "reward_model" or cfg.value_model == "separate"
+    require_dir(BASE, "base_model")
+    plan = resolve_device(cfg.device)
+    # one process unless `accelerate launch` started several; refuses what it cannot honour, before loading
+    accelerator = make_accelerator(
+        plan.device, cfg.freeze_layers > 0, "train_policy", cfg.lora is not None, cfg.collective_timeout_s
+    )
+    require_fit(cfg, BASE, accelerator.num_processes)  # the model's depth, modules and widths, from its config
+    if uses_reward_model:
+        require_dir(REWARD, "normalize_reward", HEAD_FILE)
+    is_main = accelerator.is_main_process
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=plan.device.type == "cuda")
+    tokenizer = load_tokenizer(BASE)
+    queries = load_queries(QUERIES, "train", tokenizer.pad_token_id)
+    require_context(BASE, queries.shape[1], params.task.response_length)
+    # a process that dies or hangs stops the others with a clear error; the checkpoints keep the work
+    with lost_processes_reported(
+        accelerator, "train_policy", "ppo.collective_timeout_s", cfg.collective_timeout_s, RESUME
+    ):
+        policy, history, timings, gold = train(params, plan, accelerator, tokenizer, queries, uses_reward_model)
     if not is_main:
         return
 

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 from datasets import load_from_disk
 
-from rlhf_pipeline.distributed import make_accelerator, whole_model
+from rlhf_pipeline.distributed import lost_processes_reported, make_accelerator, whole_model
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import atomic_dir, local_model_dir, read_json, write_json
 from rlhf_pipeline.logging import open_live, step_logger
@@ -39,6 +39,7 @@ from rlhf_pipeline.sampling import ResponseSampler
 
 BASE, PREFS, QUERIES, VALIDATION = "models/base", "data/preferences", "data/queries", "data/validation/summary.json"
 OUT, METRICS = "models/reward_unnormalized", "metrics/reward_train.json"
+RESTART = "Reward training keeps no checkpoint (one pass over the labels): launch every process again to start over."
 
 
 class Params(StageParams):
@@ -85,6 +86,24 @@ def card_summary(params: Params, train: Labels, test: Labels) -> str:
     return how + "The `normalize_reward` stage fits gain and bias into `models/reward`."
 
 
+def fit_normalize_before(params: Params, model: RewardModel, tokenizer, generator: torch.Generator) -> dict:
+    """OAI target_mean_std: start training from rewards already on the target scale, fitted on the
+    base model's responses (every process computes the same fit from the same seed)."""
+    samples = params.reward.train.normalize_before_samples
+    queries = load_queries(QUERIES, "train", tokenizer.pad_token_id, samples)
+    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
+    gain, bias, _ = normalize_on_base_samples(
+        model,
+        load_causal_lm(BASE).eval(),
+        sampler,
+        queries,
+        generator,
+        params.reward.normalize,
+        "train_reward normalize_before",
+    )
+    return {"gain": gain, "bias": bias, "samples": len(queries)}
+
+
 def main(params: Params) -> None:
     cfg = params.reward.train
     require_dir(BASE, "base_model")
@@ -93,7 +112,9 @@ def main(params: Params) -> None:
             f"{VALIDATION} says the preference data failed its contract; fix the data and rerun `dvc repro`."
         )
     # one process unless `accelerate launch` started several (each then trains on its share of every batch)
-    accelerator = make_accelerator(torch.device("cpu"), stage="train_reward")
+    accelerator = make_accelerator(
+        torch.device("cpu"), stage="train_reward", collective_timeout_s=cfg.collective_timeout_s
+    )
     is_main = accelerator.is_main_process
     tokenizer = load_tokenizer(BASE)
     prefs = load_from_disk(PREFS)
@@ -108,28 +129,19 @@ def main(params: Params) -> None:
 
     normalize_before = {}
     if cfg.normalize_before and not params.reward.pretrained:
-        # OAI target_mean_std: start training from rewards already on the target scale (every process
-        # computes the same fit from the same seed)
-        queries = load_queries(QUERIES, "train", tokenizer.pad_token_id, cfg.normalize_before_samples)
-        sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
-        gain, bias, _ = normalize_on_base_samples(
-            model,
-            load_causal_lm(BASE).eval(),
-            sampler,
-            queries,
-            generator,
-            params.reward.normalize,
-            "train_reward normalize_before",
-        )
-        normalize_before = {"gain": gain, "bias": bias, "samples": len(queries)}
+        normalize_before = fit_normalize_before(params, model, tokenizer, generator)
 
     train = preference_tensors(prefs["train"])
     test = preference_tensors(prefs["test"])
-    with open_live("dvclive/train_reward") if is_main else nullcontext() as live:
-        log = step_logger(live, ("loss", "accuracy", "lr"), prefix="train/")
-        trained = not params.reward.pretrained
-        history = train_reward_model(model, train, cfg, generator, log, accelerator) if trained else []
-    model = whole_model(accelerator, model, lambda: build(params, tokenizer))
+    # a process that dies or hangs stops the others with a clear error
+    with lost_processes_reported(
+        accelerator, "train_reward", "reward.train.collective_timeout_s", cfg.collective_timeout_s, RESTART
+    ):
+        with open_live("dvclive/train_reward") if is_main else nullcontext() as live:
+            log = step_logger(live, ("loss", "accuracy", "lr"), prefix="train/")
+            trained = not params.reward.pretrained
+            history = train_reward_model(model, train, cfg, generator, log, accelerator) if trained else []
+        model = whole_model(accelerator, model, lambda: build(params, tokenizer))
     if not is_main:
         return
     test_accuracy = best_of_n_accuracy(model, *test[:3], params.reward.normalize.batch_size)

@@ -4,6 +4,7 @@ process over the same global batch: same trained weights, one set of outputs, ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,8 +20,8 @@ import yaml
 from safetensors.torch import load_file
 from test_ppo import policy_project, queries, reward_model  # noqa: F401  (the tiny PPO project fixtures)
 
-from rlhf_pipeline.distributed import refuse_unsupported
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.distributed import lost_processes_reported, refuse_unsupported
+from rlhf_pipeline.errors import NOT_RETRIED_EXIT_CODES, LostProcessError, PipelineError
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
@@ -43,17 +44,28 @@ PORTS = {"ddp": 29611, "fsdp": 29623}
 PPO_RUN = {"total_episodes": 96, "checkpoint_every": 1, "freeze_layers": 1}
 
 
+def launch_env(cwd: Path) -> dict[str, str]:
+    return {**os.environ, "RLHF_PROJECT_ROOT": str(cwd), "GIT_DIR": "/nonexistent", "OMP_NUM_THREADS": "1"}
+
+
+def accelerate_launch(processes: int, machines: int, port: int, kind: str) -> list[str]:
+    """`accelerate launch` for ``processes`` processes over ``machines`` machines (add --machine_rank
+    when machines > 1), fp32, no compilation."""
+    sizes = ["--num_processes", str(processes), "--num_machines", str(machines), "--main_process_port", str(port)]
+    return [ACCELERATE, "launch", *sizes, "--mixed_precision", "no", "--dynamo_backend", "no", *LAUNCH[kind]]
+
+
 def launch(kind: str | None, script: str, *args: str, cwd: Path, popen: bool = False):
     """``script`` as one plain process (kind None) or two through `accelerate launch`."""
-    env = {**os.environ, "RLHF_PROJECT_ROOT": str(cwd), "GIT_DIR": "/nonexistent", "OMP_NUM_THREADS": "1"}
     if kind is None:
         command = [sys.executable, script, *args]
     else:
-        fixed = ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-        command = [ACCELERATE, "launch", *fixed, "--main_process_port", str(PORTS[kind]), *LAUNCH[kind], script, *args]
+        command = [*accelerate_launch(2, 1, PORTS[kind], kind), script, *args]
     if popen:
-        return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        return subprocess.Popen(
+            command, cwd=cwd, env=launch_env(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    return subprocess.run(command, cwd=cwd, env=launch_env(cwd), capture_output=True, text=True, timeout=600)
 
 
 def weights_close(a: Path, b: Path, files: list[str]) -> None:
@@ -155,6 +167,18 @@ def worker_pid(project: Path, rank: int) -> int | None:
     return None
 
 
+def wait_for_checkpoint(project: Path, update: int) -> Path:
+    """Poll until train_policy in ``project`` has checkpointed ``update`` (or 300 s pass); its meta file.
+    The tiny run takes its 6 updates within a second: a kill must be timed to a checkpoint."""
+    meta = project / "checkpoints/policy/state/meta.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (
+        meta.exists() and json.loads(meta.read_text() or "{}").get("update", 0) >= update
+    ):
+        time.sleep(0.02)
+    return meta
+
+
 def test_a_process_killed_mid_run_resumes_from_the_checkpoint_to_the_same_policy(policy_runs, policy_project):  # noqa: F811
     """FSDP (the state is gathered from the shards and scattered back): ``kill -9`` of process 1
     between checkpoints; the launcher stops the other; a new launch resumes and ends where the
@@ -162,10 +186,7 @@ def test_a_process_killed_mid_run_resumes_from_the_checkpoint_to_the_same_policy
     root, _ = policy_runs
     out = policy_copy(policy_project, root / "killed")
     victim = launch("fsdp", str(REPO / "stages/train_policy.py"), cwd=out, popen=True)
-    meta = out / "checkpoints/policy/state/meta.json"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (meta.exists() and json.loads(meta.read_text() or "{}").get("update", 0) >= 2):
-        time.sleep(0.02)
+    meta = wait_for_checkpoint(out, 2)
     pid = worker_pid(out, 1)
     assert pid is not None and not (out / "models/policy").exists(), "the run ended before it could be killed"
     os.kill(pid, signal.SIGKILL)
@@ -179,6 +200,51 @@ def test_a_process_killed_mid_run_resumes_from_the_checkpoint_to_the_same_policy
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"resuming from update {killed_at}" in rerun.stdout + rerun.stderr
     weights_close(root / "fsdp", out, ["models/policy/model.safetensors", "models/policy/value_head.safetensors"])
+
+
+# --------------------------------------------------------------------------------------------
+# a lost process: gloo's errors as the stage reports them
+# --------------------------------------------------------------------------------------------
+class Processes:
+    def __init__(self, count: int):
+        self.num_processes, self.process_index = count, 0
+
+
+GLOO_CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:52460. This is typically caused by a remote worker crashing."
+)
+GLOO_TIMEOUT = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+    "15000ms for recv operation to complete"
+)
+
+
+@pytest.mark.parametrize(
+    "reason, said",
+    [
+        (GLOO_CLOSED, "another process closed its connection (it crashed or was killed"),
+        (GLOO_TIMEOUT, "another process did not answer within ppo.collective_timeout_s = 15 s"),
+    ],
+)
+def test_a_lost_process_is_reported_as_a_retried_pipeline_error(reason, said):
+    """The words are gloo's own (measured on torch 2.13 with a killed and a stopped peer)."""
+    with pytest.raises(LostProcessError) as caught:
+        with lost_processes_reported(Processes(2), "train_policy", "ppo.collective_timeout_s", 15.0, "Resume it."):
+            raise RuntimeError(reason)
+    message = str(caught.value)
+    assert message.startswith(f"train_policy: process 0 of 2 stopped because {said}")
+    assert "Resume it." in message and reason.splitlines()[0] in message
+    assert caught.value.exit_code not in NOT_RETRIED_EXIT_CODES  # another launch can succeed
+
+
+def test_other_errors_and_a_single_process_pass_unchanged():
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        with lost_processes_reported(Processes(2), "train_policy", "ppo.collective_timeout_s", 15.0, ""):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):  # one process has no peers to lose
+        with lost_processes_reported(Processes(1), "train_policy", "ppo.collective_timeout_s", 15.0, ""):
+            raise RuntimeError(GLOO_CLOSED)
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,15 +295,13 @@ NODES_PORT = 29637
 
 def launch_nodes(script: str, *args: str, cwd: Path, port: int = NODES_PORT) -> list[subprocess.Popen]:
     """``script`` on two machines of one process each, as two `accelerate launch` commands (rank 0 the
-    main process at 127.0.0.1): each in its own session, so a node can be killed whole."""
-    env = {**os.environ, "RLHF_PROJECT_ROOT": str(cwd), "GIT_DIR": "/nonexistent", "OMP_NUM_THREADS": "1"}
-    common = ["--num_processes", "2", "--num_machines", "2", "--main_process_ip", "127.0.0.1"]
-    common += ["--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", "--multi_gpu"]
+    main process at 127.0.0.1), each launcher in its own session (see :func:`signal_node`)."""
+    command = [*accelerate_launch(2, 2, port, "ddp"), "--main_process_ip", "127.0.0.1"]
     return [
         subprocess.Popen(
-            [ACCELERATE, "launch", *common, "--machine_rank", str(rank), script, *args],
+            [*command, "--machine_rank", str(rank), script, *args],
             cwd=cwd,
-            env=env,
+            env=launch_env(cwd),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -245,6 +309,14 @@ def launch_nodes(script: str, *args: str, cwd: Path, port: int = NODES_PORT) -> 
         )
         for rank in (0, 1)
     ]
+
+
+def signal_node(launcher: subprocess.Popen, worker: int, sig: int) -> None:
+    """``sig`` to every process of one machine: its launcher's session and its training process, which
+    torch elastic starts in a session of its own (killing the launcher alone leaves it training)."""
+    for send, pid in ((os.killpg, launcher.pid), (os.kill, worker)):
+        with contextlib.suppress(ProcessLookupError):  # already gone (a second, clean-up signal)
+            send(pid, sig)
 
 
 def finished(nodes: list[subprocess.Popen]) -> list[str]:
@@ -276,3 +348,50 @@ def test_two_machines_of_one_process_train_the_one_process_policy(policy_runs, p
         assert nodes[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
     assert files_under(out) == files_under(root / "one")
     assert sum(output.count("train_policy: 96 episodes") for output in outputs) == 1
+
+
+@pytest.mark.parametrize(
+    "sig, said",
+    [
+        # a machine that stops answering but keeps its connections open (hung, or cut off): the timeout
+        (signal.SIGSTOP, "did not answer within ppo.collective_timeout_s = 10 s"),
+        # a machine that goes down: its connections close, the other stops at its next collective
+        (signal.SIGKILL, "closed its connection"),
+    ],
+    ids=["silent", "killed"],
+)
+def test_a_lost_node_stops_the_other_with_a_clear_error_and_both_resume(policy_runs, policy_project, sig, said):  # noqa: F811
+    """Two machines of one process; machine 1 is stopped whole (launcher and training process) after
+    the second checkpoint. Machine 0 exits non-zero within the params' timeout, saying what happened
+    and that the checkpoint is kept, and writes no policy; launched again, both resume from the
+    checkpoint and end on the one-process policy."""
+    root, _ = policy_runs
+    out = policy_copy(policy_project, root / f"lost_{sig.name}", collective_timeout_s=10.0)
+    port = NODES_PORT + (1 if sig == signal.SIGSTOP else 3)
+    nodes = launch_nodes(str(REPO / "stages/train_policy.py"), cwd=out, port=port)
+    meta = wait_for_checkpoint(out, 2)
+    worker = worker_pid(out, 1)
+    assert worker is not None and not (out / "models/policy").exists(), "the run ended before a node could be lost"
+    signal_node(nodes[1], worker, sig)
+    lost_at = time.monotonic()
+    try:
+        output, _ = nodes[0].communicate(timeout=120)
+        waited = time.monotonic() - lost_at
+    finally:
+        signal_node(nodes[1], worker, signal.SIGKILL)
+        nodes[1].communicate(timeout=60)
+    assert nodes[0].returncode != 0, output[-3000:]
+    assert "LostProcessError" not in output  # the stage's message, not a traceback
+    assert f"train_policy: process 0 of 2 stopped because another process {said}" in output, output[-3000:]
+    assert "Its last checkpoint in checkpoints/policy is kept" in output
+    if sig == signal.SIGSTOP:
+        assert 10 <= waited < 70, waited  # the timeout from params, then the launcher's shutdown
+    else:
+        assert waited < 60, waited
+    assert not (out / "models/policy").exists()
+    stopped_at = json.loads(meta.read_text())["update"]
+    assert 2 <= stopped_at < 6
+
+    outputs = finished(launch_nodes(str(REPO / "stages/train_policy.py"), cwd=out, port=port + 1))
+    assert f"resuming from update {stopped_at}" in "".join(outputs)
+    weights_close(root / "one", out, ["models/policy/model.safetensors", "models/policy/value_head.safetensors"])

@@ -227,6 +227,15 @@ class PPOParams(Strict):
     offload_frozen: bool = Field(False, description="Keep reference/reward models on CPU between uses.")
     checkpoint_every: int = Field(10, gt=0, le=MAX_ROWS, description="Updates between checkpoints.")
     deterministic: bool = Field(True, description="torch deterministic algorithms (bit-identical resume on CPU).")
+    collective_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        le=604_800.0,  # a week
+        description="Several processes (`accelerate launch`): seconds one process waits in a collective "
+        "(all-reduce, gather, barrier) for the others before the stage stops with an error naming this key; a "
+        "process or machine that stopped answering would otherwise hold the rest forever. Not a reference "
+        "detail (torch's gloo default, 1800); not part of the checkpoint's fingerprint, so a resume may change it.",
+    )
 
     @model_validator(mode="after")
     def _batches_fit(self) -> PPOParams:

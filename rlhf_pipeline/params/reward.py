@@ -56,6 +56,13 @@ class RewardTrainParams(Strict):
         "last", description="Head input: the last token's hidden state (reference) or the mean over response tokens."
     )
     max_grad_norm: float | None = Field(None, gt=0.0)
+    collective_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        le=604_800.0,  # a week
+        description="Several processes: seconds one process waits in a collective for the others before "
+        "the stage stops with an error (as ppo.collective_timeout_s). Not a reference detail.",
+    )
 
     @model_validator(mode="after")
     def _microbatches_fit(self) -> RewardTrainParams:

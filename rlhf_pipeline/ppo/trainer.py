@@ -194,7 +194,7 @@ class PPOTrainer:
         gradient (sizes stay global)."""
         cfg = self.cfg
         self.accelerator = accelerator or distributed.make_accelerator(
-            self.device, cfg.freeze_layers > 0, "train_policy", lora=cfg.lora is not None
+            self.device, cfg.freeze_layers > 0, "train_policy", cfg.lora is not None, cfg.collective_timeout_s
         )
         self.world_size, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         self.minibatch_share = cfg.batch_size // cfg.nminibatches // self.world_size

@@ -129,7 +129,9 @@ def train_reward_model(
 
     Returns one record per optimizer step (step, loss, accuracy, lr); ``log(record)`` is called too.
     """
-    accelerator = accelerator or distributed.make_accelerator(torch.device("cpu"), stage="train_reward")
+    accelerator = accelerator or distributed.make_accelerator(
+        torch.device("cpu"), stage="train_reward", collective_timeout_s=cfg.collective_timeout_s
+    )
     if cfg.batch_size % accelerator.num_processes:
         raise PipelineError(
             f"reward.train.batch_size ({cfg.batch_size}) must split evenly over the {accelerator.num_processes} "
