@@ -37,7 +37,7 @@ STAGES = ["prepare", "train_reward", "train_policy", "evaluate"]
 # then writes its output from a digest of its inputs so that a change flows downstream.
 STEP = textwrap.dedent(
     """
-    import hashlib, json, sys
+    import hashlib, json, sys, time
     from pathlib import Path
 
     name, out, *deps = sys.argv[1:]
@@ -46,6 +46,7 @@ STEP = textwrap.dedent(
     attempt = int(counter.read_text()) + 1 if counter.exists() else 1
     counter.write_text(str(attempt))
     control = json.loads(Path("control.json").read_text()).get(name, {}) if Path("control.json").exists() else {}
+    time.sleep(control.get("sleep", 0))
     if attempt <= control.get("fail_first", 0):
         print(f"{name}: transient failure on attempt {attempt}", file=sys.stderr)
         sys.exit(1)

@@ -1,4 +1,5 @@
-"""``python -m flows.retrain [run|serve|server]``: one retrain run, the weekly schedule, or a Prefect server."""
+"""``python -m flows.retrain [run|serve|deploy|server]``: one retrain run, the weekly schedule served from
+this process or deployed to a work pool, or a Prefect server."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import os
 import sys
 
-from flows.retrain.flow import DEFAULT_PREFERENCES_TARGET, build_deployment, retrain
+from flows.retrain.flow import DEFAULT_PREFERENCES_TARGET, DEPLOYMENT_NAME, build_deployment, retrain
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.runner import report_error
 
@@ -19,7 +20,7 @@ def _api_url() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in {"run", "serve", "server"} else "run"
+    command = argv.pop(0) if argv and argv[0] in {"run", "serve", "deploy", "server"} else "run"
     parser = argparse.ArgumentParser(prog=f"python -m flows.retrain {command}")
     if command == "server":
         parser.add_argument("--host", default="127.0.0.1")
@@ -37,19 +38,48 @@ def main(argv: list[str] | None = None) -> int:
         "--remote", default=None, help="DVC remote to push to (default: default remote, else localremote)"
     )
     parser.add_argument("--no-push", dest="push", action="store_false")
-    if command == "serve":
+    if command in ("serve", "deploy"):
         parser.add_argument("--cron", default=None, help="default: params.yaml schedule.cron")
         parser.add_argument(
             "--timezone", default=None, help="IANA time zone of the cron (default: params.yaml schedule.timezone)"
         )
+        if command == "deploy":
+            parser.add_argument("--pool", required=True, help="process work pool (made when missing)")
+            parser.add_argument(
+                "--heartbeat-seconds", type=int, default=60, help=">= 30; a run silent 3x this is Crashed"
+            )
+            parser.add_argument("--crash-restarts", type=int, default=2, help="times a crashed run is scheduled again")
         args = parser.parse_args(argv)
         if not _api_url():
             print(
-                "serve needs a Prefect server: start one with `python -m flows.retrain server` and "
+                f"{command} needs a Prefect server: start one with `python -m flows.retrain server` and "
                 "export PREFECT_API_URL=http://127.0.0.1:4200/api",
                 file=sys.stderr,
             )
             return 2
+    if command == "deploy":
+        from flows.retrain.pool import deploy_to_pool
+
+        try:
+            ids = deploy_to_pool(
+                args.pool,
+                args.repo,
+                args.cron,
+                args.timezone,
+                args.incoming,
+                args.remote,
+                args.push,
+                args.heartbeat_seconds,
+                args.crash_restarts,
+            )
+        except PipelineError as error:
+            return report_error(error, "python -m flows.retrain deploy")
+        print(
+            f"deployment retrain/{DEPLOYMENT_NAME} ({ids['deployment_id']}) on work pool {args.pool}; start a worker: "
+            f"prefect worker start --pool {args.pool}"
+        )
+        return 0
+    if command == "serve":
         from prefect import serve
 
         try:

@@ -15,6 +15,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
+from prefect.runtime import flow_run as flow_run_runtime
 from prefect.runtime import task_run as task_run_runtime
 from prefect.tasks import exponential_backoff
 from pydantic import ValidationError
@@ -349,6 +350,7 @@ def retrain(
     retry_delay_seconds: float = 30.0,
     lock_timeout: float = 3600.0,
     lineage_target: str | None = DEFAULT_LINEAGE_TARGET,
+    crash_restarts: int = 2,
 ) -> dict[str, Any]:
     """One retrain run; see the module docstring.
 
@@ -364,8 +366,11 @@ def retrain(
         retry_delay_seconds: first retry delay; doubles each retry (exponential backoff).
         lock_timeout: seconds to wait for an overlapping run to finish before failing.
         lineage_target: artifact whose ``rlhf lineage`` goes into the summary (None: skip).
+        crash_restarts: a run that crashed (its process or machine died) and was scheduled again
+            by the work pool's automation (flows/retrain/pool.py) runs at most this many more times.
     """
     logger = get_run_logger()
+    refuse_endless_restarts(crash_restarts)
     root = Path(repo).expanduser().resolve()
     validate_command = list(validate_command or rlhf_command("validate-preferences"))
     lock_path = root / LOCK_RELATIVE_PATH
@@ -430,6 +435,30 @@ def retrain(
         lock.release()
 
 
+def deployment_parameters(root: Path, incoming: str | None, remote: str | None, push: bool) -> dict[str, Any]:
+    """The flow's parameters for a deployment of the project at ``root`` (paths made absolute)."""
+    parameters: dict[str, Any] = {"repo": str(root), "push": push}
+    if incoming:
+        parameters["incoming"] = str(Path(incoming).expanduser().resolve())
+    if remote:
+        parameters["remote"] = remote
+    return parameters
+
+
+def refuse_endless_restarts(crash_restarts: int) -> None:
+    """Fail (a final state no automation retries) a run that has crashed more than ``crash_restarts``
+    times: Prefect counts every start of a flow run in its ``run_count``."""
+    starts = flow_run_runtime.run_count or 1
+    if starts > 1 + crash_restarts:
+        raise RetrainError(
+            f"this flow run has started {starts} times: it crashed {starts - 1} times (its process or machine "
+            f"died mid-run) and crash_restarts is {crash_restarts}. Nothing was changed by this start; look at "
+            "the earlier attempts' logs for what killed them, then start a new run."
+        )
+    if starts > 1:
+        get_run_logger().warning("start %d of this flow run: the previous one crashed; resuming the pipeline", starts)
+
+
 def build_deployment(
     repo: str = ".",
     cron: str | None = None,
@@ -443,15 +472,10 @@ def build_deployment(
 
     root = Path(repo).expanduser().resolve()
     schedule = resolve_schedule(root, cron, timezone)
-    parameters: dict[str, Any] = {"repo": str(root), "push": push}
-    if incoming:
-        parameters["incoming"] = str(Path(incoming).expanduser().resolve())
-    if remote:
-        parameters["remote"] = remote
     return retrain.to_deployment(
         name=DEPLOYMENT_NAME,
         schedules=[Cron(schedule.cron, timezone=schedule.timezone)],
-        parameters=parameters,
+        parameters=deployment_parameters(root, incoming, remote, push),
         concurrency_limit=1,  # collision strategy ENQUEUE: an overlapping scheduled run waits
         tags=["rlhf", "retrain"],
         description="Weekly RLHF retrain: ingest, dvc repro (stale stages only), push, report.",
