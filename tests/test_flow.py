@@ -770,3 +770,18 @@ def test_the_flow_names_its_exit_codes_by_their_error_classes():
                 f"{path.name}:{v.lineno}" for v in values if isinstance(v, ast.Constant) and isinstance(v.value, int)
             ]
     assert literals == []
+
+
+def test_a_run_that_keeps_crashing_is_refused_after_its_crash_restarts(monkeypatch):
+    """The work pool's automation schedules a Crashed run again (flows/retrain/pool.py); the flow's
+    first act is to count the starts Prefect recorded and fail, for good, past crash_restarts."""
+    from types import SimpleNamespace
+
+    import flows.retrain.flow as flow_module
+    from flows.retrain.dvc_project import RetrainError
+
+    monkeypatch.setattr(flow_module, "flow_run_runtime", SimpleNamespace(run_count=4))
+    with pytest.raises(RetrainError, match="started 4 times: it crashed 3 times .* crash_restarts is 2"):
+        flow_module.refuse_endless_restarts(2)
+    monkeypatch.setattr(flow_module, "flow_run_runtime", SimpleNamespace(run_count=1))
+    flow_module.refuse_endless_restarts(0)  # a first start always runs
