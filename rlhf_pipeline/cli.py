@@ -22,10 +22,10 @@ from pathlib import Path
 
 from rlhf_pipeline import __version__
 from rlhf_pipeline.environment import LOCK_FILE, environment_record, record_lines
-from rlhf_pipeline.errors import ParamsError, PipelineError, StorageError
-from rlhf_pipeline.io import atomic_file
+from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, StorageError
+from rlhf_pipeline.io import atomic_file, read_json
 from rlhf_pipeline.params import read_params_file
-from rlhf_pipeline.params.schema import parse_params
+from rlhf_pipeline.params.schema import load_params, parse_params
 from rlhf_pipeline.runner import declared_keys_by_stage, missing_key_problems, report_error, report_unexpected
 
 
@@ -210,6 +210,45 @@ def cmd_export_preferences(args) -> int:
     return 0
 
 
+def cmd_label(args) -> int:
+    """Label Studio tasks out (export), its annotations in (import), or its labelling interface (config)."""
+    import json
+
+    from rlhf_pipeline import labelling  # loads torch and transformers: only when this command runs
+
+    if args.action == "config":
+        print(labelling.label_config(args.n), end="")
+        return 0
+    if args.action == "export":
+        task = load_params(args.params).task
+        tasks = labelling.export_tasks(
+            args.model, args.queries, task, args.split, args.num, args.n, args.seed, args.round, args.model_name
+        )
+        with writing(args.output), atomic_file(args.output) as out:
+            json.dump(tasks, out, indent=1, ensure_ascii=False)
+        print(
+            f"{args.output}: {len(tasks)} best-of-{args.n} tasks from {args.model} (round {args.round}); "
+            f"labelling interface: rlhf label config --n {args.n}"
+        )
+        return 0
+    try:
+        tasks = read_json(args.input)
+    except (OSError, ValueError) as error:
+        raise DataContractError(f"{args.input}: not a readable Label Studio JSON export ({error}).") from None
+    if not isinstance(tasks, list):
+        raise DataContractError(f"{args.input}: a Label Studio JSON export is a list of tasks.")
+    min_agreement = args.min_agreement
+    if min_agreement is None and Path(args.params).exists():
+        min_agreement = load_params(args.params).data.validation.min_agreement
+    report = labelling.rows_from_export(tasks, args.input, min_agreement)
+    if not report.rows:
+        raise DataContractError(f"{args.input}: no usable annotation ({report.summary()}); nothing written.")
+    with writing(args.output), atomic_file(args.output) as out:
+        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in report.rows)
+    print(json.dumps({"output": args.output, **report.summary()}, indent=2))
+    return 0
+
+
 def cmd_plots_page(args) -> int:
     from rlhf_pipeline.plots_page import write_offline_page_template  # loads vl-convert: only when this runs
 
@@ -284,6 +323,39 @@ def _add_models_parser(sub) -> None:
     p.set_defaults(func=cmd_models)
 
 
+def _add_label_parser(sub) -> None:
+    p = sub.add_parser("label", help="people label: Label Studio tasks out, annotations in (best-of-N rows)")
+    label = p.add_subparsers(dest="action", required=True)
+    q = label.add_parser("config", help="print the Label Studio labelling interface (XML) for best-of-N")
+    q.add_argument("--n", type=int, default=4, help="responses per task (4: OpenAI's best-of-4; 2: pairwise)")
+    q = label.add_parser("export", help="sample N responses per query from a model; write Label Studio tasks (JSON)")
+    q.add_argument("output")
+    q.add_argument(
+        "--model", default="models/policy", help="the model folder that samples (models/base, a fetched version)"
+    )
+    q.add_argument(
+        "--model-name", default=None, help="what the tasks call the model (e.g. policy@v3.0.0); default: --model"
+    )
+    q.add_argument("--queries", default="data/queries")
+    q.add_argument("--split", default="train", choices=["train", "test"])
+    q.add_argument("--num", type=int, default=64, help="queries (the first NUM of the split)")
+    q.add_argument("--n", type=int, default=4)
+    q.add_argument("--seed", type=int, default=0, help="the sampling seed (recorded in each task)")
+    q.add_argument("--round", type=int, default=1, help="the labelling round (recorded in each task and row)")
+    q.add_argument("--params", default="params.yaml", help="the task section's sampling (temperature, length)")
+    q = label.add_parser("import", help="Label Studio's JSON export -> best-of-N preference rows (.jsonl)")
+    q.add_argument("input")
+    q.add_argument("output")
+    q.add_argument(
+        "--min-agreement",
+        type=float,
+        default=None,
+        help="refuse below this agreement (default: data.validation.min_agreement)",
+    )
+    q.add_argument("--params", default="params.yaml")
+    p.set_defaults(func=cmd_label)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`)."
@@ -330,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", default="data/preferences", help="the preferences stage's output")
     p.add_argument("--split", default="train", choices=["train", "test"])
     p.set_defaults(func=cmd_export_preferences)
+
+    _add_label_parser(sub)
 
     p = sub.add_parser(
         "plots-page", help="(re)write the page template that lets `dvc plots show` draw offline (vega inlined)"

@@ -106,6 +106,17 @@ WHOLE_TABLE_EXPECTATIONS = (
 )
 
 
+# human labels (rlhf label import): who answered which task; one annotation per pair
+HUMAN_LABEL_KEY = ("task_id", "annotator")
+
+
+def duplicate_key(frame) -> list[str]:
+    """The columns two rows may not share all of: the query, samples and label, and the annotator where
+    there is one (two people choosing the same response for one task are two labels, not a duplicate)."""
+    columns = ["query", *expected_samples(frame), "best", "annotator"]
+    return [c for c in columns if c in frame.columns]
+
+
 def build_suite(frame, validation, label_check: bool = True, min_rows: int | None = None, select=None):
     """The ExpectationSuite of the row checks for ``frame`` (with helper columns) under ``data.validation``
     (``select``: keep only the expectations whose type it accepts).
@@ -148,7 +159,12 @@ def build_suite(frame, validation, label_check: bool = True, min_rows: int | Non
                 f"labels not degenerate (most common best share <= max_label_share {validation.max_label_share})",
             )
     if present:
-        add(gxe.ExpectCompoundColumnsToBeUnique(column_list=present), "no duplicate rows")
+        add(gxe.ExpectCompoundColumnsToBeUnique(column_list=duplicate_key(frame)), "no duplicate rows")
+    if set(HUMAN_LABEL_KEY) <= set(frame.columns):
+        add(
+            gxe.ExpectCompoundColumnsToBeUnique(column_list=list(HUMAN_LABEL_KEY)),
+            "one answer per task and annotator (task_id, annotator)",
+        )
     if "_max_tokens" in frame.columns:
         add(
             gxe.ExpectColumnValuesToBeBetween(column="_max_tokens", max_value=validation.max_tokens),
@@ -441,8 +457,10 @@ def _validate_in_chunks(context, frame, user_columns, validation, tokenizer, lab
     table = run_suite(context, whole, table_suite).to_json_dict()
     # the duplicate-row check on the rows whose hash repeats (GX's own takes ~1.4 kB a row), its
     # counts then stated over every row: what it gives on the whole table
-    compared = [c for c in ["query", *expected_samples(helpers), "best"] if c in whole.columns]  # as build_suite
-    repeats = whole[pd.util.hash_pandas_object(whole[compared], index=False).duplicated(keep=False)]
+    repeated = pd.util.hash_pandas_object(whole[duplicate_key(helpers)], index=False).duplicated(keep=False)
+    if set(HUMAN_LABEL_KEY) <= set(whole.columns):
+        repeated |= pd.util.hash_pandas_object(whole[list(HUMAN_LABEL_KEY)], index=False).duplicated(keep=False)
+    repeats = whole[repeated]
     duplicates = run_suite(
         context, repeats, build_suite(helpers, validation, label_check, min_rows, select=unique.__eq__)
     )

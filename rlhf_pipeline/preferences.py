@@ -303,7 +303,8 @@ def to_flat_frame(frame, fmt: str, tokenizer=None, where: str = "preferences"):
     if fmt == PAIRWISE:
         flat = flat.rename(columns={"prompt": "query", "chosen": "sample0", "rejected": "sample1"})
         flat["best"] = 0
-    keep = ["query", *sample_columns(flat.columns), "best"] + [c for c in ("margin",) if c in flat.columns]
+    extra = ("margin", "task_id", "annotator")  # the last two: human labels (rlhf_pipeline.labelling)
+    keep = ["query", *sample_columns(flat.columns), "best"] + [c for c in extra if c in flat.columns]
     return flat[[c for c in keep if c in flat.columns]].reset_index(drop=True)
 
 

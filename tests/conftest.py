@@ -25,6 +25,15 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs a worker per core: t
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+# modules of a minute or more (measured on 2 cores): collected first, so that under `--dist loadfile`
+# xdist hands them out first and the short modules fill in around them, instead of one long module
+# starting last and running alone at the end
+LONG_MODULES = ("test_prefect_worker", "test_distributed", "test_remote_ssh", "test_flow", "test_pipeline_e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: position for position, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))  # stable
 # A stage script's first import is stages/_interpreter.py, found because Python puts a script's folder
 # first on sys.path; the stages run in-process here (runpy, importlib) need that folder too. Appended,
 # not prepended: stages/evaluate.py must not shadow a library module of that name.

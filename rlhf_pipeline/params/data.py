@@ -84,6 +84,14 @@ class ValidationParams(Strict):
         description="Bound on |margin| (reward units; Llama 2's margins are 0-3): "
         "larger or non-finite margins make the reward loss overflow at the first step.",
     )
+    min_agreement: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Human labels (`rlhf label import`): refuse an export whose annotators agree on fewer than "
+        "this share of the pairs of annotations of one task (null: report the agreement only). Not a reference "
+        "detail: OpenAI measured 38-60% agreement between labellers on best-of-4.",
+    )
 
 
 class DataParams(Strict):

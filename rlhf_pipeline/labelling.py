@@ -1,0 +1,254 @@
+"""People label: Label Studio tasks out, annotations in, as OpenAI's lm-human-preferences collected
+them (a query, N responses sampled from the current model, the labeller picks the best of N).
+
+- :func:`label_config` is the labelling interface (Label Studio XML): the query, the N responses,
+  one required single choice whose exported value is the response's index.
+- :func:`export_tasks` samples the N responses per query from a model folder and returns Label Studio
+  tasks; each carries what ties it back: the query's split and index, the sampling seed, the model
+  and its weights' SHA-256, the round, and ``task_id`` (a hash of all of them).
+- :func:`rows_from_export` reads Label Studio's JSON export into best-of-N preference rows, one per
+  annotation, with ``annotator``, ``task_id``, ``round`` and ``model``; it refuses
+  (:class:`DataContractError`, exit 3, nothing written) an annotation that cannot be a label and
+  reports cancelled and skipped ones, and the agreement between annotators where a task has several.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import combinations
+from pathlib import Path
+from xml.sax.saxutils import quoteattr
+
+import torch
+
+from rlhf_pipeline.errors import DataContractError, PipelineError
+from rlhf_pipeline.io import sha256_file
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer
+from rlhf_pipeline.params.task import TaskParams
+from rlhf_pipeline.preferences import sample_candidates, sample_problem
+from rlhf_pipeline.sampling import ResponseSampler
+
+CHOICE = "best"  # the <Choices> name: what an annotation's result is read from
+TASK_FIELDS = ("task_id", "query", "split", "query_index", "seed", "model", "model_sha256", "round")
+
+
+def label_config(n: int) -> str:
+    """Label Studio's labelling interface for best-of-``n`` (n = 2: pairwise): the query, each response
+    under its number, and one required choice whose value (its ``alias``) is the response's index."""
+    if n < 2:
+        raise PipelineError(f"a labelling task needs at least 2 responses to choose from (got {n}).")
+    lines = [
+        "<View>",
+        '  <Header value="Query"/>',
+        '  <Text name="query" value="$query"/>',
+        f'  <Header value="Which response continues it best? Pick one of the {n}."/>',
+    ]
+    for i in range(n):
+        lines += [f'  <Header value="Response {i + 1}" size="5"/>', f'  <Text name="sample{i}" value="$sample{i}"/>']
+    lines.append(f'  <Choices name="{CHOICE}" toName="query" choice="single" required="true" showInLine="true">')
+    for i in range(n):
+        lines.append(f"    <Choice value={quoteattr(f'Response {i + 1}')} alias={quoteattr(str(i))}/>")
+    lines += ["  </Choices>", "</View>", ""]
+    return "\n".join(lines)
+
+
+def task_id(model_sha256: str, split: str, query_index: int, seed: int, n: int, round_: int) -> str:
+    """The id that ties a task to what made it: the same inputs give the same id (deduplication)."""
+    key = json.dumps([model_sha256, split, query_index, seed, n, round_])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def weights_sha256(model_dir: str | Path) -> str:
+    """SHA-256 of the model's weight files, in name order (which weights sampled the responses)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise PipelineError(f"{model_dir}: no *.safetensors weights; give a model folder (models/base, models/policy).")
+    return hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest()
+
+
+@torch.no_grad()
+def export_tasks(
+    model_dir: str | Path,
+    queries_dir: str | Path,
+    task: TaskParams,
+    split: str,
+    num_queries: int,
+    n: int,
+    seed: int,
+    round_: int,
+    model_name: str | None = None,
+    batch_size: int = 16,
+) -> list[dict]:
+    """Label Studio tasks for the first ``num_queries`` queries of ``split``: ``n`` responses each,
+    sampled from ``model_dir`` with the task's sampling (as the preferences stage samples them).
+    A query whose responses would break the data contract (e.g. two identical) is drawn again once,
+    then left out."""
+    from datasets import load_from_disk
+
+    part = load_from_disk(str(queries_dir))[split]
+    if num_queries > len(part):
+        raise PipelineError(f"{queries_dir} ({split}) has {len(part)} queries; {num_queries} were asked for.")
+    tokenizer = load_tokenizer(str(model_dir))
+    model = load_causal_lm(str(model_dir)).eval()
+    sampler = ResponseSampler.from_tokenizer(task, tokenizer)
+    generator = torch.Generator().manual_seed(seed)
+    model_sha = weights_sha256(model_dir)
+    name = model_name or str(model_dir)
+    tasks = []
+    for start in range(0, num_queries, batch_size):
+        indices = list(range(start, min(start + batch_size, num_queries)))
+        ids = [part[i]["query_ids"] for i in indices]
+        texts, _, _ = sample_candidates(model, tokenizer, sampler, ids, n, generator)
+        for i, samples in zip(indices, texts):
+            if sample_problem(samples) is not None:
+                samples = sample_candidates(model, tokenizer, sampler, [part[i]["query_ids"]], n, generator)[0][0]
+                if sample_problem(samples) is not None:
+                    continue
+            data = {
+                "task_id": task_id(model_sha, split, i, seed, n, round_),
+                "query": part[i]["query"],
+                **{f"sample{k}": text for k, text in enumerate(samples)},
+                "split": split,
+                "query_index": i,
+                "seed": seed,
+                "model": name,
+                "model_sha256": model_sha,
+                "round": round_,
+            }
+            tasks.append({"data": data})
+    return tasks
+
+
+@dataclass
+class ImportReport:
+    rows: list[dict]
+    annotations: int = 0
+    cancelled: int = 0
+    skipped: int = 0  # submitted without a choice
+    tasks: int = 0
+    tasks_with_several: int = 0
+    agreement: float | None = None  # share of annotator pairs on one task that chose the same response
+    annotators: Counter = field(default_factory=Counter)
+
+    def summary(self) -> dict:
+        return {
+            "rows": len(self.rows),
+            "tasks": self.tasks,
+            "annotations": self.annotations,
+            "cancelled": self.cancelled,
+            "skipped": self.skipped,
+            "annotators": dict(sorted(self.annotators.items())),
+            "tasks_with_several_annotations": self.tasks_with_several,
+            "agreement": self.agreement,
+        }
+
+
+def _annotator(annotation: dict) -> str:
+    who = annotation.get("completed_by")
+    if isinstance(who, dict):  # some exports expand the user
+        who = who.get("email") or who.get("id")
+    return str(who)
+
+
+def _choice(annotation: dict) -> list[str] | None:
+    """The values chosen in ``annotation``'s result for :data:`CHOICE` (None: no choice made)."""
+    for item in annotation.get("result") or []:
+        if item.get("from_name") == CHOICE and item.get("type") == "choices":
+            return list((item.get("value") or {}).get("choices") or [])
+    return None
+
+
+def rows_from_export(tasks: list[dict], where: str, min_agreement: float | None = None) -> ImportReport:
+    """Best-of-N rows from Label Studio's JSON export ``tasks`` (see the module docstring)."""
+    report = ImportReport(rows=[])
+    choices_by_task: dict[str, list[int]] = {}
+    for position, item in enumerate(tasks):
+        data = item.get("data") or {}
+        label = f"{where}: task {item.get('id', position)}"
+        missing = [k for k in (*TASK_FIELDS, "sample0", "sample1") if k not in data]
+        if missing:
+            raise DataContractError(
+                f"{label} lacks {', '.join(missing)} in its data: it was not made by `rlhf label export` (or its "
+                "fields were edited). Export tasks with `rlhf label export` and import them into the project."
+            )
+        n = sum(1 for k in data if k.startswith("sample") and k[6:].isdigit())
+        seen: set[str] = set()
+        report.tasks += 1
+        for annotation in item.get("annotations") or []:
+            report.annotations += 1
+            best = _label(annotation, data, n, f"{label} (task_id {data['task_id']})", seen, report)
+            if best is None:
+                continue
+            choices_by_task.setdefault(data["task_id"], []).append(best)
+            report.rows.append(_row(data, n, best, _annotator(annotation)))
+    report.agreement, report.tasks_with_several = pairwise_agreement(choices_by_task)
+    if min_agreement is not None and report.agreement is not None and report.agreement < min_agreement:
+        worst = [t for t, c in choices_by_task.items() if len(set(c)) > 1][:5]
+        raise DataContractError(
+            f"{where}: annotators agree on {report.agreement:.2f} of the pairs that labelled one task "
+            f"({report.tasks_with_several} tasks with several annotations), below min_agreement {min_agreement:g}. "
+            f"Tasks they split on: {', '.join(worst)}. Review the instructions or the annotators; nothing was written."
+        )
+    return report
+
+
+def _label(annotation: dict, data: dict, n: int, task_label: str, seen: set[str], report: ImportReport) -> int | None:
+    """The response ``annotation`` chose (None for a cancelled or empty one, counted in ``report``);
+    refuses a choice outside the ``n`` responses and a second answer by one annotator (``seen``)."""
+    who = _annotator(annotation)
+    where = f"{task_label}, annotation {annotation.get('id')} by annotator {who}"
+    if annotation.get("was_cancelled"):
+        report.cancelled += 1
+        return None
+    chosen = _choice(annotation)
+    if not chosen:
+        report.skipped += 1
+        return None
+    if len(chosen) != 1 or not chosen[0].isdigit() or not 0 <= int(chosen[0]) < n:
+        raise DataContractError(
+            f"{where}: the choice {chosen} is not one of the {n} responses (0 to {n - 1}); the project's labelling "
+            "interface must be the one `rlhf label config` writes. Nothing was written."
+        )
+    if who in seen:
+        raise DataContractError(
+            f"{where}: this annotator answered the task twice; keep one of the two annotations in Label Studio "
+            "(delete the other) and export again. Nothing was written."
+        )
+    seen.add(who)
+    report.annotators[who] += 1
+    return int(chosen[0])
+
+
+def _row(data: dict, n: int, best: int, annotator: str) -> dict:
+    """One best-of-N preference row, with where it came from."""
+    return {
+        "query": data["query"],
+        **{f"sample{k}": data[f"sample{k}"] for k in range(n)},
+        "best": best,
+        # not `split`: the preferences stage holds out its own seeded share of the labels
+        "query_split": data["split"],
+        "annotator": annotator,
+        "task_id": data["task_id"],
+        "round": int(data["round"]),
+        "model": data["model"],
+        "model_sha256": data["model_sha256"],
+        "seed": int(data["seed"]),
+        "query_index": int(data["query_index"]),
+    }
+
+
+def pairwise_agreement(choices_by_task: dict[str, list[int]]) -> tuple[float | None, int]:
+    """(share of the pairs of annotations of one task that chose the same response, tasks with >= 2);
+    None when no task has two annotations."""
+    pairs = agreeing = tasks = 0
+    for choices in choices_by_task.values():
+        if len(choices) < 2:
+            continue
+        tasks += 1
+        for a, b in combinations(choices, 2):
+            pairs += 1
+            agreeing += a == b
+    return (agreeing / pairs if pairs else None), tasks
