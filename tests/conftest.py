@@ -34,6 +34,8 @@ LONG_MODULES = ("test_prefect_worker", "test_distributed", "test_remote_ssh", "t
 def pytest_collection_modifyitems(config, items):
     rank = {name: position for position, name in enumerate(LONG_MODULES)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))  # stable
+
+
 # A stage script's first import is stages/_interpreter.py, found because Python puts a script's folder
 # first on sys.path; the stages run in-process here (runpy, importlib) need that folder too. Appended,
 # not prepended: stages/evaluate.py must not shadow a library module of that name.
