@@ -243,9 +243,23 @@ def cmd_label(args) -> int:
     report = labelling.rows_from_export(tasks, args.input, min_agreement)
     if not report.rows:
         raise DataContractError(f"{args.input}: no usable annotation ({report.summary()}); nothing written.")
+    rows, merged = report.rows, {}
+    if args.append and Path(args.output).exists():
+        existing = []
+        for number, line in enumerate(Path(args.output).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                existing.append(json.loads(line))
+            except ValueError as error:
+                raise DataContractError(
+                    f"{args.output}: line {number} is not JSON ({error}); nothing was written."
+                ) from None
+        rows, added, repeated = labelling.merge_rounds(existing, report.rows, args.output)
+        merged = {"kept": len(existing), "added": added, "already_there": repeated}
     with writing(args.output), atomic_file(args.output) as out:
-        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in report.rows)
-    print(json.dumps({"output": args.output, **report.summary()}, indent=2))
+        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    print(json.dumps({"output": args.output, **report.summary(), **merged}, indent=2))
     return 0
 
 
@@ -353,6 +367,11 @@ def _add_label_parser(sub) -> None:
         help="refuse below this agreement (default: data.validation.min_agreement)",
     )
     q.add_argument("--params", default="params.yaml")
+    q.add_argument(
+        "--append",
+        action="store_true",
+        help="keep OUTPUT's rows (earlier rounds) and add the new (task_id, annotator)s",
+    )
     p.set_defaults(func=cmd_label)
 
 

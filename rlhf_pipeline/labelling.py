@@ -252,3 +252,26 @@ def pairwise_agreement(choices_by_task: dict[str, list[int]]) -> tuple[float | N
             pairs += 1
             agreeing += a == b
     return (agreeing / pairs if pairs else None), tasks
+
+
+def merge_rounds(existing: list[dict], new: list[dict], where: str) -> tuple[list[dict], int, int]:
+    """Every round's labels in one file: ``existing`` rows, then the ``new`` rows whose (task_id,
+    annotator) is not there yet. Importing the same export again adds nothing; an annotation that
+    disagrees with the one already kept for its task and annotator is refused (exit 3), since one of
+    the two exports was edited. Returns (rows, added, already there)."""
+    kept = {(row.get("task_id"), row.get("annotator")): row for row in existing}
+    added, repeated = [], 0
+    for row in new:
+        key = (row["task_id"], row["annotator"])
+        if key in kept:
+            if kept[key]["best"] != row["best"]:
+                raise DataContractError(
+                    f"{where}: task_id {key[0]} by annotator {key[1]} is already labelled {kept[key]['best']} "
+                    f"(round {kept[key].get('round')}), and this export says {row['best']}. One of the two exports was "
+                    "changed after the labels were taken; nothing was written."
+                )
+            repeated += 1
+            continue
+        kept[key] = row
+        added.append(row)
+    return [*existing, *added], len(added), repeated

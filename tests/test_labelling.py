@@ -141,3 +141,25 @@ def test_export_samples_n_responses_per_query_tied_to_model_seed_and_round(tiny_
     assert all(v.get("value")[1:] in data[0] for v in ET.fromstring(label_config(4)).iter("Text"))
     again = cli(*args[:2], str(tmp_path / "again.json"), *args[3:], "--round", "3", "--model-name", "base", cwd=root)
     assert again.returncode == 0 and json.loads((tmp_path / "again.json").read_text()) == tasks  # seeded
+
+
+def test_rounds_append_to_one_file_deduplicated_by_task_and_annotator(tmp_path):
+    """Round 1 then round 2 (two new tasks, one task of round 1 exported again): every round kept
+    once; the same export imported twice adds nothing; an edited export is refused, the file kept."""
+    (tmp_path / "round1.json").write_text(json.dumps(export_of_two_annotators(3)))
+    second = export_of_two_annotators(5)[2:]  # tasks 2 (again), 3 and 4
+    (tmp_path / "round2.json").write_text(json.dumps(second))
+    first = cli("label", "import", "round1.json", "labels.jsonl", "--append", "--params", "none.yaml", cwd=tmp_path)
+    assert first.returncode == 0 and json.loads(first.stdout)["rows"] == 6, first.stderr  # no file yet: written
+    for added, already in ((4, 2), (0, 6)):  # round 2, then round 2 again
+        done = cli("label", "import", "round2.json", "labels.jsonl", "--append", "--params", "none.yaml", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert (json.loads(done.stdout)["added"], json.loads(done.stdout)["already_there"]) == (added, already)
+    rows = [json.loads(line) for line in (tmp_path / "labels.jsonl").read_text().splitlines()]
+    assert len(rows) == 10 and len({(r["task_id"], r["annotator"]) for r in rows}) == 10
+    before = (tmp_path / "labels.jsonl").read_bytes()
+    second[0]["annotations"][0]["result"][0]["value"]["choices"] = ["3"]  # task 2, annotator 1: was 2
+    (tmp_path / "edited.json").write_text(json.dumps(second))
+    refused = cli("label", "import", "edited.json", "labels.jsonl", "--append", "--params", "none.yaml", cwd=tmp_path)
+    assert refused.returncode == 3 and "task_id t0002 by annotator 1 is already labelled 2" in refused.stderr
+    assert (tmp_path / "labels.jsonl").read_bytes() == before
