@@ -245,16 +245,7 @@ def cmd_label(args) -> int:
         raise DataContractError(f"{args.input}: no usable annotation ({report.summary()}); nothing written.")
     rows, merged = report.rows, {}
     if args.append and Path(args.output).exists():
-        existing = []
-        for number, line in enumerate(Path(args.output).read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                existing.append(json.loads(line))
-            except ValueError as error:
-                raise DataContractError(
-                    f"{args.output}: line {number} is not JSON ({error}); nothing was written."
-                ) from None
+        existing = labelling.read_rows(args.output)
         rows, added, repeated = labelling.merge_rounds(existing, report.rows, args.output)
         merged = {"kept": len(existing), "added": added, "already_there": repeated}
     with writing(args.output), atomic_file(args.output) as out:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -25,7 +26,7 @@ from xml.sax.saxutils import quoteattr
 import torch
 
 from rlhf_pipeline.errors import DataContractError, PipelineError
-from rlhf_pipeline.io import sha256_file
+from rlhf_pipeline.io import read_jsonl, sha256_file
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.preferences import sample_candidates, sample_problem
@@ -252,6 +253,17 @@ def pairwise_agreement(choices_by_task: dict[str, list[int]]) -> tuple[float | N
             pairs += 1
             agreeing += a == b
     return (agreeing / pairs if pairs else None), tasks
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """The rows of a JSON-lines label file, read (and refused, exit 3) as every preference file is
+    (:func:`rlhf_pipeline.io.read_jsonl`); a key a row lacks stays absent, not NaN."""
+    columns = read_jsonl(Path(path))
+    names = list(columns)
+    return [
+        {k: v for k, v in zip(names, values) if not (isinstance(v, float) and math.isnan(v))}
+        for values in zip(*columns.values())
+    ]
 
 
 def merge_rounds(existing: list[dict], new: list[dict], where: str) -> tuple[list[dict], int, int]:

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from uuid import UUID
 
@@ -75,22 +76,14 @@ class Prefect:
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         return result.stdout
 
+    @contextmanager
     def client(self):
+        """A synchronous Prefect client of this server (the test process's own settings aside)."""
         from prefect.client.orchestration import get_client
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        class Session:
-            def __enter__(inner):
-                inner.settings = temporary_settings(updates={PREFECT_API_URL: self.api})
-                inner.settings.__enter__()
-                inner.client = get_client(sync_client=True)
-                return inner.client.__enter__()
-
-            def __exit__(inner, *exc):
-                inner.client.__exit__(*exc)
-                inner.settings.__exit__(*exc)
-
-        return Session()
+        with temporary_settings(updates={PREFECT_API_URL: self.api}), get_client(sync_client=True) as client:
+            yield client
 
     def trigger(self, deployment_id: str) -> UUID:
         """A flow run of the deployment, in state Scheduled (for now): what the cron would make."""
