@@ -22,7 +22,7 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 export PREFECT_HOME := $(CURDIR)/.prefect
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup lock run test bench server serve flow clean
+.PHONY: setup lock label-studio label-studio-lock label-studio-server run test bench server serve flow clean
 
 setup: $(STAMP)
 
@@ -62,13 +62,41 @@ lock:
 	rm -f $(LOCK).main $(LOCK).model
 	mv $(LOCK).tmp $(LOCK)
 
+# Label Studio (the labelling web app; `rlhf label` talks to it) in a venv of its own: it is a separate
+# application whose dependencies must not move the pipeline's lock. labelling/label-studio.lock pins
+# its whole closure with hashes, as requirements.lock does the project's.
+LS_VENV    := .label-studio
+LS_LOCK    := labelling/label-studio.lock
+LS_VERSION := 1.23.2
+LS_PORT    ?= 8080
+label-studio: $(LS_VENV)/.installed
+
+$(LS_VENV)/.installed: $(LS_LOCK)
+	test -x $(LS_VENV)/bin/python || python3 -m venv $(LS_VENV)
+	$(LS_VENV)/bin/pip install -q --disable-pip-version-check --require-hashes --no-deps -r $(LS_LOCK)
+	touch $@
+
+label-studio-lock:
+	test -x $(VENV)/bin/uv || { test -x $(PY) || python3 -m venv $(VENV); $(PY) -m pip install -q uv; }
+	echo "label-studio==$(LS_VERSION)" | $(VENV)/bin/uv pip compile - --generate-hashes --no-header --quiet \
+	  --python-version $(LOCK_PYTHON) --python-platform $(LOCK_PLATFORM) -o $(LS_LOCK).tmp
+	{ printf '%s\n' "# Label Studio, the labelling web app, in a venv of its own ($(LS_VENV)/): made by \`make label-studio-lock\`" \
+	    "# (uv pip compile, Python $(LOCK_PYTHON), $(LOCK_PLATFORM)); installed by \`make label-studio\` with --no-deps."; \
+	  cat $(LS_LOCK).tmp; } > $(LS_LOCK)
+	rm -f $(LS_LOCK).tmp
+
+# Label Studio on http://127.0.0.1:$(LS_PORT), its projects in .label-studio/data (SQLite); make the first
+# user on its sign-up page, then `rlhf label` reads LABEL_STUDIO_URL and LABEL_STUDIO_API_KEY.
+label-studio-server: label-studio
+	$(LS_VENV)/bin/label-studio start --no-browser --host 127.0.0.1 --port $(LS_PORT) --data-dir $(LS_VENV)/data
+
 run: setup
 	$(VENV)/bin/dvc repro
 
-# lint and format first (seconds), then the suite on TEST_WORKERS processes (pytest-xdist; auto: one per
+# lint and format first (seconds), then the suite (Label Studio installed first: a test drives the real app) on TEST_WORKERS processes (pytest-xdist; auto: one per
 # core), each test file on one worker (its fixtures built once), torch on one thread per worker
 TEST_WORKERS ?= auto
-test: setup
+test: setup label-studio
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
@@ -88,4 +116,4 @@ flow: setup
 	$(PY) -m flows.retrain
 
 clean:
-	rm -rf $(VENV) .prefect
+	rm -rf $(VENV) .prefect $(LS_VENV)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rlhf_pipeline import __version__
 from rlhf_pipeline.environment import LOCK_FILE, environment_record, record_lines
-from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, StorageError
+from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, SettingsError, StorageError
 from rlhf_pipeline.io import atomic_file, read_json
 from rlhf_pipeline.params import read_params_file
 from rlhf_pipeline.params.schema import load_params, parse_params
@@ -221,28 +221,24 @@ def cmd_label(args) -> int:
         return 0
     if args.action == "export":
         task = load_params(args.params).task
-        tasks = labelling.export_tasks(
-            args.model, args.queries, task, args.split, args.num, args.n, args.seed, args.round, args.model_name
-        )
+        with sampling_model(args.model) as (folder, name):
+            tasks = labelling.export_tasks(
+                folder, args.queries, task, args.split, args.num, args.n, args.seed, args.round, args.model_name or name
+            )
         with writing(args.output), atomic_file(args.output) as out:
             json.dump(tasks, out, indent=1, ensure_ascii=False)
         print(
-            f"{args.output}: {len(tasks)} best-of-{args.n} tasks from {args.model} (round {args.round}); "
+            f"{args.output}: {len(tasks)} best-of-{args.n} tasks from {name} (round {args.round}); "
             f"labelling interface: rlhf label config --n {args.n}"
         )
         return 0
-    try:
-        tasks = read_json(args.input)
-    except (OSError, ValueError) as error:
-        raise DataContractError(f"{args.input}: not a readable Label Studio JSON export ({error}).") from None
-    if not isinstance(tasks, list):
-        raise DataContractError(f"{args.input}: a Label Studio JSON export is a list of tasks.")
+    tasks, where = _label_export(args, labelling)
     min_agreement = args.min_agreement
     if min_agreement is None and Path(args.params).exists():
         min_agreement = load_params(args.params).data.validation.min_agreement
-    report = labelling.rows_from_export(tasks, args.input, min_agreement)
+    report = labelling.rows_from_export(tasks, where, min_agreement)
     if not report.rows:
-        raise DataContractError(f"{args.input}: no usable annotation ({report.summary()}); nothing written.")
+        raise DataContractError(f"{where}: no usable annotation ({report.summary()}); nothing written.")
     rows, merged = report.rows, {}
     if args.append and Path(args.output).exists():
         existing = labelling.read_rows(args.output)
@@ -252,6 +248,46 @@ def cmd_label(args) -> int:
         out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     print(json.dumps({"output": args.output, **report.summary(), **merged}, indent=2))
     return 0
+
+
+@contextmanager
+def sampling_model(model: str) -> Iterator[tuple[str, str]]:
+    """(a model folder, what tasks call it) for ``rlhf label export --model``: a folder as given, or a
+    registered version (``policy#prod``, ``policy@v2``) fetched and checked into a temporary folder for
+    the time it samples (its tag, ``policy@v2.0.0``, names it)."""
+    if Path(model).is_dir() or not any(mark in model for mark in "@#"):
+        yield model, model
+        return
+    import tempfile
+
+    from rlhf_pipeline import registry, versions  # loads DVC and GTO: only for a registered version
+
+    version = registry.resolve(".", model)
+    with tempfile.TemporaryDirectory(prefix=".label-export-", dir=".") as scratch:
+        versions.fetch(".", version.artifact, version.version, None, Path(scratch) / "model")
+        yield str(Path(scratch) / "model"), version.tag
+
+
+def _label_export(args, labelling) -> tuple[list, str]:
+    """(Label Studio's JSON export, where it came from): the file ``INPUT``, or ``--from-server PROJECT``."""
+    if args.from_server is not None:
+        if len(args.paths) != 1:
+            raise SettingsError("rlhf label import --from-server PROJECT takes one path: OUTPUT (the .jsonl to write).")
+        args.output = args.paths[0]
+        return labelling.fetch_export(args.from_server)
+    if len(args.paths) != 2:
+        raise SettingsError(
+            "rlhf label import takes INPUT OUTPUT (Label Studio's JSON export, the .jsonl to write), "
+            "or --from-server PROJECT OUTPUT."
+        )
+    args.input, args.output = args.paths
+    try:
+        tasks = read_json(args.input)
+    except (OSError, ValueError) as error:
+        raise DataContractError(f"{args.input}: not a readable Label Studio JSON export ({error}).") from None
+    if not isinstance(tasks, list):
+        raise DataContractError(f"{args.input}: a Label Studio JSON export is a list of tasks.")
+    return tasks, args.input
 
 
 def cmd_plots_page(args) -> int:
@@ -336,10 +372,12 @@ def _add_label_parser(sub) -> None:
     q = label.add_parser("export", help="sample N responses per query from a model; write Label Studio tasks (JSON)")
     q.add_argument("output")
     q.add_argument(
-        "--model", default="models/policy", help="the model folder that samples (models/base, a fetched version)"
+        "--model",
+        default="models/policy",
+        help="the model that samples: a folder (models/base) or a registered version (policy#prod, policy@v2)",
     )
     q.add_argument(
-        "--model-name", default=None, help="what the tasks call the model (e.g. policy@v3.0.0); default: --model"
+        "--model-name", default=None, help="what the tasks call the model; default: the version's tag, or --model"
     )
     q.add_argument("--queries", default="data/queries")
     q.add_argument("--split", default="train", choices=["train", "test"])
@@ -348,9 +386,20 @@ def _add_label_parser(sub) -> None:
     q.add_argument("--seed", type=int, default=0, help="the sampling seed (recorded in each task)")
     q.add_argument("--round", type=int, default=1, help="the labelling round (recorded in each task and row)")
     q.add_argument("--params", default="params.yaml", help="the task section's sampling (temperature, length)")
-    q = label.add_parser("import", help="Label Studio's JSON export -> best-of-N preference rows (.jsonl)")
-    q.add_argument("input")
-    q.add_argument("output")
+    q = label.add_parser(
+        "import",
+        help="Label Studio's JSON export (a file, or pulled from the server) -> best-of-N preference rows (.jsonl)",
+    )
+    q.add_argument(
+        "paths", nargs="+", metavar="[INPUT] OUTPUT", help="the export file (not with --from-server), the .jsonl"
+    )
+    q.add_argument(
+        "--from-server",
+        type=int,
+        default=None,
+        metavar="PROJECT",
+        help="pull project PROJECT's annotations from the server at $LABEL_STUDIO_URL with $LABEL_STUDIO_API_KEY",
+    )
     q.add_argument(
         "--min-agreement",
         type=float,

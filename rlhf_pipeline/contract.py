@@ -38,6 +38,7 @@ from rlhf_pipeline.preferences import (
     BAD_CHARACTER_CHECK,
     BAD_CHARACTERS,
     EMPTY_TEXT_CHECK,
+    LABEL_KEY,
     PAIRED_FORMATS,
     VISIBLE_CHARACTER,
     detect_format,
@@ -107,7 +108,7 @@ WHOLE_TABLE_EXPECTATIONS = (
 
 
 # human labels (rlhf label import): who answered which task; one annotation per pair
-HUMAN_LABEL_KEY = ("task_id", "annotator")
+HUMAN_LABEL_KEY = LABEL_KEY
 
 
 def duplicate_key(frame) -> list[str]:

@@ -34,6 +34,13 @@ class LaunchConfigError(PipelineError):
     exit_code = ParamsError.exit_code
 
 
+class SettingsError(PipelineError):
+    """A command cannot run as called: wrong arguments, or a setting it reads from the environment
+    missing or refused (a server's address, an API token). Exit 2, like params.yaml: no retry fixes it."""
+
+    exit_code = ParamsError.exit_code
+
+
 class DataContractError(PipelineError):
     """Preference data failed the Great Expectations contract."""
 

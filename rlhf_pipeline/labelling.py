@@ -6,6 +6,8 @@ them (a query, N responses sampled from the current model, the labeller picks th
 - :func:`export_tasks` samples the N responses per query from a model folder and returns Label Studio
   tasks; each carries what ties it back: the query's split and index, the sampling seed, the model
   and its weights' SHA-256, the round, and ``task_id`` (a hash of all of them).
+- :func:`fetch_export` pulls a project's JSON export from a running server (its address and API token
+  from the environment, as Label Studio's own SDK reads them: never from params or files in git).
 - :func:`rows_from_export` reads Label Studio's JSON export into best-of-N preference rows, one per
   annotation, with ``annotator``, ``task_id``, ``round`` and ``model``; it refuses
   (:class:`DataContractError`, exit 3, nothing written) an annotation that cannot be a label and
@@ -17,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -25,7 +28,7 @@ from xml.sax.saxutils import quoteattr
 
 import torch
 
-from rlhf_pipeline.errors import DataContractError, PipelineError
+from rlhf_pipeline.errors import DataContractError, PipelineError, SettingsError
 from rlhf_pipeline.io import read_jsonl, sha256_file
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
@@ -33,6 +36,7 @@ from rlhf_pipeline.preferences import sample_candidates, sample_problem
 from rlhf_pipeline.sampling import ResponseSampler
 
 CHOICE = "best"  # the <Choices> name: what an annotation's result is read from
+URL_VARIABLE, TOKEN_VARIABLE = "LABEL_STUDIO_URL", "LABEL_STUDIO_API_KEY"  # the names Label Studio's SDK reads
 TASK_FIELDS = ("task_id", "query", "split", "query_index", "seed", "model", "model_sha256", "round")
 
 
@@ -121,6 +125,57 @@ def export_tasks(
             }
             tasks.append({"data": data})
     return tasks
+
+
+def fetch_export(
+    project: int, environ: dict[str, str] | None = None, timeout_s: float = 120.0
+) -> tuple[list[dict], str]:
+    """(project ``project``'s annotated tasks as Label Studio's JSON export, a name for messages), pulled
+    from the server at ``$LABEL_STUDIO_URL`` with the API token ``$LABEL_STUDIO_API_KEY``.
+
+    One GET of the export endpoint: with ``httpx`` (already a dependency) rather than Label Studio's SDK,
+    whose closure would move the pipeline's lock for this one call. The token is the user's legacy API
+    token (Account & Settings); it is never printed."""
+    import httpx
+
+    environ = os.environ if environ is None else environ
+    missing = [name for name in (URL_VARIABLE, TOKEN_VARIABLE) if not environ.get(name)]
+    if missing:
+        raise SettingsError(
+            f"rlhf label import --from-server reads the server's address and your API token from the environment; "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set. Export {URL_VARIABLE}="
+            f"http://HOST:PORT and {TOKEN_VARIABLE}=<the token on Label Studio's Account & Settings page>; they are "
+            "never read from params or files, so they stay out of git."
+        )
+    base = environ[URL_VARIABLE].rstrip("/")
+    where = f"Label Studio project {project} at {base}"
+    try:
+        response = httpx.get(
+            f"{base}/api/projects/{project}/export",
+            params={"exportType": "JSON", "download_all_tasks": "false"},
+            headers={"Authorization": f"Token {environ[TOKEN_VARIABLE]}"},
+            timeout=timeout_s,
+        )
+    except httpx.HTTPError as error:
+        raise PipelineError(  # exit 1: the retrain flow retries it (a server restarting)
+            f"{where}: the server did not answer ({type(error).__name__}: {error}); nothing written."
+        ) from None
+    if response.status_code in (401, 403):
+        raise SettingsError(
+            f"{where} refused the token in {TOKEN_VARIABLE} (HTTP {response.status_code}): use your legacy API token "
+            "from Account & Settings, on a server started with legacy tokens enabled; nothing written."
+        )
+    if response.status_code == 404:
+        raise SettingsError(f"{where}: no such project (HTTP 404); its id is the number in the project's URL.")
+    if response.status_code != 200:
+        raise PipelineError(f"{where} answered HTTP {response.status_code}: {response.text[:300]}; nothing written.")
+    try:
+        tasks = response.json()
+    except ValueError:
+        raise PipelineError(f"{where} answered something that is not JSON ({response.text[:200]!r}).") from None
+    if not isinstance(tasks, list):
+        raise DataContractError(f"{where}: the export is not a list of tasks ({type(tasks).__name__}).")
+    return tasks, where
 
 
 @dataclass

@@ -50,6 +50,8 @@ PAIRED_FORMATS = (PAIRWISE, CONVERSATIONAL)  # one chosen against one rejected: 
 PAIRWISE_COLUMNS = ("prompt", "chosen", "rejected")
 SAMPLE_COLUMN = re.compile(r"^sample(0|[1-9]\d*)$")  # sample0, sample1, ...: no leading zeros
 LOOKS_LIKE_SAMPLE = re.compile(r"^sample\d+$")
+TASK_ID = "task_id"  # human labels: the labelling task a row answers (rlhf_pipeline.labelling)
+LABEL_KEY = (TASK_ID, "annotator")  # human labels: one answer per task and annotator
 FILE_ROWS = "file_rows"  # DataFrame.attrs key: the file's row number of each row of a split
 VALIDATE_HINT = "Run `rlhf validate-preferences FILE` for a full report of the problems in a preference file."
 
@@ -82,21 +84,21 @@ def text_problem(text: str) -> str | None:
     return None
 
 
-def features():
-    """The datasets Features of the internal format."""
+def features(human: bool = False):
+    """The datasets Features of the internal format; ``human``: with each row's labelling task and
+    annotator (:data:`LABEL_KEY`), so that two people who chose alike are two labels, not a duplicate."""
     from datasets import Features, List, Value
 
-    return Features(
-        {
-            "query": Value("string"),
-            "query_ids": List(Value("int64")),
-            "samples": List(Value("string")),
-            "sample_ids": List(List(Value("int64"))),
-            "best": Value("int64"),
-            "gold": List(Value("float64")),
-            "margin": Value("float64"),
-        }
-    )
+    columns = {
+        "query": Value("string"),
+        "query_ids": List(Value("int64")),
+        "samples": List(Value("string")),
+        "sample_ids": List(List(Value("int64"))),
+        "best": Value("int64"),
+        "gold": List(Value("float64")),
+        "margin": Value("float64"),
+    }
+    return Features(columns | ({key: Value("string") for key in LABEL_KEY} if human else {}))
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,7 +305,7 @@ def to_flat_frame(frame, fmt: str, tokenizer=None, where: str = "preferences"):
     if fmt == PAIRWISE:
         flat = flat.rename(columns={"prompt": "query", "chosen": "sample0", "rejected": "sample1"})
         flat["best"] = 0
-    extra = ("margin", "task_id", "annotator")  # the last two: human labels (rlhf_pipeline.labelling)
+    extra = ("margin", *LABEL_KEY)
     keep = ["query", *sample_columns(flat.columns), "best"] + [c for c in extra if c in flat.columns]
     return flat[[c for c in keep if c in flat.columns]].reset_index(drop=True)
 
@@ -517,11 +519,16 @@ def chat_format(fmt: str, chat: bool, source: str) -> str:
 def user_to_internal(
     frame, fmt: str, tokenizer, query_length: int, response_length: int, where: str
 ) -> InternalColumns:
-    """A user's frame in the internal columns; messages name the file's rows (``FILE_ROWS``)."""
+    """A user's frame in the internal columns; messages name the file's rows (``FILE_ROWS``). Human
+    labels keep their task and annotator (:data:`LABEL_KEY`)."""
     convert = {PAIRWISE: pairwise_to_internal, CONVERSATIONAL: conversational_to_internal}.get(
         fmt, best_of_n_to_internal
     )
-    return convert(frame, tokenizer, query_length, response_length, where, rows=frame.attrs.get(FILE_ROWS))
+    columns = convert(frame, tokenizer, query_length, response_length, where, rows=frame.attrs.get(FILE_ROWS))
+    if set(LABEL_KEY) <= set(frame.columns):
+        for key in LABEL_KEY:
+            columns[key] = [None if v is None or v != v else str(v) for v in frame[key].tolist()]
+    return columns
 
 
 def internal_to_flat(columns) -> pd.DataFrame:  # noqa: F821
@@ -534,8 +541,10 @@ def internal_to_flat(columns) -> pd.DataFrame:  # noqa: F821
     for i in range(width):
         data[f"sample{i}"] = [s[i] if i < len(s) else None for s in samples]
     data["best"] = list(columns["best"])
-    if "margin" in (columns.column_names if hasattr(columns, "column_names") else columns):
-        data["margin"] = list(columns["margin"])
+    names = columns.column_names if hasattr(columns, "column_names") else columns
+    for extra in ("margin", *LABEL_KEY):
+        if extra in names:
+            data[extra] = list(columns[extra])
     return pd.DataFrame(data)
 
 
@@ -592,13 +601,49 @@ def load_user_frames(source: str, split: str, test_fraction: float, seed: int) -
 def split_positions(frame, source: str, test_fraction: float, seed: int) -> dict[str, list[int]]:
     """The row numbers of the train and test rows of one user file: those its ``split`` column
     names, else a seeded ``test_fraction`` held out at random (the rule ``rlhf validate-preferences``
-    applies too, counting rows without copying them)."""
+    applies too, counting rows without copying them). Rows of one human-labelling task (its
+    ``task_id``: several annotators answered it) are held out together, so that no test row has a
+    twin in training."""
     if "split" in frame.columns:
         return split_by_column(frame, source)
     if len(frame) < 2:
         raise DataContractError(f"{source}: at least 2 rows are needed to hold out a test split.")
-    train_idx, test_idx = split_indices(len(frame), test_fraction, seed)
-    return {"train": train_idx, "test": test_idx}
+    if TASK_ID not in frame.columns:
+        train_idx, test_idx = split_indices(len(frame), test_fraction, seed)
+        return {"train": train_idx, "test": test_idx}
+    import pandas as pd
+
+    # a row without a task id is a task of its own
+    keys = [f"row {i}" if pd.isna(t) else str(t) for i, t in enumerate(frame[TASK_ID])]
+    groups, tasks = pd.factorize(pd.Series(keys))
+    if len(tasks) < 2:
+        raise DataContractError(
+            f"{source}: every row answers one task ({TASK_ID} {tasks[0]}); 2 tasks are needed to hold one out."
+        )
+    held_out = set(split_indices(len(tasks), test_fraction, seed)[1])
+    return {
+        "train": [i for i, g in enumerate(groups) if g not in held_out],
+        "test": [i for i, g in enumerate(groups) if g in held_out],
+    }
+
+
+def label_rounds(frame) -> list[dict] | None:
+    """Where human labels came from, round by round (``rlhf label import`` rows carry ``round``,
+    ``model``, ``model_sha256``, ``task_id`` and ``annotator``): rows, tasks, annotators and the
+    model(s) that sampled the responses. None for data without rounds."""
+    if "round" not in frame.columns:
+        return None
+    rounds = []  # a row without a round (a file that mixes sources) is counted under round None
+    for number, part in frame.groupby(frame["round"].fillna(-1).astype(int), sort=True):
+        entry = {"round": int(number) if number >= 0 else None, "rows": len(part)}
+        for column, name in ((TASK_ID, "tasks"), ("annotator", "annotators")):
+            if column in part.columns:
+                entry[name] = int(part[column].nunique())
+        for column in ("model", "model_sha256"):
+            if column in part.columns:
+                entry[column] = sorted(map(str, part[column].dropna().unique()))
+        rounds.append(entry)
+    return rounds
 
 
 def split_rows(frame, source: str, test_fraction: float, seed: int) -> dict[str, pd.DataFrame]:  # noqa: F821

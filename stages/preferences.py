@@ -1,7 +1,9 @@
 """Stage preferences: best-of-N labels in the internal format -> data/preferences (train/test).
 
 ``data.preferences.source``: ``simulated`` (labeler on base-model samples of data/queries), or a
-user file (.jsonl/.parquet under data/labels/) / hub dataset in pairwise or best-of-N format.
+user file (.jsonl/.parquet under data/labels/) / hub dataset in pairwise or best-of-N format. Human
+labels (``rlhf label import``) keep their rounds: data/preferences/format.json says which rows came
+from which round and model, for ``rlhf lineage``.
 See rlhf_pipeline/preferences.py for the formats.
 """
 
@@ -12,6 +14,7 @@ import _interpreter  # noqa: F401  (first: exit 6 when this Python lacks the pro
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
 import numpy as np
+import pandas as pd
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
@@ -23,9 +26,11 @@ from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.data import SIMULATED, DataParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.preferences import (
+    LABEL_KEY,
     ceiling_accuracy,
     chat_format,
     features,
+    label_rounds,
     load_user_frames,
     refuse_bad_texts,
     refuse_overlong_texts,
@@ -43,7 +48,7 @@ class Params(StageParams):
     task: TaskParams = TaskParams()
 
 
-def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
+def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict, dict]:
     cfg = params.data.preferences
     try:
         queries = load_from_disk(QUERIES)
@@ -96,10 +101,11 @@ def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
         np.mean([g.count(max(g)) > 1 for g in gold])
     )  # rows whose best is a coin flip
     metrics["labels/truncation_valid_fraction"] = valid / total
-    return splits, metrics
+    return splits, metrics, {}
 
 
-def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
+def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict, dict]:
+    """The user's labels, and what they record of where they came from (human labels: by round)."""
     cfg, q = params.data.preferences, params.data.queries
     if is_local_source(cfg.source):
         require_tracked_location(cfg.source, "data.preferences.source", LABELS)
@@ -115,6 +121,9 @@ def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
         for name, frame in frames.items()
     }
     metrics = {"format": fmt, "labels/ceiling_accuracy": None}
+    rounds = label_rounds(pd.concat(frames.values(), ignore_index=True))
+    if rounds:
+        metrics["labels/rounds"] = len(rounds)
     for name, columns in splits.items():
         for what, n in columns.cuts.items():
             metrics[f"{what}/{name}"] = n
@@ -125,7 +134,7 @@ def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict]:
                 f"{columns.cuts['truncated_responses']} repl(ies) only their first (task.response_length "
                 f"{params.task.response_length})"
             )
-    return splits, metrics
+    return splits, metrics, {"rounds": rounds} if rounds else {}
 
 
 def main(params: Params) -> None:
@@ -133,7 +142,9 @@ def main(params: Params) -> None:
     require_dir(BASE, "base_model")
     require_context(BASE, params.data.queries.query_length, params.task.response_length)
     tokenizer = load_tokenizer(BASE)
-    splits, metrics = simulated_splits(params, tokenizer) if cfg.source == SIMULATED else user_splits(params, tokenizer)
+    splits, metrics, provenance = (
+        simulated_splits(params, tokenizer) if cfg.source == SIMULATED else user_splits(params, tokenizer)
+    )
     for name, columns in splits.items():
         metrics[f"rows/{name}"] = len(columns["best"])
         counts = np.bincount(columns["best"], minlength=len(columns["samples"][0]) if columns["samples"] else 0)
@@ -141,9 +152,12 @@ def main(params: Params) -> None:
             metrics[f"labels/best_share/{name}/{index}"] = float(n / max(1, len(columns["best"])))
     with atomic_dir(OUT) as tmp:
         DatasetDict(
-            {name: Dataset.from_dict(columns, features=features()) for name, columns in splits.items()}
+            {
+                name: Dataset.from_dict(columns, features=features(human=LABEL_KEY[0] in columns))
+                for name, columns in splits.items()
+            }
         ).save_to_disk(str(tmp))
-        info = {"format": metrics["format"], "source": cfg.source}
+        info = {"format": metrics["format"], "source": cfg.source, **provenance}
         if cfg.source != SIMULATED:  # what was cut to fit, for the validation report
             info["truncated"] = {name: columns.cuts for name, columns in splits.items()}
         write_json(tmp / "format.json", info)

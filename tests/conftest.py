@@ -28,7 +28,14 @@ REPO = Path(__file__).resolve().parents[1]
 # modules of a minute or more (measured on 2 cores): collected first, so that under `--dist loadfile`
 # xdist hands them out first and the short modules fill in around them, instead of one long module
 # starting last and running alone at the end
-LONG_MODULES = ("test_prefect_worker", "test_distributed", "test_remote_ssh", "test_flow", "test_pipeline_e2e")
+LONG_MODULES = (
+    "test_prefect_worker",
+    "test_label_studio",
+    "test_distributed",
+    "test_remote_ssh",
+    "test_flow",
+    "test_pipeline_e2e",
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,8 +3,9 @@
 Chromium is the distribution's package (`apt-get install chromium`); :func:`find_or_install_chromium`
 installs it where it is missing and it can (root, apt-get present), and otherwise says why not.
 The browser talks DevTools over ``--remote-debugging-pipe`` (file descriptors 3 and 4, one
-NUL-terminated JSON message each way): no port, no extra Python package. Every host name fails
-to resolve (``--host-resolver-rules``), so a page that needs the network shows it as failed requests.
+NUL-terminated JSON message each way): no port, no extra Python package. Every host name but the
+ones a test names fails to resolve (``--host-resolver-rules``), so a page that needs the network
+shows it as failed requests.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class PageReport:
 
 
 class HeadlessChromium:
-    def __init__(self, executable: str):
+    def __init__(self, executable: str, reachable: tuple[str, ...] = ()):
+        """``reachable``: hosts the page may reach (a test's own server on 127.0.0.1); no other resolves."""
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()
 
@@ -57,7 +59,7 @@ class HeadlessChromium:
             "--no-sandbox",  # tests often run as root, where Chromium's sandbox refuses to start
             "--disable-gpu",
             "--remote-debugging-pipe",
-            "--host-resolver-rules=MAP * ~NOTFOUND",
+            "--host-resolver-rules=" + ", ".join(["MAP * ~NOTFOUND", *(f"EXCLUDE {host}" for host in reachable)]),
             "--no-first-run",
             "--disable-background-networking",
             "about:blank",
@@ -104,17 +106,9 @@ class HeadlessChromium:
                 return message.get("result", {})
             self._events.append(message)
 
-    def load(
-        self,
-        url: str,
-        expression: str,
-        done: str,
-        timeout_s: float = 60.0,
-        size: tuple[int, int] = (1400, 900),
-        screenshot: bool = False,
-    ) -> PageReport:
-        """Open ``url``; poll ``expression`` (JavaScript) until ``done`` (JavaScript on its value ``v``)
-        is true or ``timeout_s`` passes; with ``screenshot``, a PNG of the window (``size``) at the end."""
+    def open(self, url: str, size: tuple[int, int] = (1400, 900), cookies: dict[str, str] | None = None) -> Page:
+        """A new tab of ``size`` showing ``url``; ``cookies`` (name -> value) are set for its origin first
+        (a session a test logged in over HTTP)."""
         target = self.send("Target.createTarget", url="about:blank")["targetId"]
         session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         for domain in ("Network", "Runtime", "Page"):
@@ -127,20 +121,28 @@ class HeadlessChromium:
             deviceScaleFactor=1,
             mobile=False,
         )
+        for name, value in (cookies or {}).items():
+            self.send("Network.setCookie", session, name=name, value=value, url=url)
         self._events.clear()
         self.send("Page.navigate", session, url=url)
-        report, deadline = PageReport(), time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            value = self.send(
-                "Runtime.evaluate", session, expression=f"(v => [v, !!({done})])({expression})", returnByValue=True
-            )
-            report.result, finished = value["result"].get("value", [None, False])
-            if finished:
-                break
-            time.sleep(0.25)
+        return Page(self, session)
+
+    def load(
+        self,
+        url: str,
+        expression: str,
+        done: str,
+        timeout_s: float = 60.0,
+        size: tuple[int, int] = (1400, 900),
+        screenshot: bool = False,
+    ) -> PageReport:
+        """Open ``url``; poll ``expression`` (JavaScript) until ``done`` (JavaScript on its value ``v``)
+        is true or ``timeout_s`` passes; with ``screenshot``, a PNG of the window (``size``) at the end."""
+        page = self.open(url, size)
+        report = PageReport()
+        report.result = page.wait_for(expression, done, timeout_s)
         if screenshot:
-            shot = self.send("Page.captureScreenshot", session, format="png")
-            report.screenshot = base64.b64decode(shot["data"])
+            report.screenshot = page.screenshot()
         for event in self._events:
             method, params = event.get("method"), event.get("params", {})
             if method == "Network.requestWillBeSent":
@@ -153,6 +155,48 @@ class HeadlessChromium:
             elif method == "Runtime.consoleAPICalled" and params.get("type") == "error":
                 report.errors.append(" ".join(str(a.get("value", a.get("description"))) for a in params["args"]))
         return report
+
+
+@dataclass
+class Page:
+    """One tab: evaluate JavaScript in it, wait on it, click in it as a mouse does, photograph it."""
+
+    browser: HeadlessChromium
+    session: str
+
+    def evaluate(self, expression: str) -> object:
+        value = self.browser.send("Runtime.evaluate", self.session, expression=expression, returnByValue=True)
+        return value["result"].get("value")
+
+    def wait_for(self, expression: str, done: str = "v", timeout_s: float = 60.0) -> object:
+        """The value of ``expression`` once ``done`` (JavaScript on it, as ``v``) is true; the last value
+        when ``timeout_s`` passes first."""
+        deadline, value = time.monotonic() + timeout_s, None
+        while time.monotonic() < deadline:
+            value, finished = self.evaluate(f"(v => [v, !!({done})])({expression})") or [None, False]
+            if finished:
+                break
+            time.sleep(0.25)
+        return value
+
+    def click(self, element: str) -> None:
+        """A left click at the middle of ``element`` (JavaScript naming one element), as a mouse makes it:
+        press and release there, so the page's own handlers decide what happens."""
+        box = self.evaluate(
+            f"(e => {{ e.scrollIntoView({{block: 'center'}}); const r = e.getBoundingClientRect(); "
+            f"return [r.x + r.width / 2, r.y + r.height / 2]; }})({element})"
+        )
+        if not box:
+            raise RuntimeError(f"nothing to click: {element} is not on the page")
+        x, y = box
+        self.browser.send("Input.dispatchMouseEvent", self.session, type="mouseMoved", x=x, y=y)
+        for kind in ("mousePressed", "mouseReleased"):
+            self.browser.send(
+                "Input.dispatchMouseEvent", self.session, type=kind, x=x, y=y, button="left", clickCount=1
+            )
+
+    def screenshot(self) -> bytes:
+        return base64.b64decode(self.browser.send("Page.captureScreenshot", self.session, format="png")["data"])
 
 
 def page_url(path: Path) -> str:

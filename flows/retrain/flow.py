@@ -53,6 +53,7 @@ from rlhf_pipeline.errors import (
 )
 from rlhf_pipeline.lineage.verify import RESTORE_ADVICE, stage_input_problems, stage_output_problems, verify_paths
 from rlhf_pipeline.params import format_validation_error
+from rlhf_pipeline.params.labelling import FILE_LABELS, SIMULATED_LABELS
 from rlhf_pipeline.params.schedule import ScheduleParams
 from rlhf_pipeline.params.schema import load_params
 from rlhf_pipeline.registry import declared_artifacts
@@ -226,9 +227,12 @@ def dvc_status(repo: str) -> dict[str, Any]:
 
 
 @task(name="ingest-preferences", cache_policy=NO_CACHE)
-def ingest_preferences(repo: str, incoming: str, target: str, validate_command: list[str]) -> dict[str, Any]:
+def ingest_preferences(
+    repo: str, incoming: str, target: str, validate_command: list[str], shown_as: str | None = None
+) -> dict[str, Any]:
     """Copy the incoming file privately, validate that copy, then rename it over ``target`` and
-    ``dvc add`` it: the bytes checked are the bytes ingested, even while an exporter still writes."""
+    ``dvc add`` it: the bytes checked are the bytes ingested, even while an exporter still writes.
+    ``shown_as``: what messages call the incoming file (labels pulled into a scratch file)."""
     logger = get_run_logger()
     root = Path(repo).resolve()
     source = _newest_preference_file(Path(incoming).expanduser().resolve())
@@ -255,9 +259,10 @@ def ingest_preferences(repo: str, incoming: str, target: str, validate_command: 
         check = capture([*validate_command, str(private)], root, timeout=3600)
         if check.returncode != 0:
             summary = "\n".join(part.strip() for part in (check.output, check.stderr) if part.strip())
+            shown = shown_as or str(source)
             raise InvalidPreferences(
-                f"incoming preference file {source} failed validation (exit {check.returncode}); "
-                f"nothing was replaced.\n{summary.replace(str(private), str(source))}",
+                f"incoming preference file {shown} failed validation (exit {check.returncode}); "
+                f"nothing was replaced.\n{summary.replace(str(private), shown)}",
                 exit_code=DataContractError.exit_code
                 if check.returncode == DataContractError.exit_code
                 else PipelineError.exit_code,
@@ -282,6 +287,64 @@ def ingest_preferences(repo: str, incoming: str, target: str, validate_command: 
                 )
             tracked = f"dvc add -> {dvc_file.name}"
     return {"source": str(source), "target": target, "changed": not unchanged, "tracked": tracked}
+
+
+@task(
+    name="pull-labels",
+    retries=3,
+    retry_delay_seconds=exponential_backoff(30),
+    retry_condition_fn=refuse_retry_on_contract_errors,
+    cache_policy=NO_CACHE,
+)
+def pull_labels(repo: str, project: int, labels_file: str, private: str) -> dict[str, Any]:
+    """Label Studio ``project``'s annotations (``rlhf label import --from-server``: address and token
+    from this process's environment) added to a private copy of ``labels_file``, every earlier
+    round kept; the copy is then validated and ingested like any incoming file."""
+    root = Path(repo)
+    current = root / labels_file
+    if current.is_file():
+        shutil.copyfile(current, private)
+    else:
+        Path(private).unlink(missing_ok=True)
+    result = capture(rlhf_command("label", "import", "--from-server", str(project), private, "--append"), root)
+    if result.returncode != 0:
+        details = "\n".join(part.strip() for part in (result.output, result.stderr) if part.strip())
+        raise RetrainError(
+            f"pulling labels from Label Studio project {project} failed (exit {result.returncode}); {labels_file} "
+            f"is unchanged.\n{details}",
+            result.returncode,
+        )
+    return json.loads(result.output)
+
+
+def bring_in_labels(root: Path, incoming: str | None, preferences_target: str, validate_command: list[str]) -> dict:
+    """What ``labelling.source`` in params.yaml says this run adds to the labels (see LabellingParams):
+    {"ingested": ..., "pulled": ...}; nothing for the simulated labeller without ``incoming``."""
+    labelling = load_params(root / "params.yaml").labelling if (root / "params.yaml").is_file() else None
+    if labelling is None or labelling.source == SIMULATED_LABELS:
+        return (
+            {"ingested": ingest_preferences(str(root), incoming, preferences_target, validate_command)}
+            if incoming
+            else {}
+        )
+    if labelling.source == FILE_LABELS:
+        if not incoming:
+            return {"ingested": None, "note": "labelling.source is file and no --incoming file was given"}
+        return {"ingested": ingest_preferences(str(root), incoming, labelling.labels_file, validate_command)}
+    target = root / labelling.labels_file
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, private = tempfile.mkstemp(prefix=f".{target.name}.pull-", suffix=target.suffix, dir=target.parent)
+    os.close(fd)
+    try:
+        project = labelling.label_studio_project
+        pulled = pull_labels(str(root), project, labelling.labels_file, private)
+        shown = f"{labelling.labels_file} with Label Studio project {project}'s new labels"
+        return {
+            "pulled": pulled,
+            "ingested": ingest_preferences(str(root), private, labelling.labels_file, validate_command, shown),
+        }
+    finally:
+        Path(private).unlink(missing_ok=True)
 
 
 @task(name="record-run", cache_policy=NO_CACHE)
@@ -391,8 +454,7 @@ def retrain(
             clear_unreadable_rwlock(root, logger)  # DVC's rwlock emptied by a full disk: DVC makes a new one
             stages = stage_order(root)
             report["params"] = check_params(str(root))
-            if incoming:
-                report["ingested"] = ingest_preferences(str(root), incoming, preferences_target, validate_command)
+            report |= bring_in_labels(root, incoming, preferences_target, validate_command)
             stale = dvc_status(str(root))
             if not stale:
                 report["status"] = "all stages up to date"

@@ -18,6 +18,7 @@ from rlhf_pipeline.modelcard import CARD
 PACKAGES = ("torch", "transformers", "datasets", "dvc", "prefect")
 VALIDATION_SUMMARY = "data/validation/summary.json"
 PREFERENCES_DIR = "data/preferences"
+PREFERENCE_PROVENANCE = f"{PREFERENCES_DIR}/format.json"  # the stage's record of the labels' source and rounds
 BASE_MODEL_DIR = "models/base"
 BASE_MODEL_KEYS = ("source", "source_sha256", "source_file", "base_model", "revision", "sequence_prefix")
 MODEL_CARD_KEYS = ("base_model", "library_name", "device", "license", "task_mode", "chat_template_sha256")
@@ -48,8 +49,8 @@ def read_metrics(repo, paths: list[str]) -> dict[str, Any]:
 
 
 def preference_facts(repo, metrics_files: list[str]) -> dict[str, Any]:
-    """Rows (all splits: every ``rows`` or ``rows/SPLIT`` value in the stage's metrics, read by DVC)
-    and the Great Expectations verdict."""
+    """Rows (all splits: every ``rows`` or ``rows/SPLIT`` value in the stage's metrics, read by DVC),
+    the Great Expectations verdict and, for human labels, which rows came from which round and model."""
     from dvc.utils.flatten import flatten
 
     rows, source = None, None
@@ -67,7 +68,14 @@ def preference_facts(repo, metrics_files: list[str]) -> dict[str, Any]:
         validation["success"] = verdict if isinstance(verdict, bool) else None
     else:
         validation["note"] = "no validation summary"
-    return {"rows": rows, "rowsSource": source, "validation": validation}
+    facts = {"rows": rows, "rowsSource": source, "validation": validation}
+    try:
+        provenance = json.loads(read_text(repo, PREFERENCE_PROVENANCE) or "{}")
+    except ValueError:
+        provenance = {}
+    if isinstance(provenance, dict) and isinstance(provenance.get("rounds"), list):
+        facts["rounds"] = provenance["rounds"]
+    return facts
 
 
 def annotate(repo, path: str, producer) -> dict[str, Any]:

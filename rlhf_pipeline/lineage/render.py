@@ -108,7 +108,19 @@ def _input_lines(dataset: dict[str, Any]) -> list[str]:
         rows = f"{pref['rows']} rows ({pref['rowsSource']})" if pref["rows"] is not None else "row count unknown"
         verdict = {True: "passed", False: "FAILED"}.get(pref["validation"]["success"], "no verdict found")
         lines.append(f"      preference data: {rows}; Great Expectations: {verdict} ({pref['validation']['summary']})")
+        for entry in pref.get("rounds", []):
+            lines.append("        " + _round_line(entry))
     return lines
+
+
+def _round_line(entry: dict[str, Any]) -> str:
+    """One labelling round of human preference data: its rows and the model that sampled them."""
+    counts = ", ".join(f"{entry[k]} {k}" for k in ("tasks", "annotators") if k in entry)
+    models = ", ".join(entry.get("model", [])) or "model unknown"
+    weights = ", ".join(sha[:12] for sha in entry.get("model_sha256", []))
+    sampled = f"{models} (weights sha256 {weights})" if weights else models
+    rows = f"{entry.get('rows')} rows" + (f" ({counts})" if counts else "")
+    return f"round {entry.get('round')}: {rows}, sampled by {sampled}"
 
 
 def render_text(event: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ from rlhf_pipeline.params import Seed, Strict, read_params_file, refuse, validat
 from rlhf_pipeline.params.base_model import BaseModelParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.evaluate import EvaluateParams
+from rlhf_pipeline.params.labelling import LABEL_STUDIO, SIMULATED_LABELS, LabellingParams
 from rlhf_pipeline.params.ppo import PPOParams
 from rlhf_pipeline.params.promotion import PromotionParams
 from rlhf_pipeline.params.reward import RewardParams
@@ -35,6 +36,7 @@ class Params(Strict):
     evaluate: EvaluateParams = EvaluateParams()
     schedule: ScheduleParams = ScheduleParams()
     promotion: PromotionParams = PromotionParams()
+    labelling: LabellingParams = LabellingParams()
 
     @model_validator(mode="after")
     def _sections_agree(self) -> Params:
@@ -47,6 +49,20 @@ class Params(Strict):
                     f"must be >= reward.train.batch_size ({batch_size})",
                     self.data.preferences.num_labels,
                 )
+            )
+        labelling = self.labelling
+        if labelling.source != SIMULATED_LABELS and self.data.preferences.source != labelling.labels_file:
+            problems.append(
+                (
+                    "data.preferences.source",
+                    f"must be labelling.labels_file ({labelling.labels_file}) when labelling.source is "
+                    f"{labelling.source}: the stages train on the labels the flow brings in",
+                    self.data.preferences.source,
+                )
+            )
+        if labelling.source == LABEL_STUDIO and labelling.label_studio_project is None:
+            problems.append(
+                ("labelling.label_studio_project", "must name the project to pull when source is label_studio", None)
             )
         refuse(problems)
         return self

@@ -1,0 +1,34 @@
+"""``labelling``: where each retrain run's new labels come from (read by the retrain flow, by no stage).
+
+The preferences stage reads one file (``data.preferences.source``); this section says how the flow
+brings labels into it before the stages run, so that every run's labels are a tracked file and the
+stages stay reproducible (they never talk to a server).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlhf_pipeline.params import Strict
+
+SIMULATED_LABELS, FILE_LABELS, LABEL_STUDIO = "simulated", "file", "label_studio"
+
+
+class LabellingParams(Strict):
+    source: Literal["simulated", "file", "label_studio"] = Field(
+        SIMULATED_LABELS,
+        description="simulated: no people's labels (data.preferences.source decides; the simulated labeller by "
+        "default). file: the run's --incoming file, validated, replaces labels_file. label_studio: the run pulls "
+        "label_studio_project's annotations from the server at $LABEL_STUDIO_URL ($LABEL_STUDIO_API_KEY) and "
+        "appends them to labels_file, every round kept.",
+    )
+    labels_file: str = Field(
+        "data/labels/human.jsonl",
+        min_length=1,
+        description="Where people's labels accumulate (file, label_studio); data.preferences.source must name it.",
+    )
+    label_studio_project: int | None = Field(
+        None, gt=0, description="label_studio: the project's id (the number in its URL)."
+    )

@@ -1,0 +1,153 @@
+"""A real Label Studio server for the tests: the one `make label-studio` installs in .label-studio/
+(a venv of its own, from labelling/label-studio.lock), started on 127.0.0.1 with an SQLite database in
+a temporary folder, an admin account and a legacy API token; and the REST calls a labelling team
+makes (a project with the shipped interface, tasks in, a second annotator through the organisation's
+invite link, annotations, the JSON export)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+LABEL_STUDIO = REPO / ".label-studio" / "bin" / "label-studio"
+NOT_INSTALLED = f"Label Studio is not installed at {LABEL_STUDIO}: `make label-studio` installs it (`make test` does)"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Annotator:
+    id: int
+    email: str
+    token: str
+    cookies: dict[str, str]  # a logged-in browser session (sessionid, csrftoken)
+
+
+@dataclass
+class LabelStudio:
+    url: str
+    admin: Annotator
+    process: subprocess.Popen
+    log: Path
+
+    def api(self, method: str, path: str, who: Annotator | None = None, **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Token {(who or self.admin).token}"}
+        response = httpx.request(method, f"{self.url}{path}", headers=headers, timeout=120, **kwargs)
+        if response.status_code >= 400:
+            raise AssertionError(f"{method} {path}: HTTP {response.status_code} {response.text[:500]}")
+        return response
+
+    def create_project(self, title: str, label_config: str, annotators_per_task: int) -> int:
+        body = {"title": title, "label_config": label_config, "maximum_annotations": annotators_per_task}
+        return self.api("POST", "/api/projects/", json=body).json()["id"]
+
+    def import_tasks(self, project: int, tasks: list[dict]) -> list[int]:
+        self.api("POST", f"/api/projects/{project}/import", json=tasks)
+        listed = self.api("GET", "/api/tasks/", params={"project": project, "page_size": 1000}).json()["tasks"]
+        return sorted(t["id"] for t in listed)
+
+    def annotate(self, task: int, choice: str, who: Annotator) -> None:
+        result = [{"from_name": "best", "to_name": "query", "type": "choices", "value": {"choices": [choice]}}]
+        self.api("POST", f"/api/tasks/{task}/annotations/", who=who, json={"result": result})
+
+    def export(self, project: int) -> list[dict]:
+        return self.api("GET", f"/api/projects/{project}/export", params={"exportType": "JSON"}).json()
+
+    def sign_up(self, email: str, password: str) -> Annotator:
+        """A second person joins the organisation the way Label Studio invites people: the invite
+        link's sign-up form (a Django form with its CSRF token), then their own API token."""
+        invite = self.api("GET", "/api/invite").json()["invite_url"]
+        with httpx.Client(base_url=self.url, timeout=60) as browser:
+            browser.get(invite)
+            form = {
+                "csrfmiddlewaretoken": browser.cookies["csrftoken"],
+                "email": email,
+                "password": password,
+                "allow_newsletters": "false",
+            }
+            signed = browser.post(invite, data=form, headers={"Referer": f"{self.url}{invite}"})
+            if signed.status_code != 302:
+                raise AssertionError(f"sign-up of {email}: HTTP {signed.status_code} {signed.text[:300]}")
+            token = browser.get("/api/current-user/token").json()["token"]
+            me = browser.get("/api/current-user/whoami").json()
+            cookies = {name: browser.cookies[name] for name in ("sessionid", "csrftoken")}
+        return Annotator(me["id"], email, token, cookies)
+
+
+def start_label_studio(data_dir: Path, timeout_s: float = 240.0) -> LabelStudio:
+    """Label Studio on a free port of 127.0.0.1 (it binds nothing else), answering /health; raises
+    with the tail of its log when it does not come up."""
+    port, token = _free_port(), secrets.token_hex(20)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = data_dir / "label-studio.log"
+    email, password = "admin@example.com", secrets.token_urlsafe(12)
+    command = [
+        str(LABEL_STUDIO),
+        "start",
+        "--no-browser",
+        "--host",
+        "127.0.0.1",
+        "--internal-host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--username",
+        email,
+        "--password",
+        password,
+        "--user-token",
+        token,
+        "--enable-legacy-api-token",  # 1.23 refuses --user-token's token without it
+    ]
+    env = {**os.environ, "HOME": str(data_dir), "LABEL_STUDIO_BASE_DATA_DIR": str(data_dir)}
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                admin = Annotator(1, email, token, {})
+                server = LabelStudio(url, admin, process, log)
+                admin.id = server.api("GET", "/api/current-user/whoami").json()["id"]
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop(process)
+    raise RuntimeError(f"Label Studio did not answer {url}/health within {timeout_s:g} s:\n{log.read_text()[-3000:]}")
+
+
+def stop(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+def write_json(path: Path, value) -> Path:
+    path.write_text(json.dumps(value))
+    return path

@@ -1,0 +1,151 @@
+"""One labelling round against the real Label Studio (installed by `make label-studio`; skipped with
+the reason where it is absent): tasks sampled from the current policy go into a project with the
+shipped interface, two people answer them (one task through the real labelling page in headless
+Chromium, the rest through the API with each person's own token), and the retrain flow pulls the
+annotations from the server, checks them against the contract and retrains the tiny pipeline on
+them; lineage then says which rows came from which round and model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from headless_browser import HeadlessChromium
+from label_studio_server import LABEL_STUDIO, NOT_INSTALLED, start_label_studio, stop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at the repo root
+
+from flows.retrain.flow import retrain  # noqa: E402
+from rlhf_pipeline.labelling import TOKEN_VARIABLE, URL_VARIABLE  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RLHF = [sys.executable, "-m", "rlhf_pipeline.cli"]
+TASKS, ROUND, LABELS = 8, 2, "data/labels/human.jsonl"
+CHOICE_BOXES = "document.querySelectorAll('label.lsf-choice__checkbox')"
+
+
+@pytest.fixture(scope="module")
+def label_studio(tmp_path_factory):
+    if not LABEL_STUDIO.exists():
+        pytest.skip(NOT_INSTALLED)
+    server = start_label_studio(tmp_path_factory.mktemp("label-studio"))
+    yield server
+    stop(server.process)
+
+
+def rlhf(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env}
+    return subprocess.run([*RLHF, *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def click_in_the_labelling_page(chromium: str, server, project: int, person, response: int) -> bytes:
+    """``person`` opens the project's labelling stream in a real browser, ticks Response ``response``
+    (1-based, as the page shows it) with a mouse click and submits; returns a screenshot of the
+    ticked page, taken before the submit."""
+    with HeadlessChromium(chromium, reachable=("127.0.0.1",)) as browser:
+        page = browser.open(f"{server.url}/projects/{project}/data?labeling=1", cookies=person.cookies)
+        shown = page.wait_for(f"{CHOICE_BOXES}.length", "v === 4", timeout_s=90)
+        assert shown == 4, f"the labelling page did not show the 4 choices (saw {shown})"
+        page.click(f"Array.from({CHOICE_BOXES}).find(e => e.innerText.startsWith('Response {response}'))")
+        ticked = page.wait_for(
+            "Array.from(document.querySelectorAll('input[type=checkbox]'), e => e.checked)", "v.some(Boolean)", 10
+        )
+        assert ticked == [i == response - 1 for i in range(4)], ticked
+        screenshot = page.screenshot()
+        page.click("document.querySelector('button[aria-label=\"Submit current annotation\"]')")
+        page.wait_for("document.body.innerText", "!v.includes('Submit current')", timeout_s=5)  # let it post
+    return screenshot
+
+
+def test_a_round_through_label_studio_retrains_the_tiny_pipeline(
+    label_studio, chromium, tiny_run, prefect_server, tmp_path, monkeypatch
+):
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run[0], root, symlinks=True)
+    made = rlhf("label", "export", "tasks.json", "--model", "models/policy", "--num", str(TASKS), "--seed", "3",
+                "--round", str(ROUND), cwd=root)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    tasks = json.loads((root / "tasks.json").read_text())
+    assert len(tasks) >= TASKS - 2
+
+    server = label_studio
+    config = (REPO / "labelling" / "best_of_4.xml").read_text()
+    project = server.create_project("tiny round 2", config, annotators_per_task=2)
+    task_ids = server.import_tasks(project, tasks)
+    assert len(task_ids) == len(tasks)
+    second = server.sign_up("second.annotator@example.com", "a-long-password-1")
+
+    # the second person answers one task in the real page: ticks Response 3 (index 2) and submits
+    shot = click_in_the_labelling_page(chromium, server, project, second, response=3)
+    assert shot.startswith(b"\x89PNG")
+    by_browser = [
+        (t["id"], a) for t in server.export(project) for a in t["annotations"] if a["completed_by"] == second.id
+    ]
+    assert len(by_browser) == 1, by_browser
+    clicked_task, clicked = by_browser[0]
+    # what the page stores is the choice's alias: the response's index, not its label
+    assert clicked["result"][0]["value"] == {"choices": ["2"]} and not clicked["was_cancelled"]
+
+    # the rest through the API, each person with their own token; they disagree on every third task
+    expected = {}
+    for number, task in enumerate(task_ids):
+        first_choice = number % 4
+        second_choice = 2 if task == clicked_task else (first_choice if number % 3 else (first_choice + 1) % 4)
+        server.annotate(task, str(first_choice), server.admin)
+        if task != clicked_task:
+            server.annotate(task, str(second_choice), second)
+        expected[task] = (first_choice, second_choice)
+    agree = sum(a == b for a, b in expected.values()) / len(expected)
+
+    # the round: the flow pulls the project (address and token from the environment), validates, retrains
+    params_path = root / "params.yaml"
+    params = yaml.safe_load(params_path.read_text())
+    params["data"]["preferences"]["source"] = LABELS
+    params["data"]["validation"]["min_rows"] = 4
+    params["labelling"] = {"source": "label_studio", "labels_file": LABELS, "label_studio_project": project}
+    params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+    monkeypatch.setenv(URL_VARIABLE, server.url)
+    monkeypatch.setenv(TOKEN_VARIABLE, server.admin.token)
+    state = retrain(repo=str(root), push=False, return_state=True, retry_delay_seconds=0.1)
+    assert state.is_completed(), state.message
+    report = state.result()
+    assert report["pulled"]["rows"] == 2 * len(task_ids) and report["pulled"]["agreement"] == pytest.approx(agree)
+    assert {"preferences", "train_reward", "train_policy", "evaluate"} <= {
+        s["stage"] for s in report["stages"] if s["result"] == "ran"
+    }
+
+    rows = [json.loads(line) for line in (root / LABELS).read_text().splitlines()]
+    assert len(rows) == 2 * len(task_ids)
+    assert {r["annotator"] for r in rows} == {str(server.admin.id), str(second.id)}
+    assert {r["round"] for r in rows} == {ROUND} and {r["model"] for r in rows} == {"models/policy"}
+    by_task = {t["data"]["task_id"]: t["id"] for t in server.export(project)}
+    for row in rows:
+        first_choice, second_choice = expected[by_task[row["task_id"]]]
+        assert row["best"] == (first_choice if row["annotator"] == str(server.admin.id) else second_choice)
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    assert LABELS in {d["path"] for d in lock["stages"]["preferences"]["deps"]} or any(
+        d["path"] == "data/labels" for d in lock["stages"]["preferences"]["deps"]
+    )
+    provenance = json.loads((root / "data" / "preferences" / "format.json").read_text())
+    (entry,) = provenance["rounds"]
+    assert entry["round"] == ROUND and entry["rows"] == len(rows) and entry["annotators"] == 2
+    assert entry["tasks"] == len(task_ids) and entry["model"] == ["models/policy"]
+
+    # lineage of the retrained policy says where its labels came from
+    lineage = rlhf("lineage", "models/policy", cwd=root)
+    assert lineage.returncode == 0, lineage.stderr
+    assert f"round {ROUND}: {len(rows)} rows ({len(task_ids)} tasks, 2 annotators), sampled by models/policy" in (
+        lineage.stdout
+    )
+
+    # the next scheduled run pulls again: nothing new, nothing changes, every row kept once
+    again = retrain(repo=str(root), push=False, return_state=True, retry_delay_seconds=0.1)
+    assert again.is_completed(), again.message
+    assert again.result()["pulled"]["added"] == 0 and again.result()["ingested"]["changed"] is False
+    assert len((root / LABELS).read_text().splitlines()) == len(rows)
