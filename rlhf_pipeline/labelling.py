@@ -134,8 +134,9 @@ def fetch_export(
     from the server at ``$LABEL_STUDIO_URL`` with the API token ``$LABEL_STUDIO_API_KEY``.
 
     One GET of the export endpoint: with ``httpx`` (already a dependency) rather than Label Studio's SDK,
-    whose closure would move the pipeline's lock for this one call. The token is the user's legacy API
-    token (Account & Settings); it is never printed."""
+    whose closure would move the pipeline's lock for this one call. The token is either kind Label
+    Studio's Account & Settings page gives: a personal access token (a JWT refresh token, exchanged
+    for an access token first) or a legacy token. It is never printed."""
     import httpx
 
     environ = os.environ if environ is None else environ
@@ -149,22 +150,31 @@ def fetch_export(
         )
     base = environ[URL_VARIABLE].rstrip("/")
     where = f"Label Studio project {project} at {base}"
+    refused = (
+        f"{where} refused the token in {TOKEN_VARIABLE} (HTTP {{}}): use a token from Label Studio's Account & "
+        "Settings page (a personal access token, or a legacy token where the organisation enables them); "
+        "nothing written."
+    )
     try:
-        response = httpx.get(
-            f"{base}/api/projects/{project}/export",
-            params={"exportType": "JSON", "download_all_tasks": "false"},
-            headers={"Authorization": f"Token {environ[TOKEN_VARIABLE]}"},
-            timeout=timeout_s,
-        )
+        with httpx.Client(base_url=base, timeout=timeout_s) as client:
+            token = environ[TOKEN_VARIABLE]
+            authorization = f"Token {token}"
+            if token.count(".") == 2:  # a personal access token: a JWT refresh token, exchanged for an access token
+                exchanged = client.post("/api/token/refresh", json={"refresh": token})
+                if exchanged.status_code != 200:
+                    raise SettingsError(refused.format(exchanged.status_code))
+                authorization = f"Bearer {exchanged.json()['access']}"
+            response = client.get(
+                f"/api/projects/{project}/export",
+                params={"exportType": "JSON", "download_all_tasks": "false"},
+                headers={"Authorization": authorization},
+            )
     except httpx.HTTPError as error:
         raise PipelineError(  # exit 1: the retrain flow retries it (a server restarting)
             f"{where}: the server did not answer ({type(error).__name__}: {error}); nothing written."
         ) from None
     if response.status_code in (401, 403):
-        raise SettingsError(
-            f"{where} refused the token in {TOKEN_VARIABLE} (HTTP {response.status_code}): use your legacy API token "
-            "from Account & Settings, on a server started with legacy tokens enabled; nothing written."
-        )
+        raise SettingsError(refused.format(response.status_code))
     if response.status_code == 404:
         raise SettingsError(f"{where}: no such project (HTTP 404); its id is the number in the project's URL.")
     if response.status_code != 200:

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from headless_browser import HeadlessChromium
 
 REPO = Path(__file__).resolve().parents[1]
 LABEL_STUDIO = REPO / ".label-studio" / "bin" / "label-studio"
+CHOICE_BOXES = "document.querySelectorAll('label.lsf-choice__checkbox')"  # the page's <Choice>s, in order
 NOT_INSTALLED = f"Label Studio is not installed at {LABEL_STUDIO}: `make label-studio` installs it (`make test` does)"
 
 
@@ -66,6 +68,10 @@ class LabelStudio:
 
     def export(self, project: int) -> list[dict]:
         return self.api("GET", f"/api/projects/{project}/export", params={"exportType": "JSON"}).json()
+
+    def annotations_by(self, project: int, person: Annotator) -> list[tuple[int, dict]]:
+        """(task id, annotation) of each annotation ``person`` made in ``project``."""
+        return [(t["id"], a) for t in self.export(project) for a in t["annotations"] if a["completed_by"] == person.id]
 
     def sign_up(self, email: str, password: str) -> Annotator:
         """A second person joins the organisation the way Label Studio invites people: the invite
@@ -148,6 +154,46 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def write_json(path: Path, value) -> Path:
-    path.write_text(json.dumps(value))
-    return path
+def label_in_browser(chromium: str, server: LabelStudio, project: int, person: Annotator, response: int) -> bytes:
+    """``person`` opens the project's labelling stream in a real browser, ticks Response ``response``
+    (1-based, as the page shows it) with a mouse click and submits; returns a screenshot of the page
+    with the response ticked, taken before the submit."""
+    with HeadlessChromium(chromium, reachable=("127.0.0.1",)) as browser:
+        page = browser.open(f"{server.url}/projects/{project}/data?labeling=1", cookies=person.cookies)
+        shown = page.wait_for(f"{CHOICE_BOXES}.length", "v > 0", timeout_s=90)
+        if not shown:
+            raise AssertionError("the labelling page showed no choices within 90 s")
+        page.click(f"Array.from({CHOICE_BOXES}).find(e => e.innerText.startsWith('Response {response}'))")
+        ticked = page.wait_for(
+            "Array.from(document.querySelectorAll('input[type=checkbox]'), e => e.checked)", "v.some(Boolean)", 10
+        )
+        if ticked != [i == response - 1 for i in range(shown)]:
+            raise AssertionError(f"after the click on Response {response} the boxes read {ticked}")
+        screenshot = page.screenshot()
+        page.click("document.querySelector('button[aria-label=\"Submit current annotation\"]')")
+        deadline = time.monotonic() + 30
+        while not server.annotations_by(project, person) and time.monotonic() < deadline:
+            time.sleep(0.5)  # the page posts the annotation after the click
+    return screenshot
+
+
+if __name__ == "__main__":  # python tests/label_studio_server.py TASKS.json OUT.png: the README's screenshot
+    import sys
+    import tempfile
+
+    from headless_browser import find_or_install_chromium
+
+    executable, why = find_or_install_chromium()
+    if executable is None or not LABEL_STUDIO.exists():
+        sys.exit(why or NOT_INSTALLED)
+    with tempfile.TemporaryDirectory() as scratch:
+        server = start_label_studio(Path(scratch))
+        try:
+            config = (REPO / "labelling" / "best_of_4.xml").read_text()
+            project = server.create_project("best of 4", config, annotators_per_task=1)
+            server.import_tasks(project, json.loads(Path(sys.argv[1]).read_text()))
+            person = server.sign_up("labeller@example.com", secrets.token_urlsafe(12))
+            Path(sys.argv[2]).write_bytes(label_in_browser(executable, server, project, person, response=2))
+        finally:
+            stop(server.process)
+    print(f"{sys.argv[2]}: Label Studio's labelling page, Response 2 ticked")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -785,3 +786,50 @@ def test_a_run_that_keeps_crashing_is_refused_after_its_crash_restarts(monkeypat
         flow_module.refuse_endless_restarts(2)
     monkeypatch.setattr(flow_module, "flow_run_runtime", SimpleNamespace(run_count=1))
     flow_module.refuse_endless_restarts(0)  # a first start always runs
+
+
+def test_labelling_source_file_ingests_into_the_labels_file(project: Path, tmp_path: Path):
+    """labelling.source: file: the run's incoming file replaces labelling.labels_file (the file the
+    preferences stage reads), not the default target."""
+    labels = "data/labels/human.jsonl"
+    (project / "params.yaml").write_text(
+        f"data:\n  preferences:\n    source: {labels}\nlabelling:\n  source: file\n  labels_file: {labels}\n"
+    )
+    incoming = tmp_path / "round.jsonl"
+    incoming.write_text('{"chosen": "people", "rejected": "x"}\n')
+    state = retrain(
+        repo=str(project),
+        incoming=str(incoming),
+        validate_command=_validator(tmp_path, 0, "ok"),
+        push=False,
+        return_state=True,
+        **FAST,
+    )
+    assert state.is_completed(), state.message
+    assert state.result()["ingested"]["target"] == labels
+    assert (project / labels).read_text() == incoming.read_text()
+    assert (project / "data/labels/preferences.jsonl").read_text() == '{"chosen": "a", "rejected": "b"}\n'
+
+
+def test_labelling_from_an_unreachable_label_studio_is_retried_then_fails_with_nothing_changed(
+    project: Path, tmp_path: Path, monkeypatch
+):
+    labels = "data/labels/human.jsonl"
+    (project / "params.yaml").write_text(
+        f"data:\n  preferences:\n    source: {labels}\n"
+        f"labelling:\n  source: label_studio\n  labels_file: {labels}\n  label_studio_project: 3\n"
+    )
+    (project / labels).write_text('{"chosen": "kept", "rejected": "x"}\n')
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    monkeypatch.setenv("LABEL_STUDIO_URL", f"http://127.0.0.1:{closed}")
+    monkeypatch.setenv("LABEL_STUDIO_API_KEY", "0" * 40)
+    state = retrain(repo=str(project), push=False, return_state=True, retries=1, **FAST)
+    assert state.is_failed()
+    message = state.message
+    assert "pulling labels from Label Studio project 3 failed (exit 1)" in message, message
+    assert f"Label Studio project 3 at http://127.0.0.1:{closed}: the server did not answer" in message
+    assert (project / labels).read_text() == '{"chosen": "kept", "rejected": "x"}\n'
+    assert not list((project / "data/labels").glob(".human.jsonl.pull-*")), "the scratch copy was left behind"
+    assert _counters(project) == {}, "a stage ran without the labels"

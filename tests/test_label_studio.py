@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from headless_browser import HeadlessChromium
-from label_studio_server import LABEL_STUDIO, NOT_INSTALLED, start_label_studio, stop
+from label_studio_server import LABEL_STUDIO, NOT_INSTALLED, label_in_browser, start_label_studio, stop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at the repo root
 
@@ -27,7 +26,6 @@ from rlhf_pipeline.labelling import TOKEN_VARIABLE, URL_VARIABLE  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 RLHF = [sys.executable, "-m", "rlhf_pipeline.cli"]
 TASKS, ROUND, LABELS = 8, 2, "data/labels/human.jsonl"
-CHOICE_BOXES = "document.querySelectorAll('label.lsf-choice__checkbox')"
 
 
 @pytest.fixture(scope="module")
@@ -42,25 +40,6 @@ def label_studio(tmp_path_factory):
 def rlhf(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     env = {**os.environ, **env}
     return subprocess.run([*RLHF, *args], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
-
-
-def click_in_the_labelling_page(chromium: str, server, project: int, person, response: int) -> bytes:
-    """``person`` opens the project's labelling stream in a real browser, ticks Response ``response``
-    (1-based, as the page shows it) with a mouse click and submits; returns a screenshot of the
-    ticked page, taken before the submit."""
-    with HeadlessChromium(chromium, reachable=("127.0.0.1",)) as browser:
-        page = browser.open(f"{server.url}/projects/{project}/data?labeling=1", cookies=person.cookies)
-        shown = page.wait_for(f"{CHOICE_BOXES}.length", "v === 4", timeout_s=90)
-        assert shown == 4, f"the labelling page did not show the 4 choices (saw {shown})"
-        page.click(f"Array.from({CHOICE_BOXES}).find(e => e.innerText.startsWith('Response {response}'))")
-        ticked = page.wait_for(
-            "Array.from(document.querySelectorAll('input[type=checkbox]'), e => e.checked)", "v.some(Boolean)", 10
-        )
-        assert ticked == [i == response - 1 for i in range(4)], ticked
-        screenshot = page.screenshot()
-        page.click("document.querySelector('button[aria-label=\"Submit current annotation\"]')")
-        page.wait_for("document.body.innerText", "!v.includes('Submit current')", timeout_s=5)  # let it post
-    return screenshot
 
 
 def test_a_round_through_label_studio_retrains_the_tiny_pipeline(
@@ -82,11 +61,9 @@ def test_a_round_through_label_studio_retrains_the_tiny_pipeline(
     second = server.sign_up("second.annotator@example.com", "a-long-password-1")
 
     # the second person answers one task in the real page: ticks Response 3 (index 2) and submits
-    shot = click_in_the_labelling_page(chromium, server, project, second, response=3)
+    shot = label_in_browser(chromium, server, project, second, response=3)
     assert shot.startswith(b"\x89PNG")
-    by_browser = [
-        (t["id"], a) for t in server.export(project) for a in t["annotations"] if a["completed_by"] == second.id
-    ]
+    by_browser = server.annotations_by(project, second)
     assert len(by_browser) == 1, by_browser
     clicked_task, clicked = by_browser[0]
     # what the page stores is the choice's alias: the response's index, not its label
@@ -149,3 +126,16 @@ def test_a_round_through_label_studio_retrains_the_tiny_pipeline(
     assert again.is_completed(), again.message
     assert again.result()["pulled"]["added"] == 0 and again.result()["ingested"]["changed"] is False
     assert len((root / LABELS).read_text().splitlines()) == len(rows)
+
+
+def test_a_refused_token_or_a_missing_project_is_one_paragraph_and_writes_nothing(label_studio, tmp_path):
+    cases = (
+        ("1", "f" * 40, 2, "refused the token in LABEL_STUDIO_API_KEY (HTTP 401)"),
+        ("999", label_studio.admin.token, 2, "Label Studio project 999 at http://127.0.0.1:"),
+    )
+    for project, token, code, message in cases:
+        pulled = rlhf("label", "import", "--from-server", project, "labels.jsonl", cwd=tmp_path,
+                      **{URL_VARIABLE: label_studio.url, TOKEN_VARIABLE: token})  # fmt: skip
+        assert pulled.returncode == code and message in pulled.stderr, pulled.stderr
+        assert "Traceback" not in pulled.stderr and token not in pulled.stderr + pulled.stdout
+        assert not (tmp_path / "labels.jsonl").exists()

@@ -5,6 +5,8 @@ written). The exports here are written the way Label Studio 1.23 writes its JSON
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -13,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from rlhf_pipeline.errors import DataContractError
-from rlhf_pipeline.labelling import label_config, pairwise_agreement, rows_from_export
+from rlhf_pipeline.labelling import (
+    TOKEN_VARIABLE,
+    URL_VARIABLE,
+    label_config,
+    pairwise_agreement,
+    rows_from_export,
+    weights_sha256,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RLHF = [sys.executable, "-m", "rlhf_pipeline.cli"]
@@ -163,3 +172,33 @@ def test_rounds_append_to_one_file_deduplicated_by_task_and_annotator(tmp_path):
     refused = cli("label", "import", "edited.json", "labels.jsonl", "--append", "--params", "none.yaml", cwd=tmp_path)
     assert refused.returncode == 3 and "task_id t0002 by annotator 1 is already labelled 2" in refused.stderr
     assert (tmp_path / "labels.jsonl").read_bytes() == before
+
+
+def test_from_server_needs_the_address_and_token_from_the_environment(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in (URL_VARIABLE, TOKEN_VARIABLE)}
+    pulled = subprocess.run(
+        [*RLHF, "label", "import", "--from-server", "3", "labels.jsonl"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert pulled.returncode == 2, pulled.stderr
+    assert f"{URL_VARIABLE} and {TOKEN_VARIABLE} are not set" in pulled.stderr
+    assert "Traceback" not in pulled.stderr and not (tmp_path / "labels.jsonl").exists()
+    both = cli("label", "import", "export.json", cwd=tmp_path)
+    assert both.returncode == 2 and "takes INPUT OUTPUT" in both.stderr, both.stderr
+
+
+def test_export_samples_a_registered_version_by_its_name(tiny_run, tmp_path):
+    """`--model policy#prod`: the version is fetched (and checked) into a scratch folder for the
+    sampling, and the tasks name it by its tag; the scratch folder is gone afterwards."""
+    root = tmp_path / "project"
+    shutil.copytree(tiny_run[0], root, symlinks=True)
+    gate = cli("models", "gate", cwd=root)
+    assert gate.returncode == 0, gate.stdout + gate.stderr
+    made = cli("label", "export", "tasks.json", "--model", "policy#prod", "--num", "4", cwd=root)
+    assert made.returncode == 0, made.stderr
+    data = [t["data"] for t in json.loads((root / "tasks.json").read_text())]
+    assert {d["model"] for d in data} == {"policy@v1.0.0"}
+    assert {d["model_sha256"] for d in data} == {weights_sha256(root / "models" / "policy")}
+    assert not list(root.glob(".label-export-*"))
+    missing = cli("label", "export", "tasks2.json", "--model", "policy@v9", cwd=root)
+    assert missing.returncode == 1 and "policy has no version v9.0.0" in missing.stderr, missing.stderr

@@ -124,6 +124,20 @@ def broken(path: str, value, **also):
         # crons that never fire, or have a sixth field
         ("schedule.cron", "0 3 30 2 *", "schedule.cron: Value error, does not fire within the next year"),
         ("schedule.cron", "0 3 * * 1 2026", "schedule.cron: Value error, not a 5-field cron expression"),
+        # people's labels: the stages must train on the file the flow brings them into
+        (
+            "labelling.source",
+            "file",
+            "data.preferences.source: must be labelling.labels_file (data/labels/human.jsonl) when labelling.source "
+            "is file",
+        ),
+        ("labelling", {"source": "label_studio", "label_studio_project": 2}, "data.preferences.source: must be"),
+        (
+            "labelling",
+            {"source": "label_studio"},
+            "labelling.label_studio_project: must name the project to pull when source is label_studio",
+        ),
+        ("labelling.source", "labelstudio", "labelling.source: Input should be 'simulated', 'file' or 'label_studio'"),
     ],
 )
 def test_each_rule_is_refused_with_its_key_path(path, value, expected):

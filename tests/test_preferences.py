@@ -415,3 +415,34 @@ def test_cut_prompts_and_replies_are_counted_and_reported(project, capsys):
     assert run_stage_script("validate_preferences") == 0
     summary = json.loads((project / "data" / "validation" / "summary.json").read_text())
     assert summary["truncated"] == info
+
+
+def test_human_labels_are_held_out_by_task_and_their_rounds_summarised():
+    """Two annotators of one task never land on both sides of the split; a row without a task id is a
+    task of its own; label_rounds counts rows, tasks, annotators and the sampling models per round."""
+    import pandas as pd
+
+    from rlhf_pipeline.preferences import label_rounds, split_positions
+
+    tasks = [f"t{i // 2}" for i in range(40)] + [None, None]  # 20 tasks of 2 annotations, 2 rows without
+    frame = pd.DataFrame(
+        {
+            "task_id": tasks,
+            "annotator": ["a", "b"] * 21,
+            "round": [1] * 20 + [2] * 20 + [None, None],
+            "model": ["base"] * 20 + ["policy@v1.0.0"] * 20 + [None, None],
+        }
+    )
+    rows = split_positions(frame, "labels.jsonl", 0.25, seed=3)
+    assert sorted(rows["train"] + rows["test"]) == list(range(42))
+    test_tasks = {frame["task_id"][i] for i in rows["test"] if frame["task_id"][i] is not None}
+    train_tasks = {frame["task_id"][i] for i in rows["train"] if frame["task_id"][i] is not None}
+    assert test_tasks and not test_tasks & train_tasks
+    assert len(rows["test"]) in (10, 11, 12)  # round(22 tasks * 0.25) = 6 tasks: whole pairs, at most one lone row
+    rounds = label_rounds(frame)
+    assert rounds == [
+        {"round": None, "rows": 2, "tasks": 0, "annotators": 2, "model": []},
+        {"round": 1, "rows": 20, "tasks": 10, "annotators": 2, "model": ["base"]},
+        {"round": 2, "rows": 20, "tasks": 10, "annotators": 2, "model": ["policy@v1.0.0"]},
+    ]
+    assert label_rounds(frame.drop(columns="round")) is None

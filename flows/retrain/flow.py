@@ -317,9 +317,17 @@ def pull_labels(repo: str, project: int, labels_file: str, private: str) -> dict
     return json.loads(result.output)
 
 
-def bring_in_labels(root: Path, incoming: str | None, preferences_target: str, validate_command: list[str]) -> dict:
+def bring_in_labels(
+    root: Path,
+    incoming: str | None,
+    preferences_target: str,
+    validate_command: list[str],
+    retries: int = 3,
+    retry_delay_seconds: float = 30.0,
+) -> dict:
     """What ``labelling.source`` in params.yaml says this run adds to the labels (see LabellingParams):
-    {"ingested": ..., "pulled": ...}; nothing for the simulated labeller without ``incoming``."""
+    {"ingested": ..., "pulled": ...}; nothing for the simulated labeller without ``incoming``. A pull
+    that fails for a reason a retry can fix (the server restarting) is retried like a stage."""
     labelling = load_params(root / "params.yaml").labelling if (root / "params.yaml").is_file() else None
     if labelling is None or labelling.source == SIMULATED_LABELS:
         return (
@@ -337,7 +345,8 @@ def bring_in_labels(root: Path, incoming: str | None, preferences_target: str, v
     os.close(fd)
     try:
         project = labelling.label_studio_project
-        pulled = pull_labels(str(root), project, labelling.labels_file, private)
+        pull = pull_labels.with_options(retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_seconds))
+        pulled = pull(str(root), project, labelling.labels_file, private)
         shown = f"{labelling.labels_file} with Label Studio project {project}'s new labels"
         return {
             "pulled": pulled,
@@ -454,7 +463,9 @@ def retrain(
             clear_unreadable_rwlock(root, logger)  # DVC's rwlock emptied by a full disk: DVC makes a new one
             stages = stage_order(root)
             report["params"] = check_params(str(root))
-            report |= bring_in_labels(root, incoming, preferences_target, validate_command)
+            report |= bring_in_labels(
+                root, incoming, preferences_target, validate_command, retries, retry_delay_seconds
+            )
             stale = dvc_status(str(root))
             if not stale:
                 report["status"] = "all stages up to date"
