@@ -73,6 +73,16 @@ class LabelStudio:
         """(task id, annotation) of each annotation ``person`` made in ``project``."""
         return [(t["id"], a) for t in self.export(project) for a in t["annotations"] if a["completed_by"] == person.id]
 
+    def personal_access_token(self, person: Annotator) -> str:
+        """A new personal access token of ``person`` (a JWT refresh token: the kind Label Studio 1.23's
+        Account & Settings page makes), made in their logged-in session."""
+        with httpx.Client(base_url=self.url, cookies=person.cookies, timeout=60) as session:
+            headers = {"X-CSRFToken": person.cookies["csrftoken"], "Referer": self.url}
+            made = session.post("/api/token/", headers=headers)
+        if made.status_code != 201:
+            raise AssertionError(f"personal access token of {person.email}: HTTP {made.status_code} {made.text[:300]}")
+        return made.json()["token"]
+
     def sign_up(self, email: str, password: str) -> Annotator:
         """A second person joins the organisation the way Label Studio invites people: the invite
         link's sign-up form (a Django form with its CSRF token), then their own API token."""

@@ -88,7 +88,7 @@ def test_a_round_through_label_studio_retrains_the_tiny_pipeline(
     params["labelling"] = {"source": "label_studio", "labels_file": LABELS, "label_studio_project": project}
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
     monkeypatch.setenv(URL_VARIABLE, server.url)
-    monkeypatch.setenv(TOKEN_VARIABLE, server.admin.token)
+    monkeypatch.setenv(TOKEN_VARIABLE, server.personal_access_token(second))  # 1.23's default kind of token
     state = retrain(repo=str(root), push=False, return_state=True, retry_delay_seconds=0.1)
     assert state.is_completed(), state.message
     report = state.result()
@@ -130,7 +130,8 @@ def test_a_round_through_label_studio_retrains_the_tiny_pipeline(
 
 def test_a_refused_token_or_a_missing_project_is_one_paragraph_and_writes_nothing(label_studio, tmp_path):
     cases = (
-        ("1", "f" * 40, 2, "refused the token in LABEL_STUDIO_API_KEY (HTTP 401)"),
+        ("1", "f" * 40, 2, "refused the token in LABEL_STUDIO_API_KEY (HTTP 401)"),  # a legacy token
+        ("1", "aaa.bbb.ccc", 2, "refused the token in LABEL_STUDIO_API_KEY (HTTP 401)"),  # a personal access token
         ("999", label_studio.admin.token, 2, "Label Studio project 999 at http://127.0.0.1:"),
     )
     for project, token, code, message in cases:

@@ -188,13 +188,13 @@ def test_from_server_needs_the_address_and_token_from_the_environment(tmp_path):
 
 
 def test_export_samples_a_registered_version_by_its_name(tiny_run, tmp_path):
-    """`--model policy#prod`: the version is fetched (and checked) into a scratch folder for the
+    """`--model policy@latest`: the version is fetched (and checked) into a scratch folder for the
     sampling, and the tasks name it by its tag; the scratch folder is gone afterwards."""
     root = tmp_path / "project"
     shutil.copytree(tiny_run[0], root, symlinks=True)
     gate = cli("models", "gate", cwd=root)
     assert gate.returncode == 0, gate.stdout + gate.stderr
-    made = cli("label", "export", "tasks.json", "--model", "policy#prod", "--num", "4", cwd=root)
+    made = cli("label", "export", "tasks.json", "--model", "policy@latest", "--num", "4", cwd=root)
     assert made.returncode == 0, made.stderr
     data = [t["data"] for t in json.loads((root / "tasks.json").read_text())]
     assert {d["model"] for d in data} == {"policy@v1.0.0"}
