@@ -32,7 +32,7 @@ from rlhf_pipeline.errors import DataContractError, PipelineError, SettingsError
 from rlhf_pipeline.io import read_jsonl, sha256_file
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
-from rlhf_pipeline.preferences import sample_candidates, sample_problem
+from rlhf_pipeline.preferences import MAX_RESAMPLES, sample_clean_candidates, sample_problem
 from rlhf_pipeline.sampling import ResponseSampler
 
 CHOICE = "best"  # the <Choices> name: what an annotation's result is read from
@@ -89,8 +89,8 @@ def export_tasks(
 ) -> list[dict]:
     """Label Studio tasks for the first ``num_queries`` queries of ``split``: ``n`` responses each,
     sampled from ``model_dir`` with the task's sampling (as the preferences stage samples them).
-    A query whose responses would break the data contract (e.g. two identical) is drawn again once,
-    then left out."""
+    A query whose responses would break the data contract (e.g. two identical) is drawn again, up to
+    :data:`MAX_RESAMPLES` times as the stage does, then left out."""
     from datasets import load_from_disk
 
     part = load_from_disk(str(queries_dir))[split]
@@ -106,12 +106,10 @@ def export_tasks(
     for start in range(0, num_queries, batch_size):
         indices = list(range(start, min(start + batch_size, num_queries)))
         ids = [part[i]["query_ids"] for i in indices]
-        texts, _, _ = sample_candidates(model, tokenizer, sampler, ids, n, generator)
+        texts = sample_clean_candidates(model, tokenizer, sampler, ids, n, generator, MAX_RESAMPLES)[0]
         for i, samples in zip(indices, texts):
             if sample_problem(samples) is not None:
-                samples = sample_candidates(model, tokenizer, sampler, [part[i]["query_ids"]], n, generator)[0][0]
-                if sample_problem(samples) is not None:
-                    continue
+                continue
             data = {
                 "task_id": task_id(model_sha, split, i, seed, n, round_),
                 "query": part[i]["query"],

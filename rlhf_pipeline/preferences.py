@@ -50,6 +50,7 @@ PAIRED_FORMATS = (PAIRWISE, CONVERSATIONAL)  # one chosen against one rejected: 
 PAIRWISE_COLUMNS = ("prompt", "chosen", "rejected")
 SAMPLE_COLUMN = re.compile(r"^sample(0|[1-9]\d*)$")  # sample0, sample1, ...: no leading zeros
 LOOKS_LIKE_SAMPLE = re.compile(r"^sample\d+$")
+MAX_RESAMPLES = 3  # draws again of a query whose candidates would break the data contract, before it is skipped
 TASK_ID = "task_id"  # human labels: the labelling task a row answers (rlhf_pipeline.labelling)
 LABEL_KEY = (TASK_ID, "annotator")  # human labels: one answer per task and annotator
 FILE_ROWS = "file_rows"  # DataFrame.attrs key: the file's row number of each row of a split
@@ -173,6 +174,28 @@ def sample_candidates(
     return [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(batch))], ids, valid
 
 
+def sample_clean_candidates(
+    model, tokenizer, sampler, query_ids: list[list[int]], num_samples: int, generator, max_resamples: int
+):
+    """:func:`sample_candidates`, with the queries whose candidates would break the data contract
+    (:func:`sample_problem`) drawn again, up to ``max_resamples`` times: (texts, ids, valid, how
+    many queries were drawn again). A query still failing keeps its last draw: the caller skips it."""
+    texts, ids, valid = sample_candidates(model, tokenizer, sampler, query_ids, num_samples, generator)
+    resampled = 0
+    for _ in range(max_resamples):
+        redo = [i for i, samples in enumerate(texts) if sample_problem(samples) is not None]
+        if not redo:
+            break
+        resampled += len(redo)
+        new_texts, new_ids, new_valid = sample_candidates(
+            model, tokenizer, sampler, [query_ids[i] for i in redo], num_samples, generator
+        )
+        valid = valid.view(-1, num_samples).clone()
+        for j, i in enumerate(redo):
+            texts[i], ids[i], valid[i] = new_texts[j], new_ids[j], new_valid.view(-1, num_samples)[j]
+    return texts, ids, valid, resampled
+
+
 @torch.no_grad()
 def simulate_preferences(
     model,
@@ -188,7 +211,7 @@ def simulate_preferences(
     generator: torch.Generator,
     rng: np.random.Generator,
     split_name: str = "train",
-    max_resamples: int = 3,
+    max_resamples: int = MAX_RESAMPLES,
     progress: bool = True,
 ) -> SimulatedSplit:
     """Label ``num_rows`` rows with best-of-``num_samples`` choices.
@@ -216,18 +239,10 @@ def simulate_preferences(
             )
         stop = start + min(batch_size, num_rows - len(cols["best"]))
         batch_ids = [query_ids[i % len(query_ids)] for i in range(start, stop)]
-        texts, ids, valid = sample_candidates(model, tokenizer, sampler, batch_ids, num_samples, generator)
-        for _ in range(max_resamples):
-            redo = [i for i, samples in enumerate(texts) if sample_problem(samples) is not None]
-            if not redo:
-                break
-            result.resampled += len(redo)
-            new_texts, new_ids, new_valid = sample_candidates(
-                model, tokenizer, sampler, [batch_ids[i] for i in redo], num_samples, generator
-            )
-            valid = valid.view(-1, num_samples).clone()
-            for j, i in enumerate(redo):
-                texts[i], ids[i], valid[i] = new_texts[j], new_ids[j], new_valid.view(-1, num_samples)[j]
+        texts, ids, valid, resampled = sample_clean_candidates(
+            model, tokenizer, sampler, batch_ids, num_samples, generator, max_resamples
+        )
+        result.resampled += resampled
         scores = np.asarray(labeler.score([t for samples in texts for t in samples]), dtype=np.float64).reshape(
             len(texts), num_samples
         )

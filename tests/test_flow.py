@@ -833,3 +833,9 @@ def test_labelling_from_an_unreachable_label_studio_is_retried_then_fails_with_n
     assert (project / labels).read_text() == '{"chosen": "kept", "rejected": "x"}\n'
     assert not list((project / "data/labels").glob(".human.jsonl.pull-*")), "the scratch copy was left behind"
     assert _counters(project) == {}, "a stage ran without the labels"
+
+    incoming = tmp_path / "round.jsonl"
+    incoming.write_text('{"chosen": "people", "rejected": "x"}\n')
+    both = retrain(repo=str(project), incoming=str(incoming), push=False, return_state=True, **FAST)
+    assert both.is_failed() and "the incoming file" in both.message and "would be left out" in both.message
+    assert (project / labels).read_text() == '{"chosen": "kept", "rejected": "x"}\n'

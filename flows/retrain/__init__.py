@@ -21,7 +21,12 @@ What a run does, in order:
 2. Ingests ``incoming`` if given (a file, or a folder whose newest ``.jsonl``/``.parquet`` is
    taken): runs the preference validator on it; on failure the flow fails with the validator's
    summary and nothing is replaced. On success the file is copied atomically to
-   ``preferences_target`` and ``dvc add``-ed (unless that path is a stage output).
+   ``preferences_target`` and ``dvc add``-ed (unless that path is a stage output). ``labelling``
+   in params.yaml may say otherwise: ``file`` ingests ``incoming`` into ``labelling.labels_file``;
+   ``label_studio`` first pulls ``labelling.label_studio_project``'s annotations from the server
+   at ``$LABEL_STUDIO_URL`` (``rlhf label import --from-server``, retried like a stage), adds them
+   to a private copy of ``labelling.labels_file`` (every round kept, deduplicated by task and
+   annotator) and ingests that copy the same way.
 3. DVC's status (``Repo.status``): when nothing is stale the run ends here ("all stages up to date").
 4. Each stage, in the order of DVC's stage graph (dependencies first; ``dvc.yaml`` order among
    independent stages), is one task running ``dvc repro --single-item STAGE``: DVC re-runs the

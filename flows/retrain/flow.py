@@ -339,6 +339,13 @@ def bring_in_labels(
         if not incoming:
             return {"ingested": None, "note": "labelling.source is file and no --incoming file was given"}
         return {"ingested": ingest_preferences(str(root), incoming, labelling.labels_file, validate_command)}
+    if incoming:
+        raise RetrainError(
+            f"labelling.source is label_studio in params.yaml: the run pulls its labels from Label Studio project "
+            f"{labelling.label_studio_project}, so the incoming file {incoming} would be left out; pass no incoming "
+            "file, or set labelling.source: file. Nothing was changed.",
+            ParamsError.exit_code,
+        )
     target = root / labelling.labels_file
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, private = tempfile.mkstemp(prefix=f".{target.name}.pull-", suffix=target.suffix, dir=target.parent)

@@ -52,6 +52,12 @@ def publish_summary(
     """Create the ``retrain-summary`` markdown and ``retrain-metrics`` table artifacts."""
     metrics = workspace_metrics(root)
     lines = [f"# Retrain: {report['status']}", "", f"- Repository: `{root}`"]
+    if pulled := report.get("pulled"):
+        lines.append(
+            f"- Pulled from Label Studio: {pulled.get('added', pulled['rows'])} new label(s) "
+            f"({pulled['annotations']} annotations of {pulled['tasks']} tasks on the server; agreement "
+            f"{pulled['agreement']}; cancelled {pulled['cancelled']}, skipped {pulled['skipped']})"
+        )
     ingested = report.get("ingested")
     if ingested:
         lines.append(
