@@ -21,7 +21,7 @@ from label_studio_server import LABEL_STUDIO, NOT_INSTALLED, label_in_browser, s
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at the repo root
 
 from flows.retrain.flow import retrain  # noqa: E402
-from rlhf_pipeline.labelling import TOKEN_VARIABLE, URL_VARIABLE  # noqa: E402
+from rlhf_pipeline.labelling import TOKEN_VARIABLE, URL_VARIABLE, weights_sha256  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RLHF = [sys.executable, "-m", "rlhf_pipeline.cli"]
@@ -121,11 +121,23 @@ def test_a_round_through_label_studio_retrains_the_tiny_pipeline(
         lineage.stdout
     )
 
-    # the next scheduled run pulls again: nothing new, nothing changes, every row kept once
-    again = retrain(repo=str(root), push=False, return_state=True, retry_delay_seconds=0.1)
-    assert again.is_completed(), again.message
-    assert again.result()["pulled"]["added"] == 0 and again.result()["ingested"]["changed"] is False
+    # the next round's pull finds nothing new: every row kept once (test_flow checks that an unchanged
+    # file is not ingested again)
+    again = rlhf("label", "import", "--from-server", str(project), LABELS, "--append", cwd=root)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["added"] == 0 and json.loads(again.stdout)["already_there"] == len(rows)
     assert len((root / LABELS).read_text().splitlines()) == len(rows)
+
+    # the next round samples the version the flow registered: fetched and checked into a scratch folder
+    # that is gone afterwards, and named by its tag; an unknown version is one paragraph
+    made = rlhf("label", "export", "round3.json", "--model", "policy@latest", "--num", "4", "--round", "3", cwd=root)
+    assert made.returncode == 0, made.stderr
+    data = [t["data"] for t in json.loads((root / "round3.json").read_text())]
+    assert {d["model"] for d in data} == {"policy@v1.0.0"} and {d["round"] for d in data} == {3}
+    assert {d["model_sha256"] for d in data} == {weights_sha256(root / "models" / "policy")}
+    assert not list(root.glob(".label-export-*"))
+    missing = rlhf("label", "export", "tasks2.json", "--model", "policy@v9", cwd=root)
+    assert missing.returncode == 1 and "policy has no version v9.0.0" in missing.stderr, missing.stderr
 
 
 def test_a_refused_token_or_a_missing_project_is_one_paragraph_and_writes_nothing(label_studio, tmp_path):

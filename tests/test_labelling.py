@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -21,7 +20,6 @@ from rlhf_pipeline.labelling import (
     label_config,
     pairwise_agreement,
     rows_from_export,
-    weights_sha256,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,20 +183,3 @@ def test_from_server_needs_the_address_and_token_from_the_environment(tmp_path):
     assert "Traceback" not in pulled.stderr and not (tmp_path / "labels.jsonl").exists()
     both = cli("label", "import", "export.json", cwd=tmp_path)
     assert both.returncode == 2 and "takes INPUT OUTPUT" in both.stderr, both.stderr
-
-
-def test_export_samples_a_registered_version_by_its_name(tiny_run, tmp_path):
-    """`--model policy@latest`: the version is fetched (and checked) into a scratch folder for the
-    sampling, and the tasks name it by its tag; the scratch folder is gone afterwards."""
-    root = tmp_path / "project"
-    shutil.copytree(tiny_run[0], root, symlinks=True)
-    gate = cli("models", "gate", cwd=root)
-    assert gate.returncode == 0, gate.stdout + gate.stderr
-    made = cli("label", "export", "tasks.json", "--model", "policy@latest", "--num", "4", cwd=root)
-    assert made.returncode == 0, made.stderr
-    data = [t["data"] for t in json.loads((root / "tasks.json").read_text())]
-    assert {d["model"] for d in data} == {"policy@v1.0.0"}
-    assert {d["model_sha256"] for d in data} == {weights_sha256(root / "models" / "policy")}
-    assert not list(root.glob(".label-export-*"))
-    missing = cli("label", "export", "tasks2.json", "--model", "policy@v9", cwd=root)
-    assert missing.returncode == 1 and "policy has no version v9.0.0" in missing.stderr, missing.stderr
