@@ -98,6 +98,14 @@ def export_tasks(
         raise PipelineError(f"{queries_dir} ({split}) has {len(part)} queries; {num_queries} were asked for.")
     tokenizer = load_tokenizer(str(model_dir))
     model = load_causal_lm(str(model_dir)).eval()
+    vocabulary = model.get_input_embeddings().num_embeddings
+    highest = max(max(ids) for ids in part.select(range(num_queries))["query_ids"])
+    if highest >= vocabulary:  # queries another tokenizer made (another base model's project)
+        raise PipelineError(
+            f"{queries_dir} was tokenized for another model: its token ids reach {highest}, and {model_dir}'s "
+            f"vocabulary has {vocabulary}. Export from the base model whose tokenizer made the queries (or a "
+            "policy trained from it), or rerun `dvc repro queries` for this one; nothing was written."
+        )
     sampler = ResponseSampler.from_tokenizer(task, tokenizer)
     generator = torch.Generator().manual_seed(seed)
     model_sha = weights_sha256(model_dir)

@@ -183,3 +183,17 @@ def test_from_server_needs_the_address_and_token_from_the_environment(tmp_path):
     assert "Traceback" not in pulled.stderr and not (tmp_path / "labels.jsonl").exists()
     both = cli("label", "import", "export.json", cwd=tmp_path)
     assert both.returncode == 2 and "takes INPUT OUTPUT" in both.stderr, both.stderr
+
+
+def test_export_refuses_queries_another_tokenizer_made(tiny_run, tmp_path):
+    """Queries of another base model's project (ids beyond this model's vocabulary, as Gemma's 262k
+    ids are for SmolLM2) are refused with both sizes, not an index error inside the model."""
+    from datasets import load_from_disk
+
+    root = tiny_run[0]
+    queries = load_from_disk(str(root / "data" / "queries"))
+    queries.map(lambda row: {"query_ids": [i + 300_000 for i in row["query_ids"]]}).save_to_disk(tmp_path / "q")
+    made = cli("label", "export", str(tmp_path / "t.json"), "--model", "models/base", "--queries", str(tmp_path / "q"),
+               "--num", "2", cwd=root)  # fmt: skip
+    assert made.returncode == 1 and "was tokenized for another model: its token ids reach 3" in made.stderr, made.stderr
+    assert "Traceback" not in made.stderr and not (tmp_path / "t.json").exists()
