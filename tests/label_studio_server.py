@@ -11,7 +11,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import httpx
 from headless_browser import HeadlessChromium
+from ssh_server import _free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LABEL_STUDIO = REPO / ".label-studio" / "bin" / "label-studio"
@@ -27,12 +27,6 @@ TEMPLATE = REPO / ".label-studio" / "template"  # an empty, migrated database `m
 QUIET = {"SENTRY_DSN": "", "FRONTEND_SENTRY_DSN": "", "COLLECT_ANALYTICS": "false", "LATEST_VERSION_CHECK": "false"}
 CHOICE_BOXES = "document.querySelectorAll('label.lsf-choice__checkbox')"  # the page's <Choice>s, in order
 NOT_INSTALLED = f"Label Studio is not installed at {LABEL_STUDIO}: `make label-studio` installs it (`make test` does)"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass

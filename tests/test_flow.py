@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at
 
 from filelock import FileLock  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
+from ssh_server import _free_port  # noqa: E402
 
 from flows.retrain import (  # noqa: E402
     DEPLOYMENT_NAME,
@@ -820,9 +820,7 @@ def test_labelling_from_an_unreachable_label_studio_is_retried_then_fails_with_n
         f"labelling:\n  source: label_studio\n  labels_file: {labels}\n  label_studio_project: 3\n"
     )
     (project / labels).write_text('{"chosen": "kept", "rejected": "x"}\n')
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        closed = probe.getsockname()[1]
+    closed = _free_port()  # a port nobody listens on
     monkeypatch.setenv("LABEL_STUDIO_URL", f"http://127.0.0.1:{closed}")
     monkeypatch.setenv("LABEL_STUDIO_API_KEY", "0" * 40)
     state = retrain(repo=str(project), push=False, return_state=True, retries=1, **FAST)
