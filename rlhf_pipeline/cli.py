@@ -20,11 +20,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rlhf_pipeline import __version__
+from rlhf_pipeline import __version__, numerics
 from rlhf_pipeline.environment import LOCK_FILE, environment_record, record_lines
 from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, SettingsError, StorageError
 from rlhf_pipeline.io import atomic_file, read_json
 from rlhf_pipeline.params import read_params_file
+from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.schema import load_params, parse_params
 from rlhf_pipeline.runner import declared_keys_by_stage, missing_key_problems, report_error, report_unexpected
 
@@ -108,8 +109,12 @@ def cmd_profile(args) -> int:
 
 def cmd_environment(args) -> int:
     """The running environment against the lock: the record a model card gets; --check: exit 1 on a difference."""
+    params = Path(args.root, "params.yaml")
+    compute = load_params(params).compute if params.is_file() else ComputeParams()
+    numerics.pin(compute.cpu_numerics, compute.cpu_threads)
     record = environment_record(args.root)
     print("\n".join(line.removeprefix("- ") for line in record_lines(record)))
+    print(numerics.host_line())
     if args.check and (record["lock_sha256"] is None or record["differs_from_lock"]):
         print(
             f"rlhf environment: the installed packages are not {Path(args.root, LOCK_FILE)}: run `make setup` "
@@ -220,7 +225,9 @@ def cmd_label(args) -> int:
         print(labelling.label_config(args.n), end="")
         return 0
     if args.action == "export":
-        task = load_params(args.params).task
+        params = load_params(args.params)
+        numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
+        task = params.task
         with sampling_model(args.model) as (folder, name):
             tasks = labelling.export_tasks(
                 folder, args.queries, task, args.split, args.num, args.n, args.seed, args.round, args.model_name or name

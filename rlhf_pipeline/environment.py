@@ -20,6 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline import numerics
+
 LOCK_FILE = "requirements.lock"
 # installed beside the lock by `make setup` (torch: per-machine build) or the venv's own tooling
 OUTSIDE_LOCK = ("torch",)
@@ -60,31 +62,42 @@ def lock_differences(locked: Mapping[str, str], installed: Mapping[str, str]) ->
 
 def environment_record(root: str | Path = ".") -> dict[str, Any]:
     """What a model card records of the environment that made it: the lock's sha256 (None without a
-    lock), the packages that differ from it, and the builds installed outside it."""
+    lock), the packages that differ from it, the builds installed outside it, and the CPU numerics
+    this process pinned (None where it pinned none: :mod:`rlhf_pipeline.numerics`)."""
     path = Path(root, LOCK_FILE)
     installed = installed_versions()
     outside = {name: installed.get(name) for name in OUTSIDE_LOCK}
+    pin = numerics.pinned()
+    cpu_numerics = pin.record() if pin else None
     if not path.is_file():
-        return {"lock": None, "lock_sha256": None, "differs_from_lock": None, "outside_lock": outside}
+        return {
+            "lock": None,
+            "lock_sha256": None,
+            "differs_from_lock": None,
+            "outside_lock": outside,
+            "cpu_numerics": cpu_numerics,
+        }
     data = path.read_bytes()
     return {
         "lock": LOCK_FILE,
         "lock_sha256": hashlib.sha256(data).hexdigest(),
         "differs_from_lock": lock_differences(locked_versions(data.decode()), installed),
         "outside_lock": outside,
+        "cpu_numerics": cpu_numerics,
     }
 
 
 def record_lines(record: Mapping[str, Any]) -> list[str]:
     """The record as a model card's Lineage lines."""
     outside = ", ".join(f"{name} {version}" for name, version in (record.get("outside_lock") or {}).items())
+    numerics_line = f"- cpu numerics: {numerics.describe(record.get('cpu_numerics'))}"
     if not record.get("lock_sha256"):
-        return [f"- environment: no {LOCK_FILE} (packages unlocked); {outside}"]
+        return [f"- environment: no {LOCK_FILE} (packages unlocked); {outside}", numerics_line]
     differs = record.get("differs_from_lock") or {}
     changes = [f"{name} {v['installed'] or 'missing'} (locked {v['locked'] or 'none'})" for name, v in differs.items()]
     detail = "differs from it: " + ", ".join(changes) if changes else "every package as locked"
     lock = f"`{record['lock']}` sha256 `{record['lock_sha256']}`"
-    return [f"- environment: {lock}, {detail}; outside the lock: {outside}"]
+    return [f"- environment: {lock}, {detail}; outside the lock: {outside}", numerics_line]
 
 
 def effective_versions(record: Mapping[str, Any], lock_text: str | None) -> dict[str, str] | None:

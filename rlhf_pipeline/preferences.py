@@ -120,9 +120,9 @@ def pick_best(scores: np.ndarray, temperature: float, rng: np.random.Generator) 
             maxima = np.flatnonzero(row == row.max())
             best.append(maxima[0] if len(maxima) == 1 else rng.choice(maxima))
         return np.array(best, dtype=np.int64)
-    logits = scores / temperature
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
+    # torch's softmax, not numpy's exp: numpy picks its exp kernel by the CPU (AVX-512 rounds otherwise)
+    # and compute.cpu_numerics pins torch's, so the labels are the same on any host
+    probs = torch.softmax(torch.from_numpy(scores / temperature), dim=1).numpy()
     return np.array([rng.choice(scores.shape[1], p=p) for p in probs], dtype=np.int64)
 
 

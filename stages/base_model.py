@@ -14,6 +14,7 @@ from rlhf_pipeline.modelcard import hub_id, save_card, usage_snippet
 from rlhf_pipeline.models import count_parameters, save_tokenizer, set_dropout
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.base_model import BaseModelParams
+from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.ppo import PPOParams
 from rlhf_pipeline.params.reward import RewardParams
@@ -26,6 +27,7 @@ OUT = "models/base"
 
 
 class Params(StageParams):
+    compute: ComputeParams = ComputeParams()
     base_model: BaseModelParams = BaseModelParams()
     # read only to check them against the model just built (dvc.yaml declares the few keys)
     data: DataParams = DataParams()

@@ -16,6 +16,7 @@ from rlhf_pipeline.corpus import clean_passages, generate_passages, load_hub_pas
 from rlhf_pipeline.io import RAW_DATA, atomic_dir, is_local_source, require_tracked_location
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import GENERATED, DataParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.runner import run_stage
@@ -24,6 +25,7 @@ BASE, OUT = "models/base", "data/corpus"
 
 
 class Params(StageParams):
+    compute: ComputeParams = ComputeParams()
     data: DataParams = DataParams()
     task: TaskParams = TaskParams()
 

@@ -23,6 +23,7 @@ from rlhf_pipeline.io import write_json
 from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.evaluate import EvaluateParams
 from rlhf_pipeline.params.ppo import PPOParams
@@ -45,6 +46,7 @@ METRICS = "metrics/evaluate.json"
 
 
 class Params(StageParams):
+    compute: ComputeParams = ComputeParams()
     data: DataParams = DataParams()
     task: TaskParams = TaskParams()
     evaluate: EvaluateParams = EvaluateParams()

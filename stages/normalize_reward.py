@@ -23,6 +23,7 @@ from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.modelcard import held_out_result, preference_data_line, write_card
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir, save_tokenizer
 from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.reward import RewardParams
 from rlhf_pipeline.params.task import TaskParams
@@ -37,6 +38,7 @@ OUT, METRICS = "models/reward", "metrics/reward.json"
 
 
 class Params(StageParams):
+    compute: ComputeParams = ComputeParams()
     data: DataParams = DataParams()
     task: TaskParams = TaskParams()
     reward: RewardParams = RewardParams()

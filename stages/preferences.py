@@ -23,6 +23,7 @@ from rlhf_pipeline.io import LABELS, atomic_dir, is_local_source, require_tracke
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_context, require_dir
 from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import SIMULATED, DataParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.preferences import (
@@ -44,6 +45,7 @@ BASE, QUERIES, OUT, METRICS = "models/base", "data/queries", "data/preferences",
 
 
 class Params(StageParams):
+    compute: ComputeParams = ComputeParams()
     data: DataParams = DataParams()
     task: TaskParams = TaskParams()
 

@@ -23,6 +23,7 @@ from rlhf_pipeline.logging import open_live, step_logger
 from rlhf_pipeline.modelcard import preference_data_line, write_card
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_context, require_dir
 from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.ppo import PPOParams
 from rlhf_pipeline.params.task import TaskParams
@@ -41,6 +42,7 @@ SPEED = "metrics/speed.json"  # dvc.yaml's top-level metrics: git keeps it, dvc.
 
 
 class Params(StageParams):
+    compute: ComputeParams = ComputeParams()
     data: DataParams = DataParams()
     task: TaskParams = TaskParams()
     ppo: PPOParams = PPOParams()

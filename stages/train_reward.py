@@ -19,6 +19,7 @@ from rlhf_pipeline.model_folder import admit_model_folder
 from rlhf_pipeline.modelcard import held_out_result, preference_data_line, write_card
 from rlhf_pipeline.models import freeze_lower_layers, load_causal_lm, load_tokenizer, require_dir, save_tokenizer
 from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.reward import RewardParams
 from rlhf_pipeline.params.task import TaskParams
@@ -43,6 +44,7 @@ RESTART = "Reward training keeps no checkpoint (one pass over the labels): launc
 
 
 class Params(StageParams):
+    compute: ComputeParams = ComputeParams()
     data: DataParams = DataParams()
     task: TaskParams = TaskParams()
     reward: RewardParams = RewardParams()

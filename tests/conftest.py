@@ -150,6 +150,9 @@ def tiny_params(**overrides) -> dict:
     """A params.yaml mapping sized for the tiny model; ``overrides`` are dotted keys."""
     params = {
         "seed": 1,
+        # stages run in the test's own process here, whose kernels are already chosen: native keeps them
+        # (tests hold on any CPU by construction); `make test` runs a worker per core
+        "compute": {"cpu_numerics": "native", "cpu_threads": 1},
         "data": {
             "corpus": {"source": "generated", "num_passages": 12, "passage_tokens": 24, "batch_size": 6},
             "queries": {"query_length": 16, "test_fraction": 0.25, "min_test_queries": 1},

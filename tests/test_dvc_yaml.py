@@ -305,7 +305,8 @@ def test_the_base_model_stage_runs_only_the_bottom_of_the_library():
     it carries, the base-model sources, the admission of a user's model folder and the model
     helpers they use, the entry point's offline environment, the tokenizer's prefix the card
     records, and the check of the model-dependent values (fit.py, with the four schemas whose keys
-    it checks: ppo, reward, data, task) as soon as the model is built."""
+    it checks: ppo, reward, data, task) as soon as the model is built, and the CPU numerics it pins
+    (numerics.py, params/compute.py)."""
     found = {f for f in project_files(REPO / "stages/base_model.py") if f.startswith("rlhf_pipeline/")}
     assert found == {
         "rlhf_pipeline/__init__.py",
@@ -316,9 +317,11 @@ def test_the_base_model_stage_runs_only_the_bottom_of_the_library():
         "rlhf_pipeline/model_folder.py",
         "rlhf_pipeline/modelcard.py",
         "rlhf_pipeline/models.py",
+        "rlhf_pipeline/numerics.py",
         "rlhf_pipeline/offline.py",
         "rlhf_pipeline/params/__init__.py",
         "rlhf_pipeline/params/base_model.py",
+        "rlhf_pipeline/params/compute.py",
         "rlhf_pipeline/params/data.py",
         "rlhf_pipeline/params/ppo.py",
         "rlhf_pipeline/params/reward.py",

@@ -88,17 +88,22 @@ def test_captured_hidden_states_equal_a_plain_forward(tiny_model, tiny_tokenizer
 
 def test_normalisation_samples_are_raw_unless_truncation_is_asked(tiny_model, tiny_tokenizer):
     """reward.normalize.truncate: false (both references) scores the raw fixed-length responses;
-    true scores them cut after the first truncate token, as PPO does."""
+    true scores them cut after the first truncate token, as PPO does. The truncate token is one the
+    model sampled mid-response, so the cut happens on any CPU (which tokens a random model samples
+    depends on the CPU's rounding)."""
     from rlhf_pipeline.params.task import TaskParams
     from rlhf_pipeline.sampling import ResponseSampler
 
     task = TaskParams(response_length=12, truncate_after=1, temperature=1.0)
-    sampler = ResponseSampler.from_tokenizer(task, tiny_tokenizer)
     pad = tiny_tokenizer.pad_token_id
     queries = torch.tensor([[pad, 5, 6, 7]] * 16)
+    untruncated = ResponseSampler(task, pad, tiny_tokenizer.eos_token_id, None)
+    raw, _ = untruncated.sample_batched(tiny_model, queries, torch.Generator().manual_seed(0), 8, truncate=False)
+    sampler = ResponseSampler(task, pad, tiny_tokenizer.eos_token_id, int(raw[0, 3]))
     raw, valid = sampler.sample_batched(tiny_model, queries, torch.Generator().manual_seed(0), 8, truncate=False)
     cut, valid_cut = sampler.sample_batched(tiny_model, queries, torch.Generator().manual_seed(0), 8, truncate=True)
-    assert torch.equal(valid, valid_cut) and valid.any(), "the tiny model writes periods"
+    assert torch.equal(valid, valid_cut) and valid[0], "row 0 holds the truncate token after truncate_after"
     assert (raw != pad).all()  # fixed length, nothing cut
     assert torch.equal(cut, sampler.truncate(raw)[0])
-    assert (cut[valid] == pad).any()  # something after a period was cut
+    stop = next(j for j in range(task.truncate_after, 4) if raw[0, j] == raw[0, 3])  # its first place, <= 3
+    assert (cut[0, stop + 1 :] == pad).all() and torch.equal(cut[0, : stop + 1], raw[0, : stop + 1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rlhf_pipeline import numerics
 from rlhf_pipeline.lineage.event import build_lineage
 from rlhf_pipeline.lineage.facts import PACKAGES
 from rlhf_pipeline.lineage.record import files_note, show
@@ -156,6 +157,7 @@ def _environment_lines(env: dict[str, Any]) -> list[str]:
             f"  made with    {recorded.get('lock') or 'no lock'} sha256 {recorded.get('lock_sha256')}"
             + (f"; differing from it: {', '.join(differs)}" if differs else "; every package as locked")
         )
+        lines.append(f"  cpu numerics {numerics.describe(recorded.get('cpu_numerics'))}")
     if comparison.get("same") is False:
         packages = comparison.get("packages") or {}
         listed = ", ".join(

@@ -16,6 +16,7 @@ from pydantic import model_validator
 
 from rlhf_pipeline.params import Seed, Strict, read_params_file, refuse, validate
 from rlhf_pipeline.params.base_model import BaseModelParams
+from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.evaluate import EvaluateParams
 from rlhf_pipeline.params.labelling import LABEL_STUDIO, SIMULATED_LABELS, LabellingParams
@@ -28,6 +29,7 @@ from rlhf_pipeline.params.task import TaskParams
 
 class Params(Strict):
     seed: Seed = 1
+    compute: ComputeParams = ComputeParams()
     base_model: BaseModelParams = BaseModelParams()
     data: DataParams = DataParams()
     task: TaskParams = TaskParams()
