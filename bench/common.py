@@ -1,6 +1,7 @@
 """Shared setup for the throughput benchmarks in ``bench/``.
 
-- :func:`setup`: 2 CPU threads, fixed seeds, offline hubs (importing ``rlhf_pipeline`` sets them).
+- :func:`prepare`: ``--cpu-numerics`` pinned as the stages pin it (portable by default), 2 CPU threads,
+  fixed seeds, offline hubs (importing ``rlhf_pipeline.offline`` sets them).
 - :func:`materialise_model`: the benchmark model as a plain ``save_pretrained`` directory with the
   dedicated pad token, cached under ``bench/.cache/`` so both implementations load identical weights.
 - :func:`random_token_ids`: fixed-seed synthetic token ids drawn from the ordinary vocabulary.
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from rlhf_pipeline import numerics
 
 BENCH_DIR = Path(__file__).resolve().parent
 CACHE_DIR = BENCH_DIR / ".cache"
@@ -128,6 +131,12 @@ def benchmark_parser(doc: str):
         "--tiny", action="store_const", const="tiny", dest="model", help="shorthand for --model tiny (quick check)"
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--cpu-numerics",
+        choices=numerics.MODES,
+        default=numerics.PORTABLE,
+        help="portable (the stages' default: AVX2 kernels, 2 threads) or native (this CPU's own kernels)",
+    )
     parser.add_argument("--markdown", action="store_true", help="emit the report as markdown")
     parser.add_argument("--output", help="also write the report to this file")
     return parser
@@ -144,6 +153,7 @@ def prepare(args):
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     hf_logging.set_verbosity_error()
+    numerics.pin(args.cpu_numerics, THREADS)  # before the first torch operation, as a stage pins compute.cpu_numerics
     setup(args.seed)
     model_dir = materialise_model(args.model)
     return model_dir, AutoTokenizer.from_pretrained(str(model_dir))
@@ -200,8 +210,10 @@ def environment_lines(model_name: str, device: str = "cpu") -> list[str]:
         where = f"device: {torch.cuda.get_device_name()} (bf16 autocast, TF32), host {cpu_name()}"
     else:
         where = f"device: CPU ({cpu_name()}), torch threads {torch.get_num_threads()} of {os.cpu_count()} cores, fp32"
+    pin = numerics.pinned()
     return [
         where,
+        f"cpu numerics: {numerics.describe(pin.record()) if pin else 'not pinned'}",
         f"versions: python {platform.python_version()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, trl {trl_version}",
         f"model: {model_name}",

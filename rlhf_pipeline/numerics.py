@@ -1,21 +1,27 @@
-"""CPU numerics: the same bytes on any x86-64 CPU with AVX2 (``portable``), or this host's own
-fastest kernels (``native``). ``compute.cpu_numerics`` chooses; every stage that computes declares
-it, and the stage runner pins it before the stage's first torch operation.
+"""CPU numerics: the same bytes on other x86-64 CPUs (``portable``, ``compatible``), or this host's
+own fastest kernels (``native``). ``compute.cpu_numerics`` chooses; every stage that runs a model
+declares it, and the stage runner pins it before the stage's first torch operation.
 
 Why a pin is needed. torch's CPU wheel picks its kernels by the instruction set it finds, and kernels
 for wider vectors add in another order: an AVX-512 host samples other tokens than an AVX2 host from
 the same weights, and every output from the first sampled one on differs. What torch 2.13's CPU
-wheel obeys, found by test (``tests/test_numerics.py``; findings in ``docs/numerics.md``):
+wheel obeys, found by test (``bench/probe_numerics.py``; findings in ``docs/numerics.md``):
 
-- ATen's vectorised kernels (softmax, norms, exp, SiLU, the attention kernel, reductions) follow
+- ATen's vectorised kernels (softmax, norms, SiLU, the attention kernel, reductions) follow
   ``ATEN_CPU_CAPABILITY``, read once at the first kernel call (so setting it in the running
   process works until then; :func:`pin` checks that it took).
 - MKL (every fp32 GEMM) follows ``MKL_CBWR``, read at its first call. It honours the ``AVX2`` branch
-  on Intel CPUs only: on AMD it reads back ``AUTO`` and runs its own AMD code path; ``COMPATIBLE``
-  is honoured on both, at about 2.2x the GEMM time (measured on SmolLM2's shapes).
+  on Intel CPUs only: on an AMD CPU it reads back ``AUTO`` and runs its Zen code path. Its
+  ``COMPATIBLE`` branch is honoured on both (the one branch Intel documents as giving the same
+  results on Intel and other CPUs), at 2.2x the GEMM time.
 - oneDNN (torch's fp32 GELU among others) follows ``ONEDNN_MAX_CPU_ISA``.
 - No variable fixes how torch splits a large reduction between threads: a 4 M-element sum gives
-  other bits on 1 and 2 threads. So ``portable`` also fixes the thread count (``compute.cpu_threads``).
+  other bits on 1 and 2 threads. So a pin also fixes the thread count (``compute.cpu_threads``).
+
+So ``portable`` (the default: no cost on an AVX2 host) pins all four at AVX2: the same bytes on any
+Intel CPU with AVX2 (MKL's reproducibility guarantee for one branch), and on AMD CPUs that share
+MKL's Zen path; ``compatible`` also moves MKL to its COMPATIBLE branch: the same bytes on Intel and
+AMD CPUs alike, GEMMs 2.2x slower.
 
 Standard library only at import: an entry point may import this before torch.
 """
@@ -30,14 +36,21 @@ from typing import Any
 
 from rlhf_pipeline.errors import SettingsError
 
-PORTABLE, NATIVE = "portable", "native"
-MODES = (PORTABLE, NATIVE)
+PORTABLE, COMPATIBLE, NATIVE = "portable", "compatible", "native"
+MODES = (PORTABLE, COMPATIBLE, NATIVE)
 LEVEL = "AVX2"  # every x86-64 CPU of the last decade has it (Intel Haswell 2013, AMD Zen 2017)
-# what `portable` sets: the variable, its value, and what obeys it
-PORTABLE_ENVIRONMENT: dict[str, str] = {
-    "ATEN_CPU_CAPABILITY": "avx2",  # torch's own CPU kernels
-    "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility branch (its GEMMs)
-    "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN's JIT kernels
+# what each pinning mode sets: the variable, its value, and what obeys it
+PINNED_ENVIRONMENTS: dict[str, dict[str, str]] = {
+    PORTABLE: {
+        "ATEN_CPU_CAPABILITY": "avx2",  # torch's own CPU kernels
+        "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility branch (its GEMMs); Intel CPUs only
+        "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN's JIT kernels
+    },
+    COMPATIBLE: {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_CBWR": "COMPATIBLE",  # honoured by MKL on every x86-64 CPU, Intel's or not
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
 }
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # MKL's own encoding of the branch it runs (mkl_cbwr.h), to read back what it took
@@ -58,10 +71,11 @@ class Pin:
     overridden: dict[str, str] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
-        """What a model card records. ``portable``'s record is the same on every host (so are the
+        """What a model card records. A pinning mode's record is the same on every host (so are the
         bytes); ``native`` records the host's kernels and threads, which decide its bytes."""
-        if self.mode == PORTABLE:
-            return {"mode": PORTABLE, "level": LEVEL, "threads": self.threads, "variables": dict(PORTABLE_ENVIRONMENT)}
+        if self.mode in PINNED_ENVIRONMENTS:
+            variables = dict(PINNED_ENVIRONMENTS[self.mode])
+            return {"mode": self.mode, "level": LEVEL, "threads": self.threads, "variables": variables}
         return {"mode": NATIVE, "capability": torch_capability(), "threads": torch_threads()}
 
 
@@ -73,14 +87,14 @@ def pinned() -> Pin | None:
     return _pinned
 
 
-def portable_environment(threads: int) -> dict[str, str]:
-    """Every variable ``portable`` sets, threads included (for a child process's environment)."""
-    return {**PORTABLE_ENVIRONMENT, **{name: str(threads) for name in THREAD_VARIABLES}}
+def pinned_environment(mode: str, threads: int) -> dict[str, str]:
+    """Every variable pinning ``mode`` sets, threads included (child processes inherit them)."""
+    return {**PINNED_ENVIRONMENTS[mode], **{name: str(threads) for name in THREAD_VARIABLES}}
 
 
-def overrides(environ: Mapping[str, str], threads: int) -> dict[str, str]:
-    """The variables in ``environ`` that ``portable`` with ``threads`` replaces: name -> the user's value."""
-    wanted = portable_environment(threads)
+def overrides(environ: Mapping[str, str], mode: str, threads: int) -> dict[str, str]:
+    """The variables in ``environ`` that pinning ``mode`` with ``threads`` replaces: name -> the user's value."""
+    wanted = pinned_environment(mode, threads)
     return {name: environ[name] for name in wanted if name in environ and environ[name] != wanted[name]}
 
 
@@ -88,31 +102,34 @@ def pin(mode: str, threads: int | None, environ: dict[str, str] | None = None) -
     """Apply ``mode`` to this process (and to ``environ``, by default ``os.environ``, which child
     processes inherit); print one line naming any variable of the user's that the pin replaced.
 
-    ``portable`` sets :data:`PORTABLE_ENVIRONMENT` and ``threads`` torch threads, then checks that
-    torch runs at :data:`LEVEL` (exit 2 otherwise: the host lacks it, or a kernel ran before the
-    pin). ``native`` sets nothing but ``threads`` (when given): the host's kernels decide the bytes."""
+    ``portable`` and ``compatible`` set their :data:`PINNED_ENVIRONMENTS` and ``threads`` torch
+    threads, then check that torch runs at :data:`LEVEL` (exit 2 otherwise: the host lacks it, or a
+    kernel ran before the pin). ``native`` sets nothing but ``threads`` (when given): the host's
+    kernels decide the bytes."""
     global _pinned
     environ = os.environ if environ is None else environ
     if mode not in MODES:
         raise NumericsError(f"compute.cpu_numerics: {mode!r} is not one of {', '.join(MODES)}.")
     replaced: dict[str, str] = {}
-    if mode == PORTABLE:
+    if mode in PINNED_ENVIRONMENTS:
         if threads is None:  # the params schema refuses this combination (compute.cpu_threads)
-            raise NumericsError("compute.cpu_numerics: portable needs compute.cpu_threads: a number, not null.")
-        replaced = overrides(environ, threads)
-        environ.update(portable_environment(threads))
+            raise NumericsError(f"compute.cpu_numerics: {mode} needs compute.cpu_threads: a number, not null.")
+        wanted = pinned_environment(mode, threads)
+        replaced = overrides(environ, mode, threads)
+        environ.update(wanted)
         if replaced:
             theirs = ", ".join(f"{name}={value}" for name, value in replaced.items())
+            ours = ", ".join(f"{name}={wanted[name]}" for name in replaced)
             print(
-                f"compute.cpu_numerics is portable, so it wins over your environment's {theirs} (this run uses "
-                f"{', '.join(f'{name}={portable_environment(threads)[name]}' for name in replaced)}); to run with "
-                "your own, set compute.cpu_numerics: native (its outputs are then this host's own bytes).",
+                f"compute.cpu_numerics is {mode}, so it wins over your environment's {theirs} (this run uses "
+                f"{ours}); to run with your own, set compute.cpu_numerics: native (its outputs are then this "
+                "host's own bytes).",
                 flush=True,
             )
     if threads is not None:
         _set_torch_threads(threads)
-    if mode == PORTABLE:
-        _require_level()
+    if mode in PINNED_ENVIRONMENTS:
+        _require_level(mode)
     _pinned = Pin(mode, threads, replaced)
     return _pinned
 
@@ -145,7 +162,7 @@ def host_has_avx2() -> bool | None:
     return None
 
 
-def _require_level() -> None:
+def _require_level(mode: str) -> None:
     """Raise unless torch's kernels are the pinned level (torch falls back to lower kernels, silently,
     on a host without AVX2 or on a non-x86 CPU)."""
     import torch  # the pin itself is done: torch reads the variables at its first kernel call
@@ -155,13 +172,13 @@ def _require_level() -> None:
         return
     if host_has_avx2() is False or not capability.startswith(("AVX", "DEFAULT")):
         raise NumericsError(
-            f"compute.cpu_numerics: portable pins torch's CPU kernels to {LEVEL}, which this CPU lacks (torch runs "
+            f"compute.cpu_numerics: {mode} pins torch's CPU kernels to {LEVEL}, which this CPU lacks (torch runs "
             f"{capability} kernels here): its outputs could not be the bytes other machines make. Set "
             "compute.cpu_numerics: native in params.yaml to run with this CPU's own kernels (its outputs are "
             "then this machine's own, and DVC reruns every stage that declares it)."
         )
     raise NumericsError(
-        f"compute.cpu_numerics: portable asked torch for {LEVEL} kernels, but it runs {capability}: torch reads "
+        f"compute.cpu_numerics: {mode} asked torch for {LEVEL} kernels, but it runs {capability}: torch reads "
         "ATEN_CPU_CAPABILITY at its first kernel call, and one ran before the pin (this is a bug of the entry "
         "point: the pin must come before any torch operation)."
     )
@@ -189,10 +206,10 @@ def mkl_branch() -> str | None:
 def describe(record: Mapping[str, Any] | None) -> str:
     """A card's or lineage's line for a record of :meth:`Pin.record`."""
     if not record:
-        return "not recorded (made before compute.cpu_numerics)"
-    if record.get("mode") == PORTABLE:
+        return "not recorded (made before compute.cpu_numerics, or by a process that pinned none)"
+    if record.get("mode") in PINNED_ENVIRONMENTS:
         variables = " ".join(f"{k}={v}" for k, v in (record.get("variables") or {}).items())
-        return f"portable: {record.get('level')} kernels, {record.get('threads')} torch threads ({variables})"
+        return f"{record['mode']}: {record.get('level')} kernels, {record.get('threads')} torch threads ({variables})"
     return (
         f"native: this host's {record.get('capability')} kernels, {record.get('threads')} torch threads "
         "(the bytes are this host's own)"
@@ -207,6 +224,6 @@ def host_line() -> str:
     torch.ones(8, 8) @ torch.ones(8, 8)
     branch = mkl_branch()
     mkl = f"MKL runs its {branch} branch" if branch else "MKL's branch cannot be read back"
-    if branch == "AUTO" and os.environ.get("MKL_CBWR", "").startswith(LEVEL):
+    if branch == "AUTO" and os.environ.get("MKL_CBWR", "AUTO") != "AUTO":
         mkl += f" (it ignores MKL_CBWR={os.environ['MKL_CBWR']} on a CPU that is not Intel's)"
     return f"this process: torch runs {torch_capability()} kernels on {torch_threads()} threads, {mkl}"

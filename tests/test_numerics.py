@@ -55,9 +55,17 @@ def test_portable_sets_every_variable_and_says_which_of_the_user_s_it_replaced(c
         "mode": "portable",
         "level": "AVX2",
         "threads": 1,
-        "variables": numerics.PORTABLE_ENVIRONMENT,
+        "variables": numerics.PINNED_ENVIRONMENTS["portable"],
     }
     assert "portable: AVX2 kernels, 1 torch threads" in numerics.describe(pin.record())
+
+
+def test_compatible_moves_mkl_to_its_compatible_branch(clean_pin, monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    environ: dict[str, str] = {}
+    pin = numerics.pin("compatible", 1, environ)
+    assert environ["MKL_CBWR"] == "COMPATIBLE" and environ["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert pin.record()["variables"]["MKL_CBWR"] == "COMPATIBLE" and pin.record()["mode"] == "compatible"
 
 
 def test_native_leaves_the_environment_alone_and_records_the_host(clean_pin, capsys):
@@ -88,9 +96,10 @@ def test_a_kernel_run_before_the_pin_is_named_as_the_entry_point_s_bug(clean_pin
         numerics.pin("portable", 1, {})
 
 
-def test_portable_without_a_thread_count_is_refused_naming_the_key():
+@pytest.mark.parametrize("mode", ["portable", "compatible"])
+def test_a_pin_without_a_thread_count_is_refused_naming_the_key(mode):
     with pytest.raises(ParamsError) as refused:
-        parse_params({"compute": {"cpu_numerics": "portable", "cpu_threads": None}})
+        parse_params({"compute": {"cpu_numerics": mode, "cpu_threads": None}})
     assert any(line.startswith("compute.cpu_threads: must be a number") for line in refused.value.problems)
     assert parse_params({"compute": {"cpu_numerics": "native", "cpu_threads": None}}).compute.cpu_threads is None
 

@@ -13,11 +13,12 @@ MAX_THREADS = 1024
 
 
 class ComputeParams(Strict):
-    cpu_numerics: Literal["portable", "native"] = Field(
+    cpu_numerics: Literal["portable", "compatible", "native"] = Field(
         "portable",
-        description="portable: torch's CPU kernels, MKL and oneDNN pinned at AVX2 and cpu_threads threads, so any "
-        "x86-64 CPU with AVX2 makes the same bytes (rlhf_pipeline/numerics.py); native: this host's fastest "
-        "kernels, whose rounding is its own.",
+        description="portable: torch's CPU kernels, MKL's branch and oneDNN pinned at AVX2, and cpu_threads threads: "
+        "the same bytes on any Intel CPU with AVX2 and on AMD CPUs alike (MKL keeps its own Zen path there); "
+        "compatible: portable with MKL's COMPATIBLE branch, the same bytes on Intel and AMD CPUs, GEMMs 2.2x "
+        "slower; native: this host's fastest kernels, whose rounding is its own (rlhf_pipeline/numerics.py).",
     )
     cpu_threads: int | None = Field(
         2,
@@ -28,14 +29,14 @@ class ComputeParams(Strict):
     )
 
     @model_validator(mode="after")
-    def _portable_needs_threads(self) -> ComputeParams:
-        if self.cpu_numerics == "portable" and self.cpu_threads is None:
+    def _a_pin_needs_threads(self) -> ComputeParams:
+        if self.cpu_numerics != "native" and self.cpu_threads is None:
             refuse(
                 [
                     (
                         "cpu_threads",
-                        "must be a number when cpu_numerics is portable: torch splits large sums between its "
-                        "threads, so the same bytes need the same thread count on every host (the default is 2); "
+                        f"must be a number when cpu_numerics is {self.cpu_numerics}: torch splits large sums between "
+                        "its threads, so the same bytes need the same thread count on every host (the default is 2); "
                         "or set cpu_numerics: native",
                         None,
                     )
