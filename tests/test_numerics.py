@@ -190,3 +190,14 @@ def test_two_hosts_make_the_same_bytes_under_portable_and_their_own_under_native
     else:
         # the hosts' kernels round differently, so the trained weights differ
         assert "models/reward_unnormalized" in differing
+
+
+def test_rlhf_environment_pins_what_params_ask_and_reads_back_what_torch_and_mkl_run(tmp_path):
+    (tmp_path / "params.yaml").write_text("compute:\n  cpu_numerics: portable\n  cpu_threads: 1\n")
+    rlhf = [str(Path(sys.executable).parent / "rlhf"), "environment", "--root", str(tmp_path)]
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    shown = subprocess.run(rlhf, capture_output=True, text=True, env=env, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "wins over your environment's ATEN_CPU_CAPABILITY=default" in shown.stdout
+    assert "cpu numerics: portable: AVX2 kernels, 1 torch threads" in shown.stdout
+    assert "this process: torch runs AVX2 kernels on 1 threads, MKL runs its " in shown.stdout
