@@ -51,7 +51,7 @@ if os.environ.get("LATE_ATEN_CPU_CAPABILITY"):  # after torch is imported, befor
 torch.set_num_threads(int(sys.argv[1]))
 F = torch.nn.functional
 def h(t):
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:6]
+    return hashlib.sha256(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:6]
 g = torch.Generator().manual_seed(0)
 x = torch.randn(16, 40, 576, generator=g, requires_grad=True)
 w = torch.randn(1536, 576, generator=g) / 24
@@ -80,8 +80,10 @@ print(json.dumps(out))
 def probe(env: dict[str, str], threads: int) -> dict:
     clean = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")}
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(threads)], env={**clean, **env}, capture_output=True, text=True, check=True
+        [sys.executable, "-c", CHILD, str(threads)], env={**clean, **env}, capture_output=True, text=True
     )
+    if result.returncode:
+        raise SystemExit(f"the probe failed under {env}, {threads} threads:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
