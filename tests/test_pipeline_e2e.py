@@ -291,6 +291,9 @@ def test_lineage_of_the_policy_reaches_the_sources(project):
     assert event["job"]["name"] == "train_policy"
     names = {item["name"] for item in event["inputs"]}
     assert {"models/base", "data/preferences", "models/reward"} <= names
+    # the card's record of the CPU numerics the stage pinned, which `rlhf lineage` shows
+    pinned = event["run"]["facets"]["environment"]["recorded"]["cpu_numerics"]
+    assert pinned["mode"] == "portable" and pinned["threads"] == 1 and pinned["level"] == "AVX2"
 
 
 def test_changing_a_normalisation_param_reruns_only_downstream(project, tmp_path):

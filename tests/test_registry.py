@@ -193,7 +193,10 @@ def test_gate_both_ways_register_every_version_and_roll_back(versioned, tmp_path
     results = {r.metric_type: r.metric_value for r in card.data.eval_results}
     assert results["kl"] == round(v1_measured["kl/mean"], 4)
     assert results["win_rate"] == round(v1_measured["win_rate/gold"], 4)
-    assert "gold_gain" not in results  # the tiny model's gain is undefined (null): left out, not written as 0
+    # the tiny model's gain is often undefined (every base response scored alike: null), and then left out,
+    # not written as 0; whether it is depends on the tokens sampled, so on the CPU
+    gain = v1_measured.get("gold/improvement_in_base_std")
+    assert results.get("gold_gain") == (None if gain is None else round(gain, 4))
     assert card.data.model_name and "policy@v1.0.0" in card.text
     assert checksum_problems(published, read_checksums(published / CHECKSUMS)) == []
     changed = {
