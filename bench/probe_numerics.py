@@ -41,11 +41,10 @@ OPS = ["linear", "wgrad", "sdpa", "softmax", "rmsnorm", "silu", "gelu", "sum4M"]
 
 CHILD = r"""
 import hashlib, json, os, sys, time
+from rlhf_pipeline import numerics
 if os.environ.get("PIN"):
-    from rlhf_pipeline import numerics
     numerics.pin(os.environ["PIN"], int(sys.argv[1]))
 import torch
-from rlhf_pipeline import numerics
 if os.environ.get("LATE_ATEN_CPU_CAPABILITY"):  # after torch is imported, before its first kernel
     os.environ["ATEN_CPU_CAPABILITY"] = os.environ["LATE_ATEN_CPU_CAPABILITY"]
 torch.set_num_threads(int(sys.argv[1]))
