@@ -8,6 +8,7 @@ import rlhf_pipeline.offline  # noqa: F401  (first: the suite runs offline, like
 import os
 import runpy
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,8 +52,26 @@ PAD_TOKEN = "<|pad|>"
 
 
 def materialize_tiny_base(directory: str | os.PathLike, warm_up: bool = True) -> Path:
-    """models/base for the tiny model: build_tiny_model, load it as the base_model stage loads a
-    local source, (warm it up), add the dedicated pad token, save with its SHA256SUMS."""
+    """models/base for the tiny model, built in a child process under the portable numerics pin
+    (AVX2 kernels, 1 thread), as the base_model stage builds it: the warm-up trains the model, and
+    trained unpinned in this process it would be another model on a CPU that dispatches otherwise
+    (under ATEN_CPU_CAPABILITY=default it samples a control character that the data contract
+    refuses). The pin must precede the first torch kernel, which this process has long since run."""
+    directory = Path(directory)
+    builder = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "from rlhf_pipeline import numerics; numerics.pin('portable', 1);"
+        "import conftest; conftest.materialize_tiny_base_here(sys.argv[2], sys.argv[3] == 'warm')"
+    )
+    arguments = [str(REPO / "tests"), str(directory), "warm" if warm_up else "cold"]
+    subprocess.run([sys.executable, "-c", builder, *arguments], check=True)
+    return directory
+
+
+def materialize_tiny_base_here(directory: str | os.PathLike, warm_up: bool = True) -> Path:
+    """materialize_tiny_base's body, in the calling process: build_tiny_model, load it as the
+    base_model stage loads a local source, (warm it up), add the dedicated pad token, save with its
+    SHA256SUMS."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_pipeline.io import write_checksums
