@@ -40,17 +40,15 @@ PORTABLE, COMPATIBLE, NATIVE = "portable", "compatible", "native"
 MODES = (PORTABLE, COMPATIBLE, NATIVE)
 LEVEL = "AVX2"  # every x86-64 CPU of the last decade has it (Intel Haswell 2013, AMD Zen 2017)
 # what each pinning mode sets: the variable, its value, and what obeys it
+_PORTABLE_ENVIRONMENT = {
+    "ATEN_CPU_CAPABILITY": "avx2",  # torch's own CPU kernels
+    "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility branch (its GEMMs); Intel CPUs only
+    "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN's JIT kernels
+}
 PINNED_ENVIRONMENTS: dict[str, dict[str, str]] = {
-    PORTABLE: {
-        "ATEN_CPU_CAPABILITY": "avx2",  # torch's own CPU kernels
-        "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility branch (its GEMMs); Intel CPUs only
-        "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN's JIT kernels
-    },
-    COMPATIBLE: {
-        "ATEN_CPU_CAPABILITY": "avx2",
-        "MKL_CBWR": "COMPATIBLE",  # honoured by MKL on every x86-64 CPU, Intel's or not
-        "ONEDNN_MAX_CPU_ISA": "AVX2",
-    },
+    PORTABLE: _PORTABLE_ENVIRONMENT,
+    # portable but MKL's COMPATIBLE branch, which MKL honours on every x86-64 CPU, Intel's or not
+    COMPATIBLE: {**_PORTABLE_ENVIRONMENT, "MKL_CBWR": "COMPATIBLE"},
 }
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 # MKL's own encoding of the branch it runs (mkl_cbwr.h), to read back what it took
