@@ -7,10 +7,12 @@ import _interpreter  # noqa: F401  (first: exit 6 when this Python lacks the pro
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from datasets import load_from_disk
 
+from rlhf_pipeline.devices import DevicePlan, resolve_device
 from rlhf_pipeline.distributed import lost_processes_reported, make_accelerator, whole_model
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import atomic_dir, local_model_dir, read_json, write_json
@@ -88,35 +90,42 @@ def card_summary(params: Params, train: Labels, test: Labels) -> str:
     return how + "The `normalize_reward` stage fits gain and bias into `models/reward`."
 
 
-def fit_normalize_before(params: Params, model: RewardModel, tokenizer, generator: torch.Generator) -> dict:
+def fit_normalize_before(
+    params: Params, plan: DevicePlan, model: RewardModel, tokenizer, generator: torch.Generator
+) -> dict:
     """OAI target_mean_std: start training from rewards already on the target scale, fitted on the
     base model's responses (every process computes the same fit from the same seed)."""
     samples = params.reward.train.normalize_before_samples
     queries = load_queries(QUERIES, "train", tokenizer.pad_token_id, samples)
     sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
-    gain, bias, _ = normalize_on_base_samples(
-        model,
-        load_causal_lm(BASE).eval(),
-        sampler,
-        queries,
-        generator,
-        params.reward.normalize,
-        "train_reward normalize_before",
-    )
+    with plan.autocast():
+        gain, bias, _ = normalize_on_base_samples(
+            model,
+            load_causal_lm(BASE, plan.device).eval(),
+            sampler,
+            queries,
+            generator,
+            params.reward.normalize,
+            "train_reward normalize_before",
+        )
     return {"gain": gain, "bias": bias, "samples": len(queries)}
 
 
 def main(params: Params) -> None:
     cfg = params.reward.train
     require_dir(BASE, "base_model")
+    if not Path(VALIDATION).is_file():
+        raise PipelineError(
+            f"{VALIDATION} is missing: validate_preferences writes it (the data contract's verdict on "
+            f"{PREFS}); run `dvc repro validate_preferences` first."
+        )
     if not read_json(VALIDATION).get("success"):
         raise PipelineError(
             f"{VALIDATION} says the preference data failed its contract; fix the data and rerun `dvc repro`."
         )
+    plan = resolve_device(params.compute.device, params.compute.cuda_precision)
     # one process unless `accelerate launch` started several (each then trains on its share of every batch)
-    accelerator = make_accelerator(
-        torch.device("cpu"), stage="train_reward", collective_timeout_s=cfg.collective_timeout_s
-    )
+    accelerator = make_accelerator(plan.device, stage="train_reward", collective_timeout_s=cfg.collective_timeout_s)
     is_main = accelerator.is_main_process
     tokenizer = load_tokenizer(BASE)
     prefs = load_from_disk(PREFS)
@@ -128,13 +137,14 @@ def main(params: Params) -> None:
     else:
         model = build(params, tokenizer, generator)
         trainable = freeze_lower_layers(model.backbone, cfg.freeze_layers)
+    model.to(plan.device)  # built on the CPU from the CPU generator: the same initial head on every device
 
     normalize_before = {}
     if cfg.normalize_before and not params.reward.pretrained:
-        normalize_before = fit_normalize_before(params, model, tokenizer, generator)
+        normalize_before = fit_normalize_before(params, plan, model, tokenizer, generator)
 
-    train = preference_tensors(prefs["train"])
-    test = preference_tensors(prefs["test"])
+    train = preference_tensors(prefs["train"], plan.device)
+    test = preference_tensors(prefs["test"], plan.device)
     # a process that dies or hangs stops the others with a clear error
     with lost_processes_reported(
         accelerator, "train_reward", "reward.train.collective_timeout_s", cfg.collective_timeout_s, RESTART
@@ -142,12 +152,15 @@ def main(params: Params) -> None:
         with open_live("dvclive/train_reward") if is_main else nullcontext() as live:
             log = step_logger(live, ("loss", "accuracy", "lr"), prefix="train/")
             trained = not params.reward.pretrained
-            history = train_reward_model(model, train, cfg, generator, log, accelerator) if trained else []
+            history = (
+                train_reward_model(model, train, cfg, generator, log, accelerator, plan.autocast) if trained else []
+            )
         model = whole_model(accelerator, model, lambda: build(params, tokenizer))
     if not is_main:
         return
-    test_accuracy = best_of_n_accuracy(model, *test[:3], params.reward.normalize.batch_size)
-    metrics = training_metrics(history, test_accuracy, len(test.best), trainable)
+    with plan.autocast():
+        test_accuracy = best_of_n_accuracy(model.to(plan.device), *test[:3], params.reward.normalize.batch_size)
+    metrics = {"device": plan.describe(), **training_metrics(history, test_accuracy, len(test.best), trainable)}
     with atomic_dir(OUT, checksums=True) as tmp:
         save_reward_model(model, tmp)
         save_tokenizer(tokenizer, tmp)
@@ -171,6 +184,7 @@ def main(params: Params) -> None:
             },
             metrics=metrics,
             inputs=[BASE, PREFS],
+            device=plan.describe(),
         )
     write_json(METRICS, metrics)
     print(f"train_reward: test accuracy {test_accuracy:.3f} on {len(test.best)} held-out rows; saved {OUT}")

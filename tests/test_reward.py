@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_stage_script
 
 from rlhf_pipeline.errors import NonFiniteError, PipelineError
 from rlhf_pipeline.models import freeze_lower_layers, load_tokenizer
@@ -359,8 +360,6 @@ def test_a_sequence_classifier_that_cannot_be_a_reward_model_is_refused(
 
 
 def test_train_reward_stage_adopts_reward_pretrained_instead_of_training(project, tiny_base_dir, tiny_tokenizer, pad):
-    from conftest import run_stage_script
-
     from rlhf_pipeline.io import read_json
     from rlhf_pipeline.modelcard import read_card
 
@@ -377,3 +376,13 @@ def test_train_reward_stage_adopts_reward_pretrained_instead_of_training(project
     card = read_card(project / "models" / "reward_unnormalized")
     assert card["pipeline_tag"] == "text-classification"
     assert "data/models/ext_rm" in (project / "models" / "reward_unnormalized" / "README.md").read_text()
+
+
+def test_train_reward_without_the_contract_s_verdict_says_which_stage_writes_it(project, capsys):
+    """data/validation/summary.json missing (validate_preferences never ran): exit 1 naming the file
+    and the stage, not a traceback; nothing written."""
+    assert run_stage_script("train_reward") == 1
+    err = capsys.readouterr().err
+    assert "data/validation/summary.json is missing" in err and "dvc repro validate_preferences" in err
+    assert "Traceback" not in err
+    assert not (project / "models/reward_unnormalized").exists()
