@@ -64,7 +64,7 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
     ``profiler`` (a not-yet-started ``torch.profiler.profile``) is started after the warmup update
     and stopped at the end, so it sees the timed updates only.
     """
-    from rlhf_pipeline.distributed import resolve_device
+    from rlhf_pipeline.devices import resolve_device
     from rlhf_pipeline.models import load_causal_lm
     from rlhf_pipeline.params.schema import Params
     from rlhf_pipeline.ppo.policy import PolicyWithValue
@@ -74,6 +74,7 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
     params = Params.model_validate(
         {
             "seed": args.seed,
+            "compute": {"device": args.device},
             "task": {
                 "response_length": args.response_tokens,
                 "temperature": 0.7,
@@ -91,11 +92,10 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
                 "freeze_layers": args.freeze_layers,
                 "value_model": value_model,
                 "checkpoint_every": 10**6,
-                "device": args.device,
             },
         }
     )
-    plan = resolve_device(args.device)
+    plan = resolve_device(params.compute.device, params.compute.cuda_precision)
     seed_everything(args.seed)
     lm = load_causal_lm(model_dir, plan.device)
     if value_model == "shared":
@@ -287,7 +287,7 @@ def main(argv=None) -> None:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="ours only on cuda (bf16 autocast, TF32, as ppo.device auto picks); TRL runs on CPU",
+        help="ours only on cuda (bf16 autocast, TF32, as compute.device auto picks); TRL runs on CPU",
     )
     parser.add_argument(
         "--only", choices=["shared", "separate", "trl"], action="append", help="run only these sides (repeatable)"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import load_hub_dataset, read_table, read_txt_passages
 from rlhf_pipeline.progress import Progress
@@ -150,7 +151,7 @@ def generate_passages(
     texts: list[str] = []
     lines = Progress(progress, num_passages, "passages")
     for rows in iterate_batches(num_prompts, max(1, batch_size // samples_per_prompt)):
-        ids, mask = left_pad(encoded[rows], pad_id)
+        ids, mask = (tensor.to(model_device(model)) for tensor in left_pad(encoded[rows], pad_id))
         out = sample_responses(
             model,
             ids,

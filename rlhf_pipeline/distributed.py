@@ -12,12 +12,10 @@ run on N processes takes the same steps as one process over the same global batc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,44 +28,6 @@ from rlhf_pipeline.functional import non_finite_tensors
 def launched_world_size() -> int:
     """The number of processes the launcher started (1 when run directly)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-# --------------------------------------------------------------------------------------------
-# devices
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DevicePlan:
-    device: torch.device
-    autocast_dtype: torch.dtype | None  # bf16 autocast on CUDA; None (fp32) on CPU
-
-    def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
-    def describe(self) -> str:
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        return f"{name} ({'bf16 autocast' if self.autocast_dtype else 'fp32'})"
-
-
-def resolve_device(preference: str = "auto") -> DevicePlan:
-    """This process's device: CUDA (its local rank's GPU) with bf16 autocast and TF32 where
-    available, else CPU fp32.
-
-    bf16 on a CPU without AMX is ~25x slower than fp32, so it is never chosen there.
-    """
-    if preference == "cuda" and not torch.cuda.is_available():
-        raise PipelineError("ppo.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'.")
-    if preference in ("auto", "cuda") and torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        bf16 = torch.cuda.is_bf16_supported()
-        return DevicePlan(torch.device("cuda", local_rank()), torch.bfloat16 if bf16 else None)
-    return DevicePlan(torch.device("cpu"), None)
 
 
 def _flag(name: str) -> bool:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.io import write_figure
 from rlhf_pipeline.ppo.kl import kl_penalty
 from rlhf_pipeline.progress import Progress
@@ -122,7 +123,7 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
     The KL of the base from itself is 0 without a forward pass; a model that shares its lowest
     blocks with the base (a PPO policy trained with frozen lower blocks) hands the base its
     trunk, captured while sampling, so only the blocks above it run again."""
-    base, queries, sampler = setup.base, setup.queries, setup.sampler
+    base, queries, sampler = setup.base, setup.queries.to(model_device(model)), setup.sampler
     generator = torch.Generator().manual_seed(setup.seed)
     truncated, valids, kls, kls_k1 = [], [], [], []
     shared = 0 if model is base else shared_lower_blocks(model, base)
@@ -151,9 +152,12 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
     )
     texts = setup.tokenizer.batch_decode(truncated_t, skip_special_tokens=True)
     gold = np.asarray(setup.labeler.score(texts), dtype=float) if setup.labeler is not None else None
-    kl = torch.cat(kls)
-    kl_k1 = kl if setup.kl_estimator == "k1" else torch.cat(kls_k1)
-    return SampleSet(responses=truncated_t, valid=valid_t, proxy=proxy, gold=gold, kl=kl, kl_k1=kl_k1, texts=texts)
+    kl = torch.cat(kls).cpu()
+    kl_k1 = kl if setup.kl_estimator == "k1" else torch.cat(kls_k1).cpu()
+    # on the CPU whatever the model ran on: the summary reads them with numpy
+    return SampleSet(
+        responses=truncated_t.cpu(), valid=valid_t.cpu(), proxy=proxy.cpu(), gold=gold, kl=kl, kl_k1=kl_k1, texts=texts
+    )
 
 
 def summarize(base: SampleSet, policy: SampleSet) -> dict:
@@ -221,7 +225,8 @@ def snapshot_matches(policy_lm: nn.Module, snapshot: str | Path) -> bool:
 
     params = dict(policy_lm.named_parameters())
     return all(
-        torch.equal(params[name.removeprefix("lm.")], tensor) for name, tensor in load_file(str(snapshot)).items()
+        torch.equal(params[name.removeprefix("lm.")], tensor)
+        for name, tensor in load_file(str(snapshot), device=str(model_device(policy_lm))).items()
     )
 
 

@@ -179,6 +179,7 @@ def write_card(
     hyperparameters: dict,
     metrics: dict,
     inputs: list[str],
+    device: str,
     datasets: list[str] | None = None,
     data: list[str] | None = None,
     eval_results: list | None = None,
@@ -190,11 +191,9 @@ def write_card(
     model's card; ``target`` is where the model lands (not the temporary folder it is written to).
     ``data``: lines on what it learnt from (its Training data section); ``eval_results``:
     ``huggingface_hub.EvalResult``s of held-out measurements, the card's ``model-index``;
-    the Limitations section is :data:`LIMITATIONS` of ``kind``."""
-    import torch
-
+    the Limitations section is :data:`LIMITATIONS` of ``kind``; ``device``: what the stage ran on
+    (:meth:`rlhf_pipeline.devices.DevicePlan.describe`)."""
     base = read_card(base_dir)
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     hashes = {str(p): content_hash(p) for p in inputs if Path(p).exists()}
     environment = environment_record()
     # a mean-pooling reward model has no transformers class (rlhf_pipeline.reward loads it)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_pipeline.conversations import end_of_turn, require_chat_template
+from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.functional import logprobs_and_entropy, logprobs_from_logits, truncate_response
 from rlhf_pipeline.models import backbone_of, transformer_layers
 from rlhf_pipeline.params.task import TaskParams
@@ -80,8 +81,11 @@ def sample_from_logits(
     block_cdf = block_sums.cumsum(-1)
     total = block_cdf[:, -1:]
     index, count = process_share
-    u = torch.rand((batch * count, 1), generator=generator, dtype=torch.float64, device=logits.device)
-    u = u[index * batch : (index + 1) * batch]
+    # drawn where the generator lives: the sampling stages seed a CPU generator on every device, so
+    # their uniforms are the same stream on a CPU and a GPU host (PPO's rollouts use one on the GPU)
+    where = generator.device if generator is not None else logits.device
+    u = torch.rand((batch * count, 1), generator=generator, dtype=torch.float64, device=where)
+    u = u[index * batch : (index + 1) * batch].to(logits.device)
     # u * total may round up to total itself; the largest float below it keeps the draw in the support
     target = torch.minimum(u * total, _just_below(total))
     block = torch.searchsorted(block_cdf, target, right=True)  # (B, 1): a block with positive mass
@@ -358,6 +362,7 @@ class ResponseSampler:
         capture_layers: tuple[int, ...] = (),
         process_share: tuple[int, int] = (0, 1),
     ):
+        queries = queries.to(model_device(model))  # the caller's queries may sit on the CPU
         out = sample_responses(
             model,
             queries,

@@ -13,6 +13,7 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 from datasets import Dataset
 
 from rlhf_pipeline.corpus import clean_passages, generate_passages, load_hub_passages, load_local_passages
+from rlhf_pipeline.devices import resolve_device
 from rlhf_pipeline.io import RAW_DATA, atomic_dir, is_local_source, require_tracked_location
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import StageParams
@@ -32,23 +33,26 @@ class Params(StageParams):
 
 def main(params: Params) -> None:
     cfg = params.data.corpus
+    plan = resolve_device(params.compute.device, params.compute.cuda_precision)
     if params.task.chat:  # chat queries come from prompts (stage queries), not from passages
         texts = []
     elif cfg.source == GENERATED:
         require_dir(BASE, "base_model")
         tokenizer = load_tokenizer(BASE)
-        model = load_causal_lm(BASE).eval()
-        texts = generate_passages(
-            model,
-            tokenizer,
-            cfg.num_passages,
-            cfg.passage_tokens,
-            cfg.temperature,
-            cfg.batch_size,
-            params.seed,
-            cfg.samples_per_prompt,
-            progress="corpus",
-        )
+        model = load_causal_lm(BASE, plan.device).eval()
+        with plan.autocast():
+            texts = generate_passages(
+                model,
+                tokenizer,
+                cfg.num_passages,
+                cfg.passage_tokens,
+                cfg.temperature,
+                cfg.batch_size,
+                params.seed,
+                cfg.samples_per_prompt,
+                progress="corpus",
+            )
+        print(f"corpus: sampled on {plan.describe()}")
     elif is_local_source(cfg.source):
         require_tracked_location(cfg.source, "data.corpus.source", RAW_DATA)
         texts = load_local_passages(cfg.source, cfg.text_column)

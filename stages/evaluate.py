@@ -9,6 +9,7 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 import json
 from pathlib import Path
 
+from rlhf_pipeline.devices import resolve_device
 from rlhf_pipeline.evaluation import (
     Evaluation,
     curve_point,
@@ -59,10 +60,11 @@ def main(params: Params) -> None:
     require_dir(REWARD, "normalize_reward", HEAD_FILE)
     require_dir(POLICY, "train_policy")
     snapshots = verified_snapshots(SNAPSHOTS)  # a damaged snapshot stops the stage before anything is sampled
+    plan = resolve_device(params.compute.device, params.compute.cuda_precision)
     tokenizer = load_tokenizer(BASE)
-    base = load_causal_lm(BASE).eval()
-    policy = load_causal_lm(POLICY).eval()
-    reward_model = load_reward_model(REWARD)
+    base = load_causal_lm(BASE, plan.device).eval()
+    policy = load_causal_lm(POLICY, plan.device).eval()
+    reward_model = load_reward_model(REWARD, plan.device)
     sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
     labeler = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
     setup = Evaluation(
@@ -79,13 +81,15 @@ def main(params: Params) -> None:
     queries = setup.queries
 
     def evaluate(model, name: str):
-        return sample_and_score(model, setup, progress=f"evaluate {name}")
+        with plan.autocast():
+            return sample_and_score(model, setup, progress=f"evaluate {name}")
 
     base_set, policy_set = evaluate(base, "base"), evaluate(policy, "policy")
     metrics = summarize(base_set, policy_set)
     metrics["length/base"] = length_stats(base_set, tokenizer.pad_token_id)
     metrics["length/policy"] = length_stats(policy_set, tokenizer.pad_token_id)
     metrics["queries"] = len(queries)
+    metrics["device"] = plan.describe()
 
     # Over-optimisation curve: the base model at KL 0, every PPO snapshot; the last snapshot holds
     # the shipped policy's weights, so its sample set is the policy's.

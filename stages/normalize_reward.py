@@ -18,6 +18,7 @@ import math
 import torch
 from scipy.stats import spearmanr
 
+from rlhf_pipeline.devices import resolve_device
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.modelcard import held_out_result, preference_data_line, write_card
@@ -47,7 +48,7 @@ class Params(StageParams):
 def gold_correlation(labeler, texts: list[str], scores: torch.Tensor) -> dict:
     """Spearman's correlation of the reward model's ``scores`` with the gold labeller's on ``texts``."""
     gold = labeler.score(texts)
-    correlation = float(spearmanr(scores.numpy(), gold).statistic)
+    correlation = float(spearmanr(scores.cpu().numpy(), gold).statistic)
     if math.isfinite(correlation):
         return {"gold_correlation": correlation}
     # undefined (NaN) when either side is constant, e.g. when the gold labeller scores every sample
@@ -76,9 +77,10 @@ def main(params: Params) -> None:
     cfg = params.reward.normalize
     require_dir(BASE, "base_model")
     require_dir(TRAINED, "train_reward", HEAD_FILE)
+    plan = resolve_device(params.compute.device, params.compute.cuda_precision)
     tokenizer = load_tokenizer(BASE)
-    model = load_reward_model(TRAINED)
-    base = load_causal_lm(BASE).eval()
+    model = load_reward_model(TRAINED, plan.device)
+    base = load_causal_lm(BASE, plan.device).eval()
     sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
     # Queries come from the train split, the set PPO optimises over; drawing each of them once
     # (normalize_samples = its size) removes query-sampling error from the fit. The check redraws
@@ -88,15 +90,17 @@ def main(params: Params) -> None:
     fit_queries = draw_queries(train_queries, cfg.normalize_samples, generator)
     eval_queries = draw_queries(train_queries, cfg.eval_samples, generator)
 
-    gain, bias, raw = normalize_on_base_samples(
-        model, base, sampler, fit_queries, generator, cfg, "normalize_reward fit"
-    )
-
-    eval_responses, _ = sampler.sample_batched(
-        base, eval_queries, generator, cfg.batch_size, cfg.truncate, progress="normalize_reward check"
-    )
-    fresh = score_query_responses(model, eval_queries, eval_responses, cfg.batch_size)
+    with plan.autocast():
+        gain, bias, raw = normalize_on_base_samples(
+            model, base, sampler, fit_queries, generator, cfg, "normalize_reward fit"
+        )
+        eval_responses, _ = sampler.sample_batched(
+            base, eval_queries, generator, cfg.batch_size, cfg.truncate, progress="normalize_reward check"
+        )
+        fresh = score_query_responses(model, eval_queries, eval_responses, cfg.batch_size).float().cpu()
+    raw = raw.float().cpu()
     metrics = {
+        "device": plan.describe(),
         "gain": gain,
         "bias": bias,
         "fit/raw_mean": raw.mean().item(),
@@ -110,7 +114,7 @@ def main(params: Params) -> None:
     labeler = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
     if labeler is not None:
         metrics.update(
-            gold_correlation(labeler, tokenizer.batch_decode(eval_responses, skip_special_tokens=True), fresh)
+            gold_correlation(labeler, tokenizer.batch_decode(eval_responses.tolist(), skip_special_tokens=True), fresh)
         )
 
     with atomic_dir(OUT, checksums=True) as tmp:
@@ -142,6 +146,7 @@ def main(params: Params) -> None:
             },
             metrics=metrics,
             inputs=[TRAINED, BASE, QUERIES],
+            device=plan.describe(),
         )
     write_json(METRICS, metrics)
     print(

@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
+from rlhf_pipeline.devices import resolve_device
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import LABELS, atomic_dir, is_local_source, require_tracked_location, write_json
 from rlhf_pipeline.labelers import get_labeler
@@ -62,30 +63,32 @@ def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict, 
             f"{QUERIES} holds queries of {width} tokens but data.queries.query_length is "
             f"{params.data.queries.query_length}; rerun `dvc repro queries`."
         )
-    model = load_causal_lm(BASE).eval()
+    plan = resolve_device(params.compute.device, params.compute.cuda_precision)
+    model = load_causal_lm(BASE, plan.device).eval()
     sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
     labeler = get_labeler(cfg.labeler)
     generator = torch.Generator().manual_seed(params.seed)
     rng = np.random.default_rng(params.seed)
-    splits, metrics, gold, best = {}, {"format": SIMULATED, "labeler": labeler.name}, [], []
+    splits, metrics, gold, best = {}, {"format": SIMULATED, "labeler": labeler.name, "device": plan.describe()}, [], []
     valid = total = 0
     for name, count in (("train", cfg.num_labels), ("test", cfg.num_test_labels)):
         part = queries[name]
-        result = simulate_preferences(
-            model,
-            tokenizer,
-            sampler,
-            list(part["query_ids"]),
-            list(part["query"]),
-            count,
-            cfg.num_samples,
-            labeler,
-            cfg.label_temperature,
-            cfg.batch_size,
-            generator,
-            rng,
-            split_name=name,
-        )
+        with plan.autocast():
+            result = simulate_preferences(
+                model,
+                tokenizer,
+                sampler,
+                list(part["query_ids"]),
+                list(part["query"]),
+                count,
+                cfg.num_samples,
+                labeler,
+                cfg.label_temperature,
+                cfg.batch_size,
+                generator,
+                rng,
+                split_name=name,
+            )
         splits[name] = result.columns
         gold.extend(result.columns["gold"])
         best.extend(result.columns["best"])

@@ -10,13 +10,8 @@ from contextlib import nullcontext
 
 import torch
 
-from rlhf_pipeline.distributed import (
-    DevicePlan,
-    lost_processes_reported,
-    make_accelerator,
-    resolve_device,
-    whole_model,
-)
+from rlhf_pipeline.devices import DevicePlan, resolve_device
+from rlhf_pipeline.distributed import lost_processes_reported, make_accelerator, whole_model
 from rlhf_pipeline.io import atomic_dir, content_hash, write_json
 from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.logging import open_live, step_logger
@@ -79,8 +74,9 @@ def training_data(params: Params, num_queries: int) -> list[str]:
     return [queries, f"Scored by `{REWARD}`, the normalised reward model, trained on these labels:", labels]
 
 
-def checkpoint_fingerprint(params: Params, uses_reward_model: bool) -> str:
-    """Params, inputs and code of this run: a checkpoint of another version of any of them is not resumed."""
+def checkpoint_fingerprint(params: Params, plan: DevicePlan, uses_reward_model: bool) -> str:
+    """Params, inputs, code and device of this run: a checkpoint of another version of any of them
+    (one written on the CPU, resumed where compute.device auto now finds a GPU) is not resumed."""
     reward_hash = content_hash(f"{REWARD}/{HEAD_FILE}") if uses_reward_model else None
     return fingerprint_of(
         params.seed,
@@ -89,6 +85,8 @@ def checkpoint_fingerprint(params: Params, uses_reward_model: bool) -> str:
         reward_hash,
         content_hash(f"{QUERIES}"),
         declared_code_hash("train_policy", project_root()),
+        params.compute.model_dump(),
+        plan.describe(),
     )
 
 
@@ -103,7 +101,7 @@ def train(params: Params, plan: DevicePlan, accelerator, tokenizer, queries: tor
     policy = build_policy(BASE, cfg, plan.device, REWARD)
     gold = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
     gold_standardization = gold_statistics(PREFS) if cfg.score_source == "gold" and gold is not None else None
-    checkpointer = Checkpointer(CHECKPOINTS, checkpoint_fingerprint(params, uses_reward_model))
+    checkpointer = Checkpointer(CHECKPOINTS, checkpoint_fingerprint(params, plan, uses_reward_model))
     # DVCLive starts afresh every time: on a resume the trainer replays the checkpoint's history
     # into it first, so the series match an uninterrupted run's step for step
     with open_live(LIVE) if is_main else nullcontext() as live:
@@ -133,7 +131,7 @@ def main(params: Params) -> None:
     cfg = params.ppo
     uses_reward_model = cfg.score_source == "reward_model" or cfg.value_model == "separate"
     require_dir(BASE, "base_model")
-    plan = resolve_device(cfg.device)
+    plan = resolve_device(params.compute.device, params.compute.cuda_precision, cfg.deterministic)
     # one process unless `accelerate launch` started several; refuses what it cannot honour, before loading
     accelerator = make_accelerator(
         plan.device, cfg.freeze_layers > 0, "train_policy", cfg.lora is not None, cfg.collective_timeout_s
@@ -142,8 +140,8 @@ def main(params: Params) -> None:
     if uses_reward_model:
         require_dir(REWARD, "normalize_reward", HEAD_FILE)
     is_main = accelerator.is_main_process
-    if cfg.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=plan.device.type == "cuda")
+    if cfg.deterministic and plan.device.type == "cpu":  # on CUDA resolve_device set it (warning only)
+        torch.use_deterministic_algorithms(True)
     tokenizer = load_tokenizer(BASE)
     queries = load_queries(QUERIES, "train", tokenizer.pad_token_id)
     require_context(BASE, queries.shape[1], params.task.response_length)
@@ -176,7 +174,7 @@ def main(params: Params) -> None:
             hyperparameters={"ppo": cfg.model_dump(), "task": params.task.model_dump(), "seed": params.seed},
             metrics=metrics,
             inputs=[BASE, REWARD, QUERIES],
-            extra_metadata={"device": plan.describe()},
+            device=plan.describe(),
         )
     write_json(METRICS, metrics)
     write_json(SPEED, speed)

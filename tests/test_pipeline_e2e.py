@@ -40,7 +40,7 @@ ALL_STAGES = {
 TINY_SOURCE = "data/models/tiny"
 TINY_PARAMS = {
     "seed": 3,
-    "compute": {"cpu_numerics": "portable", "cpu_threads": 1},  # `make test` runs a worker per core
+    "compute": {"device": "cpu", "cpu_numerics": "portable", "cpu_threads": 1},  # written out; a worker per core
     "data": {
         "corpus": {"num_passages": 200, "passage_tokens": 40, "batch_size": 32},
         "queries": {"query_length": 12, "test_fraction": 0.2, "min_test_queries": 8},
@@ -219,6 +219,9 @@ def test_metrics_are_declared_and_sane(project):
     # strict JSON (no NaN/Infinity) in every metrics file: other tools' parsers refuse those
     for path in sorted((root / "metrics").glob("*.json")):
         json.loads(path.read_text(), parse_constant=lambda name, path=path: pytest.fail(f"{name} in {path.name}"))
+    # compute.device: cpu, written out: every stage that samples, scores or trains records it
+    for name in ("preferences", "reward_train", "reward", "policy", "evaluate"):
+        assert json.loads((root / f"metrics/{name}.json").read_text())["device"] == "cpu (fp32)", name
     # the tiny run's gold labeller scores most of its gibberish alike: the correlation is a number in
     # [-1, 1], or null with the reason (which of the two depends on the tokens sampled, so on the CPU)
     reward = json.loads((root / "metrics/reward.json").read_text())
@@ -294,6 +297,8 @@ def test_lineage_of_the_policy_reaches_the_sources(project):
     # the card's record of the CPU numerics the stage pinned, which `rlhf lineage` shows
     pinned = event["run"]["facets"]["environment"]["recorded"]["cpu_numerics"]
     assert pinned["mode"] == "portable" and pinned["threads"] == 1 and pinned["level"] == "AVX2"
+    # and the device the card records (compute.device, resolved)
+    assert event["run"]["facets"]["environment"]["device"] == "cpu (fp32)"
 
 
 def test_changing_a_normalisation_param_reruns_only_downstream(project, tmp_path):

@@ -334,7 +334,8 @@ def policy_project(tiny_base_dir, reward_model, queries, tmp_path_factory):
     )
     params = {
         "task": TASK,
-        "ppo": {**PPO, "total_episodes": 160, "checkpoint_every": 2, "device": "cpu"},
+        "compute": {"device": "cpu"},
+        "ppo": {**PPO, "total_episodes": 160, "checkpoint_every": 2},
         "data": {"preferences": {"source": "user.jsonl"}},
     }
     (root / "params.yaml").write_text(yaml.safe_dump(full_params(params)))

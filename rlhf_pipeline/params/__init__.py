@@ -38,6 +38,8 @@ MAX_ROWS = 100_000_000  # rows, labels, episodes, samples over a whole run
 MAX_SMALL = 10_000  # epochs, samples per query, layers, ranks, table rows
 MAX_DEPTH = 16  # how deep a params file may nest (params.yaml itself: 4 levels)
 Model = TypeVar("Model", bound=BaseModel)
+# keys that moved: a params file written for an older version is told where the key lives now
+MOVED_KEYS = {"ppo.device": "compute.device (one device rule for every stage that runs a model)"}
 
 
 class Strict(BaseModel):
@@ -77,7 +79,9 @@ def format_validation_error(error: ValidationError) -> list[str]:
             lines.extend(f"{where + '.' if where else ''}{k}: {m} (got {v!r})" for k, m, v in payload.problems)
             continue
         message = item["msg"]
-        if item["type"] == "extra_forbidden":  # each section's schema is the module of its name
+        if item["type"] == "extra_forbidden" and where in MOVED_KEYS:
+            message = f"this key moved to {MOVED_KEYS[where]}; set it there"
+        elif item["type"] == "extra_forbidden":  # each section's schema is the module of its name
             module = f"params/{item['loc'][0]}.py" if len(item["loc"]) > 1 else "params/schema.py"
             message = f"unknown key (typo? see params.yaml and rlhf_pipeline/{module})"
         got = item.get("input")

@@ -1,5 +1,6 @@
-"""``compute``: what the stages that compute run on. Read by every stage that runs a model, which
-declares it in ``dvc.yaml``: a change reruns them, since it changes their bytes."""
+"""``compute``: what the stages that compute run on: the device and its precision, the CPU's
+numerics. Read by every stage that runs a model, which declares it in ``dvc.yaml``: a change reruns
+them, since it changes their bytes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ MAX_THREADS = 1024
 
 
 class ComputeParams(Strict):
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where every stage that runs a model runs (rlhf_pipeline/devices.py): auto: the GPU when torch "
+        "sees one (each process of `accelerate launch` its local rank's), else the CPU; cuda: a GPU or exit 2; cpu: "
+        "the CPU even on a GPU host. The resolved device is recorded in each stage's metrics and model card.",
+    )
+    cuda_precision: Literal["bf16", "fp32"] = Field(
+        "bf16",
+        description="On CUDA: bf16 autocast over fp32 weights with TF32 matmuls (bf16), or fp32 throughout (fp32). "
+        "The CPU always computes in fp32 (bf16 there is ~25x slower without AMX).",
+    )
     cpu_numerics: Literal["portable", "compatible", "native"] = Field(
         "portable",
         description="portable: torch's CPU kernels, MKL's branch and oneDNN pinned at AVX2, and cpu_threads threads: "

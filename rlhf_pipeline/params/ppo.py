@@ -221,9 +221,6 @@ class PPOParams(Strict):
         description="Dropout in the policy while training (reference 0: OAI's policy runs without dropout, "
         f"{OAI}/lm_human_preferences/policy.py#L48).",
     )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="auto: CUDA (bf16 autocast, TF32) when a GPU is visible, else the CPU in fp32."
-    )
     offload_frozen: bool = Field(False, description="Keep reference/reward models on CPU between uses.")
     checkpoint_every: int = Field(10, gt=0, le=MAX_ROWS, description="Updates between checkpoints.")
     deterministic: bool = Field(True, description="torch deterministic algorithms (bit-identical resume on CPU).")

@@ -97,6 +97,8 @@ class RewardModel(nn.Module):
         equal :meth:`forward` on each concatenated query+sample. A model with sliding-window
         attention whose window is shorter than the packed row scores each query+sample on its own.
         """
+        device = self.head.weight.device  # the caller's token ids may sit on the CPU
+        queries, samples = queries.to(device), samples.to(device)
         batch, n, resp_len = samples.shape
         query_len = queries.shape[1]
         window = attention_window(self.backbone.config)

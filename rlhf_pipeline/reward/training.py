@@ -8,6 +8,7 @@ evaluate do not.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -114,6 +115,7 @@ def train_reward_model(
     generator: torch.Generator,
     log=None,
     accelerator=None,
+    autocast=contextlib.nullcontext,
 ) -> list[dict]:
     """OAI reward training: ``cfg.epochs`` passes (reference: 1) over shuffled labels, the learning
     rate annealed linearly from ``cfg.lr`` to 0 by label index, Adam (TensorFlow-style epsilon
@@ -125,7 +127,8 @@ def train_reward_model(
     Several processes (``accelerator``, from :func:`rlhf_pipeline.distributed.make_accelerator`):
     ``cfg.batch_size`` stays the global batch; each process takes its contiguous share of every
     batch and the gradients are averaged, so every step is the one-process step. With FSDP ``model``
-    is left sharded: :func:`rlhf_pipeline.distributed.whole_model` gathers it.
+    is left sharded: :func:`rlhf_pipeline.distributed.whole_model` gathers it. ``autocast``: the
+    device plan's (:meth:`rlhf_pipeline.devices.DevicePlan.autocast`), around each forward.
 
     Returns one record per optimizer step (step, loss, accuracy, lr); ``log(record)`` is called too.
     """
@@ -161,15 +164,15 @@ def train_reward_model(
                 scorer,
                 optimizer,
                 share.split(cfg.microbatch_size),
-                lambda micro: _label_loss(scorer, labels, micro),
+                lambda micro: _label_loss(scorer, labels, micro, autocast),
                 lambda what, detail: _non_finite(what, len(history), detail),
                 cfg.max_grad_norm,
                 model,
             )
             # loss and correct choices summed over every process's rows: the one-process figures
-            sums = torch.zeros(2, dtype=torch.float64)
+            sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
             for loss, accuracy, rows in records:
-                sums += torch.tensor([loss, accuracy], dtype=torch.float64) * rows
+                sums += torch.tensor([loss, accuracy], dtype=torch.float64, device=accelerator.device) * rows
             loss_sum, correct = distributed.sum_over_processes(accelerator, sums).tolist()
             record = {"step": len(history), "loss": loss_sum / len(batch), "accuracy": correct / len(batch), "lr": lr}
             history.append(record)
@@ -182,9 +185,12 @@ def train_reward_model(
     return history
 
 
-def _label_loss(scorer: nn.Module, labels: Labels, micro: Tensor) -> tuple[Tensor, tuple[float, float, int]]:
+def _label_loss(
+    scorer: nn.Module, labels: Labels, micro: Tensor, autocast=contextlib.nullcontext
+) -> tuple[Tensor, tuple[float, float, int]]:
     """The best-of-N loss of the labels ``micro`` indexes, and (loss, accuracy, rows) for the record."""
-    rewards = scorer(labels.queries[micro], labels.samples[micro])
+    with autocast():
+        rewards = scorer(labels.queries[micro], labels.samples[micro]).float()
     margin = labels.margin[micro] if labels.margin is not None else None
     loss, accuracy = best_of_n_loss(rewards, labels.best[micro], margin)
     return loss, (loss.item(), accuracy.item(), len(micro))
