@@ -20,6 +20,7 @@ import dvc  # noqa: F401
 import pytest
 import torch
 import yaml
+from system_packages import unavailable
 
 torch.set_num_threads(1)  # the test machine has 2 shared cores
 if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs a worker per core: the stages it starts get one thread too
@@ -110,7 +111,7 @@ def chromium() -> str:
 
     executable, why = find_or_install_chromium()
     if executable is None:
-        pytest.skip(why)
+        unavailable(why)
     return executable
 
 

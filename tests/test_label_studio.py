@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from label_studio_server import LABEL_STUDIO, NOT_INSTALLED, label_in_browser, start_label_studio, stop
+from system_packages import unavailable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at the repo root
 
@@ -31,7 +32,7 @@ TASKS, ROUND, LABELS = 8, 2, "data/labels/human.jsonl"
 @pytest.fixture(scope="module")
 def label_studio(tmp_path_factory):
     if not LABEL_STUDIO.exists():
-        pytest.skip(NOT_INSTALLED)
+        unavailable(NOT_INSTALLED)
     server = start_label_studio(tmp_path_factory.mktemp("label-studio"))
     yield server
     stop(server.process)

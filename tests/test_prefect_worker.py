@@ -30,9 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at
 
 from postgres_server import PostgresServer, find_or_install_postgres  # noqa: E402
 from ssh_server import _free_port  # noqa: E402
+from system_packages import unavailable  # noqa: E402
 
 POSTGRES, WHY_NOT = find_or_install_postgres()
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(POSTGRES is None, reason=f"no PostgreSQL: {WHY_NOT}")]
+pytestmark = [pytest.mark.e2e]
+
+
+@pytest.fixture(autouse=True)
+def _service_present():
+    if POSTGRES is None:
+        unavailable(f"no PostgreSQL: {WHY_NOT}")
+
+
 POOL = "rlhf-pool"
 RERUN = ("train_policy", "evaluate")  # the stages each retrain here reruns
 HEARTBEAT_SECONDS = 30  # Prefect's minimum: a run silent for 3 x 30 s is taken for dead

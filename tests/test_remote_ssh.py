@@ -18,6 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at the repo root
 
 from ssh_server import SshServer, find_or_install_sshd  # noqa: E402
+from system_packages import unavailable  # noqa: E402
 from test_pipeline_e2e import TINY_SOURCE, sh  # noqa: E402
 
 from flows.retrain import retrain  # noqa: E402
@@ -25,7 +26,15 @@ from flows.retrain.dvc_project import RetrainError  # noqa: E402
 from rlhf_pipeline.errors import StorageError  # noqa: E402
 
 SSHD, WHY_NOT = find_or_install_sshd()
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(SSHD is None, reason=f"no OpenSSH server: {WHY_NOT}")]
+pytestmark = [pytest.mark.e2e]
+
+
+@pytest.fixture(autouse=True)
+def _service_present():
+    if SSHD is None:
+        unavailable(f"no OpenSSH server: {WHY_NOT}")
+
+
 REMOTE = "storage"  # the DVC remote's name
 
 
