@@ -1,4 +1,4 @@
-"""Sampling throughput: this project's sampler vs ``transformers``' ``generate``, same model, batch and lengths.
+"""Sampling throughput: this project's samplers vs ``transformers``' ``generate``, same model, batch and lengths.
 
 Both sample ``--response-tokens`` tokens after ``--query-tokens`` fixed-seed random query tokens for
 ``--batch`` rows, the lm-human-preferences way: temperature 0.7, top_k 0, top_p 1, no stop token
@@ -6,6 +6,9 @@ Both sample ``--response-tokens`` tokens after ``--query-tokens`` fixed-seed ran
 
 - ours: :func:`rlhf_pipeline.sampling.sample_responses` (prefill without the LM head except at the
   last position, one uniform per row per step through a two-level inverse-CDF search).
+- ours, static cache: :func:`rlhf_pipeline.static_sampling.sample_responses_static`, the same draws
+  over a static KV cache, its decoding step compiled with CUDA graphs on ``--device cuda`` (on the
+  CPU it runs uncompiled: what the static cache alone costs there).
 - transformers: ``model.generate(do_sample=True, top_k=0, top_p=1.0, temperature=0.7,
   min_new_tokens=max_new_tokens=R)`` with eos disabled.
 
@@ -16,10 +19,13 @@ same run: the memory-bandwidth floor of one decoding step (every weight read onc
 measured copy bandwidth) and each call's compute floor (its unavoidable matrix-product FLOPs / a
 measured fp32 matrix-product rate).
 
+``--device cuda``: every side on the GPU under bf16 autocast (``compute.cuda_precision: bf16``), timed
+with the GPU synchronised; the CPU floors are then left out.
+
 Usage::
 
     .venv/bin/python bench/sampling_throughput.py [--batch 64] [--query-tokens 24] [--response-tokens 16]
-        [--samples-per-query 4] [--repeats 3] [--markdown] [--output FILE]
+        [--samples-per-query 4] [--repeats 3] [--device cpu|cuda] [--markdown] [--output FILE]
 """
 
 from __future__ import annotations
@@ -69,23 +75,37 @@ def measured_matmul_flops(n: int = 2048) -> float:
     return 2 * n**3 / min(runs)
 
 
-def time_ours(model, queries, args, pad_id, samples) -> float:
+def synchronised() -> float:
+    """The clock, once the GPU (if any) has finished what it was given."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def time_ours(model, queries, args, pad_id, samples, sampler=None) -> float:
     from rlhf_pipeline.sampling import sample_responses
 
-    started = time.perf_counter()
+    sampler = sampler or sample_responses
+    started = synchronised()
     with torch.no_grad():
-        out = sample_responses(
+        out = sampler(
             model,
             queries,
             queries != pad_id,
             args.response_tokens,
             0.7,
             pad_id,
-            generator=torch.Generator().manual_seed(args.seed),
+            generator=torch.Generator(device=queries.device).manual_seed(args.seed),
             num_samples=samples,
         )
     assert out.responses.shape == (len(queries) * samples, args.response_tokens)
-    return time.perf_counter() - started
+    return synchronised() - started
+
+
+def time_static(model, queries, args, pad_id, samples) -> float:
+    from rlhf_pipeline.static_sampling import sample_responses_static
+
+    return time_ours(model, queries, args, pad_id, samples, sample_responses_static)
 
 
 def time_transformers(model, queries, args, pad_id, samples) -> float:
@@ -104,11 +124,11 @@ def time_transformers(model, queries, args, pad_id, samples) -> float:
         num_return_sequences=samples,
     )
     torch.manual_seed(args.seed)
-    started = time.perf_counter()
+    started = synchronised()
     with torch.no_grad():
         out = model.generate(input_ids=queries, attention_mask=torch.ones_like(queries), generation_config=config)
     assert out.shape == (len(queries) * samples, queries.shape[1] + args.response_tokens)
-    return time.perf_counter() - started
+    return synchronised() - started
 
 
 def call_flops(model, distinct_queries: int, rows: int, args) -> float:
@@ -135,11 +155,14 @@ def main() -> None:
         help="the shared-query workload: best-of-N labelling samples N per query",
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     model_dir, tokenizer = prepare(args)
+    from rlhf_pipeline.devices import resolve_device
     from rlhf_pipeline.models import load_causal_lm
 
-    model = load_causal_lm(model_dir).eval()
+    plan = resolve_device(args.device)
+    model = load_causal_lm(model_dir, plan.device).eval()
     pad_id = tokenizer.pad_token_id
     workloads = {  # name: (distinct queries, samples per query)
         f"{args.batch} distinct queries": (args.batch, 1),
@@ -148,18 +171,27 @@ def main() -> None:
             args.samples_per_query,
         ),
     }
-    sides = {"this project (sample_responses)": time_ours, "transformers generate": time_transformers}
+    static = "this project, static cache" + (" + CUDA graphs" if plan.device.type == "cuda" else " (uncompiled)")
+    sides = {
+        "this project (sample_responses)": time_ours,
+        static: time_static,
+        "transformers generate": time_transformers,
+    }
     queries = {
-        name: random_token_ids(tokenizer, (n, args.query_tokens), torch.Generator().manual_seed(args.seed))
+        name: random_token_ids(tokenizer, (n, args.query_tokens), torch.Generator().manual_seed(args.seed)).to(
+            plan.device
+        )
         for name, (n, _) in workloads.items()
     }
     times = {(w, side): [] for w in workloads for side in sides}
-    for w, side in times:  # warm-up
-        sides[side](model, queries[w], args, pad_id, workloads[w][1])
-    for _ in range(args.repeats):
-        for (w, side), runs in times.items():
-            runs.append(sides[side](model, queries[w], args, pad_id, workloads[w][1]))
-    bandwidth, flops = measured_bandwidth(), measured_matmul_flops()
+    with plan.autocast():
+        for w, side in times:  # warm-up (and the static sampler's compilation)
+            sides[side](model, queries[w], args, pad_id, workloads[w][1])
+        for _ in range(args.repeats):
+            for (w, side), runs in times.items():
+                runs.append(sides[side](model, queries[w], args, pad_id, workloads[w][1]))
+    on_cpu = plan.device.type == "cpu"
+    bandwidth, flops = (measured_bandwidth(), measured_matmul_flops()) if on_cpu else (None, None)
     step_bytes = sum(p.numel() for p in model.parameters()) * 4  # the LM head shares the embedding matrix
     rows = []
     for w, (distinct, samples) in workloads.items():
@@ -168,6 +200,8 @@ def main() -> None:
         for side in sides:
             median = statistics.median(times[(w, side)])
             rows.append([w, side, f"{tokens / median:.0f}", f"{median:.2f}", f"{reference / median:.2f}x"])
+        if not on_cpu:  # the floors below are measured with the CPU's copy and matrix-product rates
+            continue
         floor = call_flops(model, distinct, distinct * samples, args) / flops
         rows.append(
             [
@@ -191,15 +225,26 @@ def main() -> None:
         "project runs each query's "
         "prefill once and repeats its KV cache; `generate(num_return_sequences=N)` repeats the query before the "
         "prefill",
-        f"measured here: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matrix products {flops / 1e9:.0f} GFLOP/s "
-        "(2048x2048); "
-        f"reading every weight once per decoding step ({step_bytes / 1e6:.0f} MB) takes "
-        f"{1000 * step_bytes / bandwidth:.0f} ms, so at this batch "
-        "a step is compute-bound, and the floor row is the call's unavoidable matrix-product FLOPs at the measured "
-        "rate",
     ]
+    if on_cpu:
+        notes.append(
+            f"measured here: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matrix products {flops / 1e9:.0f} "
+            "GFLOP/s (2048x2048); "
+            f"reading every weight once per decoding step ({step_bytes / 1e6:.0f} MB) takes "
+            f"{1000 * step_bytes / bandwidth:.0f} ms, so at this batch "
+            "a step is compute-bound, and the floor row is the call's unavoidable matrix-product FLOPs at the "
+            "measured rate"
+        )
+    else:
+        notes.append(f"on {plan.describe()}; the static sampler's warm-up call includes its compilation")
     emit(
-        render_report("Sampling throughput", environment_lines(MODEL_NAMES[args.model]), table, notes, args.markdown),
+        render_report(
+            "Sampling throughput",
+            environment_lines(MODEL_NAMES[args.model], plan.device.type),
+            table,
+            notes,
+            args.markdown,
+        ),
         args.output,
     )
 

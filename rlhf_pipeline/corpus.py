@@ -24,7 +24,7 @@ from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import load_hub_dataset, read_table, read_txt_passages
 from rlhf_pipeline.progress import Progress
-from rlhf_pipeline.sampling import iterate_batches, sample_responses
+from rlhf_pipeline.sampling import iterate_batches, sample_on_device
 from rlhf_pipeline.tokens import encode_start
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -152,7 +152,7 @@ def generate_passages(
     lines = Progress(progress, num_passages, "passages")
     for rows in iterate_batches(num_prompts, max(1, batch_size // samples_per_prompt)):
         ids, mask = (tensor.to(model_device(model)) for tensor in left_pad(encoded[rows], pad_id))
-        out = sample_responses(
+        out = sample_on_device(
             model,
             ids,
             mask,

@@ -26,6 +26,8 @@ import torch
 from rlhf_pipeline.errors import SettingsError
 
 DEVICE_KEY = "compute.device"
+CUDA_SAMPLERS = ("static", "eager")
+_cuda_sampler = "static"  # this process's compute.cuda_sampler, set by resolve_device
 # cuBLAS picks reduction splits by workspace; a fixed configuration makes its GEMMs deterministic
 # (https://docs.nvidia.com/cuda/cublas/#results-reproducibility). Read when cuBLAS initialises.
 CUBLAS_WORKSPACE = ":4096:8"
@@ -55,9 +57,11 @@ class DevicePlan:
 
     def describe(self) -> str:
         """What the stage ran on, for metrics, cards and ``rlhf lineage``: ``cpu (fp32)`` or e.g.
-        ``NVIDIA H100 80GB HBM3 (bf16 autocast, fp32 weights, TF32)``."""
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        return f"{name} ({self.precision})"
+        ``NVIDIA H100 80GB HBM3 (bf16 autocast, fp32 weights, TF32; static-cache sampler)``."""
+        if self.device.type != "cuda":
+            return f"cpu ({self.precision})"
+        sampler = "static-cache sampler" if cuda_sampler() == "static" else "eager sampler"
+        return f"{torch.cuda.get_device_name(self.device)} ({self.precision}; {sampler})"
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` on this plan's device (no copy when it is there already)."""
@@ -68,14 +72,32 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def resolve_device(device: str = "auto", cuda_precision: str = "bf16", deterministic: bool = True) -> DevicePlan:
+def cuda_sampler() -> str:
+    """How this process samples on CUDA: ``static`` (the static-cache sampler, its step compiled
+    with CUDA graphs: :mod:`rlhf_pipeline.static_sampling`) or ``eager`` (compute.cuda_sampler)."""
+    return _cuda_sampler
+
+
+def resolve_compute(compute, deterministic: bool = True) -> DevicePlan:
+    """:func:`resolve_device` for a ``compute`` params section (rlhf_pipeline/params/compute.py)."""
+    return resolve_device(compute.device, compute.cuda_precision, deterministic, compute.cuda_sampler)
+
+
+def resolve_device(
+    device: str = "auto", cuda_precision: str = "bf16", deterministic: bool = True, sampler: str = "static"
+) -> DevicePlan:
     """``compute.device`` for this process: ``auto`` is CUDA (the local rank's GPU) when torch sees
     one, else the CPU; ``cuda`` without a visible GPU is a :class:`DeviceError` (exit 2) naming the
     key; ``cpu`` is the CPU even on a GPU host. On CUDA, also sets what makes its kernels
     deterministic (module docstring) before the first of them runs, unless ``deterministic`` is
-    false (``ppo.deterministic``); the CPU's kernels are left as they are (see numerics.py)."""
+    false (``ppo.deterministic``); the CPU's kernels are left as they are (see numerics.py).
+    ``sampler``: how this process samples on CUDA (:func:`cuda_sampler`)."""
+    global _cuda_sampler
     if device not in ("auto", "cpu", "cuda"):
         raise DeviceError(f"{DEVICE_KEY} is {device!r}; use auto, cpu or cuda.")
+    if sampler not in CUDA_SAMPLERS:
+        raise DeviceError(f"compute.cuda_sampler is {sampler!r}; use {' or '.join(CUDA_SAMPLERS)}.")
+    _cuda_sampler = sampler
     if device == "cuda" and not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise DeviceError(

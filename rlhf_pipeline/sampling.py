@@ -14,99 +14,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from rlhf_pipeline.conversations import end_of_turn, require_chat_template
-from rlhf_pipeline.devices import model_device
+from rlhf_pipeline.decoding import SampleOutput, never_pad, position_ids_from_mask, sample_from_logits
+from rlhf_pipeline.devices import cuda_sampler, model_device
 from rlhf_pipeline.functional import logprobs_and_entropy, logprobs_from_logits, truncate_response
 from rlhf_pipeline.models import backbone_of, transformer_layers
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.progress import Progress
+from rlhf_pipeline.static_sampling import sample_responses_static, supports_static
 from rlhf_pipeline.tokens import single_token_id
-
-
-@dataclass
-class SampleOutput:
-    responses: Tensor  # (B, R) token ids; after an EOS in stop mode, pad ids
-    logprobs: Tensor  # (B, R) logprob of each sampled token at `temperature`
-    values: Tensor | None  # (B, R) value of the state before each response token
-    mask: Tensor  # (B, R) True for real response tokens
-    # captured layer -> (B, Q+R, d): the hidden state entering that block (index = number of blocks
-    # below it; the number of blocks itself = the final, normed state) at every query and response position
-    hidden: dict[int, Tensor] = field(default_factory=dict)
-
-
-def never_pad(logits: Tensor, pad_token_id: int, inplace: bool = False) -> Tensor:
-    """The pad token was added to the vocabulary for bookkeeping only; like OAI (which slices the
-    logits to the original vocabulary) it is never sampled and gets no probability mass.
-    ``inplace`` writes into ``logits`` (the sampler's fresh, no-grad logits: saves a (B, V) copy per step)."""
-    if pad_token_id < logits.shape[-1]:
-        logits = logits if inplace else logits.clone()
-        # finite (not -inf or finfo.min) so temperature scaling cannot overflow and p*log(p) stays 0, not nan
-        logits[..., pad_token_id] = -1e9
-    return logits
-
-
-def sample_from_logits(
-    logits: Tensor,
-    generator: torch.Generator | None = None,
-    block_size: int = 256,
-    process_share: tuple[int, int] = (0, 1),
-) -> tuple[Tensor, Tensor]:
-    """One token per row of ``logits`` (B, V) drawn from softmax(logits), and its log-probability.
-
-    Inverse-CDF sampling: with w_i = exp(l_i - max l), C_i = sum_{j<=i} w_j and u ~ U[0, 1), the
-    token is the smallest i with C_i > u * C_V, so P(i) = w_i / C_V = softmax(l)_i, and
-    log p(i) = l_i - max l - log C_V.
-
-    Why not ``torch.multinomial``: it draws V exponentials per row, which on CPU at a 49k vocabulary
-    was half of every decoding step. This draws one uniform per row. A plain cumulative sum over V
-    is slow on CPU too (sequential), so the search runs in two levels: the vocabulary is cut into
-    blocks of ``block_size``, the uniform picks a block from the cumulative block sums, then a token
-    inside that block. Sums are accumulated in float64 so that tail tokens keep their mass.
-
-    ``process_share = (i, n)``: these rows are share ``i`` of a batch split evenly over ``n``
-    processes; the uniforms are drawn for the whole batch and this share's taken, so every row
-    gets the draw it gets when one process samples the whole batch.
-    """
-    batch, vocab = logits.shape
-    peak = logits.amax(-1, keepdim=True)
-    weights = (logits - peak).exp_()
-    num_blocks = -(-vocab // block_size)
-    blocks = torch.nn.functional.pad(weights, (0, num_blocks * block_size - vocab)).view(batch, num_blocks, block_size)
-    block_sums = blocks.sum(-1, dtype=torch.float64)
-    block_cdf = block_sums.cumsum(-1)
-    total = block_cdf[:, -1:]
-    index, count = process_share
-    # drawn where the generator lives: the sampling stages seed a CPU generator on every device, so
-    # their uniforms are the same stream on a CPU and a GPU host (PPO's rollouts use one on the GPU)
-    where = generator.device if generator is not None else logits.device
-    u = torch.rand((batch * count, 1), generator=generator, dtype=torch.float64, device=where)
-    u = u[index * batch : (index + 1) * batch].to(logits.device)
-    # u * total may round up to total itself; the largest float below it keeps the draw in the support
-    target = torch.minimum(u * total, _just_below(total))
-    block = torch.searchsorted(block_cdf, target, right=True)  # (B, 1): a block with positive mass
-    rest = target - (block_cdf.gather(-1, block) - block_sums.gather(-1, block))
-    inner_cdf = blocks[torch.arange(batch, device=logits.device), block.squeeze(-1)].cumsum(-1, dtype=torch.float64)
-    rest = torch.minimum(rest.clamp(min=0.0), _just_below(inner_cdf[:, -1:]))
-    token = (block * block_size + torch.searchsorted(inner_cdf, rest, right=True)).squeeze(-1)
-    logprob = (
-        logits.gather(-1, token[:, None]).squeeze(-1) - peak.squeeze(-1) - total.squeeze(-1).log().to(logits.dtype)
-    )
-    return token, logprob
-
-
-def _just_below(x: Tensor) -> Tensor:
-    """The largest float of x's dtype below each element of x."""
-    return torch.nextafter(x, torch.zeros_like(x))
-
-
-def position_ids_from_mask(mask: Tensor) -> Tensor:
-    """Positions that skip left padding: 0 at the first real token."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 @dataclass
@@ -225,6 +146,60 @@ def sample_responses(
         response_mask = torch.ones_like(response_mask)
     hidden_states = {layer: torch.cat(parts, dim=1) for layer, parts in zip(layers, state.captured)}
     return SampleOutput(tokens, logprobs, values, response_mask, hidden_states)
+
+
+def samples_statically(device: torch.device, capture_layers: Sequence[int], process_share: tuple[int, int]) -> bool:
+    """Whether a sampling call on ``device`` goes to the static-cache sampler: on CUDA, where
+    ``compute.cuda_sampler`` is ``static`` and the call asks nothing that sampler lacks."""
+    return device.type == "cuda" and cuda_sampler() == "static" and supports_static(capture_layers, process_share)
+
+
+def sample_on_device(
+    model: nn.Module,
+    queries: Tensor,
+    query_mask: Tensor,
+    response_length: int,
+    temperature: float,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | None = None,
+    stop_at_eos: bool = False,
+    value_head: nn.Module | None = None,
+    num_samples: int = 1,
+    capture_layers: Sequence[int] = (),
+    process_share: tuple[int, int] = (0, 1),
+) -> SampleOutput:
+    """:func:`sample_responses`, or on CUDA the static-cache sampler with the same draws
+    (:func:`samples_statically`): the one entry every sampling stage and PPO's rollouts go through."""
+    if samples_statically(queries.device, capture_layers, process_share):
+        return sample_responses_static(
+            model,
+            queries,
+            query_mask,
+            response_length,
+            temperature,
+            pad_token_id,
+            generator,
+            eos_token_id,
+            stop_at_eos,
+            value_head,
+            num_samples,
+        )
+    return sample_responses(
+        model,
+        queries,
+        query_mask,
+        response_length,
+        temperature,
+        pad_token_id,
+        generator,
+        eos_token_id,
+        stop_at_eos,
+        value_head,
+        num_samples,
+        capture_layers,
+        process_share,
+    )
 
 
 # Architectures whose backbone accepts ``inputs_embeds`` without adding position embeddings
@@ -363,7 +338,7 @@ class ResponseSampler:
         process_share: tuple[int, int] = (0, 1),
     ):
         queries = queries.to(model_device(model))  # the caller's queries may sit on the CPU
-        out = sample_responses(
+        out = sample_on_device(
             model,
             queries,
             queries != self.pad_token_id,

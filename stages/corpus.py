@@ -13,7 +13,7 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 from datasets import Dataset
 
 from rlhf_pipeline.corpus import clean_passages, generate_passages, load_hub_passages, load_local_passages
-from rlhf_pipeline.devices import resolve_device
+from rlhf_pipeline.devices import resolve_compute
 from rlhf_pipeline.io import RAW_DATA, atomic_dir, is_local_source, require_tracked_location
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import StageParams
@@ -33,7 +33,7 @@ class Params(StageParams):
 
 def main(params: Params) -> None:
     cfg = params.data.corpus
-    plan = resolve_device(params.compute.device, params.compute.cuda_precision)
+    plan = resolve_compute(params.compute)
     if params.task.chat:  # chat queries come from prompts (stage queries), not from passages
         texts = []
     elif cfg.source == GENERATED:

@@ -9,7 +9,7 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 import json
 from pathlib import Path
 
-from rlhf_pipeline.devices import resolve_device
+from rlhf_pipeline.devices import resolve_compute
 from rlhf_pipeline.evaluation import (
     Evaluation,
     curve_point,
@@ -60,7 +60,7 @@ def main(params: Params) -> None:
     require_dir(REWARD, "normalize_reward", HEAD_FILE)
     require_dir(POLICY, "train_policy")
     snapshots = verified_snapshots(SNAPSHOTS)  # a damaged snapshot stops the stage before anything is sampled
-    plan = resolve_device(params.compute.device, params.compute.cuda_precision)
+    plan = resolve_compute(params.compute)
     tokenizer = load_tokenizer(BASE)
     base = load_causal_lm(BASE, plan.device).eval()
     policy = load_causal_lm(POLICY, plan.device).eval()

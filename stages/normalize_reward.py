@@ -18,7 +18,7 @@ import math
 import torch
 from scipy.stats import spearmanr
 
-from rlhf_pipeline.devices import resolve_device
+from rlhf_pipeline.devices import resolve_compute
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.modelcard import held_out_result, preference_data_line, write_card
@@ -77,7 +77,7 @@ def main(params: Params) -> None:
     cfg = params.reward.normalize
     require_dir(BASE, "base_model")
     require_dir(TRAINED, "train_reward", HEAD_FILE)
-    plan = resolve_device(params.compute.device, params.compute.cuda_precision)
+    plan = resolve_compute(params.compute)
     tokenizer = load_tokenizer(BASE)
     model = load_reward_model(TRAINED, plan.device)
     base = load_causal_lm(BASE, plan.device).eval()

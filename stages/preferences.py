@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from rlhf_pipeline.devices import resolve_device
+from rlhf_pipeline.devices import resolve_compute
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import LABELS, atomic_dir, is_local_source, require_tracked_location, write_json
 from rlhf_pipeline.labelers import get_labeler
@@ -63,7 +63,7 @@ def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict, 
             f"{QUERIES} holds queries of {width} tokens but data.queries.query_length is "
             f"{params.data.queries.query_length}; rerun `dvc repro queries`."
         )
-    plan = resolve_device(params.compute.device, params.compute.cuda_precision)
+    plan = resolve_compute(params.compute)
     model = load_causal_lm(BASE, plan.device).eval()
     sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
     labeler = get_labeler(cfg.labeler)

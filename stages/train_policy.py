@@ -10,7 +10,7 @@ from contextlib import nullcontext
 
 import torch
 
-from rlhf_pipeline.devices import DevicePlan, resolve_device
+from rlhf_pipeline.devices import DevicePlan, resolve_compute
 from rlhf_pipeline.distributed import lost_processes_reported, make_accelerator, whole_model
 from rlhf_pipeline.io import atomic_dir, content_hash, write_json
 from rlhf_pipeline.labelers import gold_labeler
@@ -131,7 +131,7 @@ def main(params: Params) -> None:
     cfg = params.ppo
     uses_reward_model = cfg.score_source == "reward_model" or cfg.value_model == "separate"
     require_dir(BASE, "base_model")
-    plan = resolve_device(params.compute.device, params.compute.cuda_precision, cfg.deterministic)
+    plan = resolve_compute(params.compute, cfg.deterministic)
     # one process unless `accelerate launch` started several; refuses what it cannot honour, before loading
     accelerator = make_accelerator(
         plan.device, cfg.freeze_layers > 0, "train_policy", cfg.lora is not None, cfg.collective_timeout_s

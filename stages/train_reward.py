@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from datasets import load_from_disk
 
-from rlhf_pipeline.devices import DevicePlan, resolve_device
+from rlhf_pipeline.devices import DevicePlan, resolve_compute
 from rlhf_pipeline.distributed import lost_processes_reported, make_accelerator, whole_model
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import atomic_dir, local_model_dir, read_json, write_json
@@ -123,7 +123,7 @@ def main(params: Params) -> None:
         raise PipelineError(
             f"{VALIDATION} says the preference data failed its contract; fix the data and rerun `dvc repro`."
         )
-    plan = resolve_device(params.compute.device, params.compute.cuda_precision)
+    plan = resolve_compute(params.compute)
     # one process unless `accelerate launch` started several (each then trains on its share of every batch)
     accelerator = make_accelerator(plan.device, stage="train_reward", collective_timeout_s=cfg.collective_timeout_s)
     is_main = accelerator.is_main_process

@@ -128,7 +128,7 @@ def test_profile_command_switches_params_and_refuses_a_broken_profile(tmp_path, 
     shutil.copy(REPO / "dvc.yaml", tmp_path / "dvc.yaml")
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
     monkeypatch.chdir(tmp_path)
-    assert run_cli("profile") == 0 and capsys.readouterr().out.split() == ["cpu", "gemma", "reference", "tiny"]
+    assert run_cli("profile") == 0 and capsys.readouterr().out.split() == ["cpu", "gemma", "gpu", "reference", "tiny"]
     assert run_cli("profile", "gemma") == 0  # before its GGUF is fetched: base_model is what reads the file
     assert load_params("params.yaml").base_model.source == "data/models/gemma-3-270m-q4_k_m.gguf"
     assert run_cli("profile", "tiny") == 0

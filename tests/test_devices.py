@@ -15,6 +15,7 @@ from test_numerics import MODEL_STAGES
 from rlhf_pipeline import devices
 from rlhf_pipeline.errors import ParamsError
 from rlhf_pipeline.params.schema import parse_params
+from rlhf_pipeline.sampling import samples_statically
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,6 +32,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, warn_only=False: deterministic.append(on))
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(devices, "_cuda_sampler", devices.cuda_sampler())  # put back after the test
     # torch's backend flags are properties of module objects: saved and put back by hand
     flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -54,22 +56,22 @@ def test_auto_with_a_gpu_is_the_local_rank_s_gpu_in_bf16_autocast_and_determinis
     plan = devices.resolve_device("auto")
     assert plan.device == torch.device("cuda", 1) and set_devices == [1]
     assert plan.autocast_dtype == torch.bfloat16
-    assert plan.describe() == "Fake GPU 80GB (bf16 autocast, fp32 weights, TF32)"
+    assert plan.describe() == "Fake GPU 80GB (bf16 autocast, fp32 weights, TF32; static-cache sampler)"
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == devices.CUBLAS_WORKSPACE
     assert deterministic == [True] and torch.backends.cudnn.benchmark is False
 
 
 def test_cuda_precision_fp32_turns_off_autocast_and_tf32(fake_gpu):
-    plan = devices.resolve_device("cuda", "fp32")
+    plan = devices.resolve_device("cuda", "fp32", sampler="eager")
     assert plan.device.type == "cuda" and plan.autocast_dtype is None
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
-    assert plan.describe() == "Fake GPU 80GB (fp32, no TF32)"
+    assert plan.describe() == "Fake GPU 80GB (fp32, no TF32; eager sampler)"
 
 
 def test_a_gpu_without_bf16_falls_back_to_fp32_and_says_so(fake_gpu, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)  # e.g. a V100
-    assert devices.resolve_device("auto", "bf16").describe() == "Fake GPU 80GB (fp32, no TF32)"
+    assert devices.resolve_device("auto", "bf16").describe() == "Fake GPU 80GB (fp32, no TF32; static-cache sampler)"
 
 
 def test_cpu_on_a_gpu_host_is_the_cpu_and_leaves_the_gpu_settings_alone(fake_gpu):
@@ -121,5 +123,16 @@ def test_every_stage_that_runs_a_model_resolves_its_device_through_the_one_rule(
     """Each stage that samples, scores or trains calls resolve_device (base_model only dequantises
     and saves, on the CPU); none builds a torch.device of its own."""
     for name in MODEL_STAGES - {"base_model"}:
-        assert "resolve_device" in stage_calls(name), name
+        assert "resolve_compute" in stage_calls(name), name
         assert "torch.device(" not in (REPO / "stages" / f"{name}.py").read_text(), name
+
+
+def test_the_static_sampler_takes_cuda_calls_it_can_serve_unless_compute_asks_eager(fake_gpu):
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    devices.resolve_device("cuda")  # compute.cuda_sampler: static, the default
+    assert samples_statically(cuda, (), (0, 1))
+    assert not samples_statically(cpu, (), (0, 1))  # the CPU samples eagerly: nothing to replay there
+    assert not samples_statically(cuda, (20,), (0, 1))  # the trunk split's captured layer
+    assert not samples_statically(cuda, (), (0, 2))  # one of two processes' share
+    devices.resolve_compute(parse_params({"compute": {"cuda_sampler": "eager"}}).compute)
+    assert devices.cuda_sampler() == "eager" and not samples_statically(cuda, (), (0, 1))

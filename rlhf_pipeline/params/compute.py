@@ -25,6 +25,12 @@ class ComputeParams(Strict):
         description="On CUDA: bf16 autocast over fp32 weights with TF32 matmuls (bf16), or fp32 throughout (fp32). "
         "The CPU always computes in fp32 (bf16 there is ~25x slower without AMX).",
     )
+    cuda_sampler: Literal["static", "eager"] = Field(
+        "static",
+        description="On CUDA: static: sample over a static KV cache with the decoding step compiled as CUDA graphs "
+        "(rlhf_pipeline/static_sampling.py; the same draws, fewer kernel launches), where a call allows it (no "
+        "trunk split, one process); eager: the eager sampler everywhere. The CPU always samples eagerly.",
+    )
     cpu_numerics: Literal["portable", "compatible", "native"] = Field(
         "portable",
         description="portable: torch's CPU kernels, MKL's branch and oneDNN pinned at AVX2, and cpu_threads threads: "

@@ -25,9 +25,9 @@ from typing import get_args
 import torch
 from torch import Tensor, nn
 
+from rlhf_pipeline.decoding import position_ids_from_mask
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.params.reward import RewardPooling
-from rlhf_pipeline.sampling import position_ids_from_mask
 from rlhf_pipeline.tokens import encode_start, special_prefix
 
 POOLINGS = get_args(RewardPooling)

@@ -1,0 +1,91 @@
+"""The draw itself, shared by the eager sampler (:mod:`rlhf_pipeline.sampling`) and the static-cache
+one (:mod:`rlhf_pipeline.static_sampling`): what a sampling call returns, the inverse-CDF draw of one
+token per row, the rule that the pad token is never drawn, and positions that skip left padding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SampleOutput:
+    responses: Tensor  # (B, R) token ids; after an EOS in stop mode, pad ids
+    logprobs: Tensor  # (B, R) logprob of each sampled token at `temperature`
+    values: Tensor | None  # (B, R) value of the state before each response token
+    mask: Tensor  # (B, R) True for real response tokens
+    # captured layer -> (B, Q+R, d): the hidden state entering that block (index = number of blocks
+    # below it; the number of blocks itself = the final, normed state) at every query and response position
+    hidden: dict[int, Tensor] = field(default_factory=dict)
+
+
+def never_pad(logits: Tensor, pad_token_id: int, inplace: bool = False) -> Tensor:
+    """The pad token was added to the vocabulary for bookkeeping only; like OAI (which slices the
+    logits to the original vocabulary) it is never sampled and gets no probability mass.
+    ``inplace`` writes into ``logits`` (the sampler's fresh, no-grad logits: saves a (B, V) copy per step)."""
+    if pad_token_id < logits.shape[-1]:
+        logits = logits if inplace else logits.clone()
+        # finite (not -inf or finfo.min) so temperature scaling cannot overflow and p*log(p) stays 0, not nan
+        logits[..., pad_token_id] = -1e9
+    return logits
+
+
+def sample_from_logits(
+    logits: Tensor,
+    generator: torch.Generator | None = None,
+    block_size: int = 256,
+    process_share: tuple[int, int] = (0, 1),
+) -> tuple[Tensor, Tensor]:
+    """One token per row of ``logits`` (B, V) drawn from softmax(logits), and its log-probability.
+
+    Inverse-CDF sampling: with w_i = exp(l_i - max l), C_i = sum_{j<=i} w_j and u ~ U[0, 1), the
+    token is the smallest i with C_i > u * C_V, so P(i) = w_i / C_V = softmax(l)_i, and
+    log p(i) = l_i - max l - log C_V.
+
+    Why not ``torch.multinomial``: it draws V exponentials per row, which on CPU at a 49k vocabulary
+    was half of every decoding step. This draws one uniform per row. A plain cumulative sum over V
+    is slow on CPU too (sequential), so the search runs in two levels: the vocabulary is cut into
+    blocks of ``block_size``, the uniform picks a block from the cumulative block sums, then a token
+    inside that block. Sums are accumulated in float64 so that tail tokens keep their mass.
+
+    ``process_share = (i, n)``: these rows are share ``i`` of a batch split evenly over ``n``
+    processes; the uniforms are drawn for the whole batch and this share's taken, so every row
+    gets the draw it gets when one process samples the whole batch.
+    """
+    batch, vocab = logits.shape
+    peak = logits.amax(-1, keepdim=True)
+    weights = (logits - peak).exp_()
+    num_blocks = -(-vocab // block_size)
+    blocks = torch.nn.functional.pad(weights, (0, num_blocks * block_size - vocab)).view(batch, num_blocks, block_size)
+    block_sums = blocks.sum(-1, dtype=torch.float64)
+    block_cdf = block_sums.cumsum(-1)
+    total = block_cdf[:, -1:]
+    index, count = process_share
+    # drawn where the generator lives: the sampling stages seed a CPU generator on every device, so
+    # their uniforms are the same stream on a CPU and a GPU host (PPO's rollouts use one on the GPU)
+    where = generator.device if generator is not None else logits.device
+    u = torch.rand((batch * count, 1), generator=generator, dtype=torch.float64, device=where)
+    u = u[index * batch : (index + 1) * batch].to(logits.device)
+    # u * total may round up to total itself; the largest float below it keeps the draw in the support
+    target = torch.minimum(u * total, _just_below(total))
+    block = torch.searchsorted(block_cdf, target, right=True)  # (B, 1): a block with positive mass
+    rest = target - (block_cdf.gather(-1, block) - block_sums.gather(-1, block))
+    inner_cdf = blocks[torch.arange(batch, device=logits.device), block.squeeze(-1)].cumsum(-1, dtype=torch.float64)
+    rest = torch.minimum(rest.clamp(min=0.0), _just_below(inner_cdf[:, -1:]))
+    token = (block * block_size + torch.searchsorted(inner_cdf, rest, right=True)).squeeze(-1)
+    logprob = (
+        logits.gather(-1, token[:, None]).squeeze(-1) - peak.squeeze(-1) - total.squeeze(-1).log().to(logits.dtype)
+    )
+    return token, logprob
+
+
+def _just_below(x: Tensor) -> Tensor:
+    """The largest float of x's dtype below each element of x."""
+    return torch.nextafter(x, torch.zeros_like(x))
+
+
+def position_ids_from_mask(mask: Tensor) -> Tensor:
+    """Positions that skip left padding: 0 at the first real token."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
