@@ -202,7 +202,9 @@ def test_values_the_model_cannot_take_stop_the_first_stage(tmp_path, monkeypatch
     """The tiny Llama has 2 blocks, 256 positions and a byte-level vocabulary: a value that depends
     on the model is refused by base_model as soon as the model is built (exit 2, nothing written),
     not at train_policy."""
-    params = full_params({"base_model": {"source": "tiny-llama"}, **overrides})
+    # in this process, whose kernels are already chosen: native (a pin would refuse under another dispatch)
+    compute = {"cpu_numerics": "native", "cpu_threads": 1}
+    params = full_params({"base_model": {"source": "tiny-llama"}, "compute": compute, **overrides})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     add_pipeline_definition(tmp_path)
     monkeypatch.chdir(tmp_path)
