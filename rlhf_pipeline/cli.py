@@ -22,10 +22,11 @@ from pathlib import Path
 
 from rlhf_pipeline import __version__, numerics
 from rlhf_pipeline.environment import LOCK_FILE, environment_record, record_lines
-from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, SettingsError, StorageError
-from rlhf_pipeline.io import atomic_file, read_json
+from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, SettingsError, StorageError, quoted
+from rlhf_pipeline.io import atomic_file
 from rlhf_pipeline.params import read_params_file
 from rlhf_pipeline.params.compute import ComputeParams
+from rlhf_pipeline.params.labelling import LabellingParams
 from rlhf_pipeline.params.schema import load_params, parse_params
 from rlhf_pipeline.runner import declared_keys_by_stage, missing_key_problems, report_error, report_unexpected
 
@@ -184,6 +185,8 @@ def cmd_lineage(args) -> int:
     if not args.path:
         raise PipelineError("rlhf lineage PATH (or NAME@VERSION, or --diff A B): name what to trace.")
     path, rev = args.path, args.rev
+    if len(path) > 4096 or not path.isprintable():
+        raise SettingsError(f"rlhf lineage {quoted(path)}: not a path or a version (unprintable, or too long).")
     name = path.split("@")[0].split("#")[0]
     if ("@" in path or "#" in path) and not Path(path).exists() and name in declared_artifacts(args.root):
         version = resolve(args.root, path)  # a registry version: its artifact at its commit
@@ -243,11 +246,15 @@ def cmd_label(args) -> int:
             f"labelling interface: rlhf label config --n {args.n}"
         )
         return 0
-    tasks, where = _label_export(args, labelling)
+    params = load_params(args.params) if Path(args.params).exists() else None
+    limits = params.labelling if params is not None else LabellingParams()
     min_agreement = args.min_agreement
-    if min_agreement is None and Path(args.params).exists():
-        min_agreement = load_params(args.params).data.validation.min_agreement
-    report = labelling.rows_from_export(tasks, where, min_agreement)
+    if min_agreement is None and params is not None:
+        min_agreement = params.data.validation.min_agreement
+    handle, where = _label_export(args, labelling, limits)
+    with handle:
+        tasks = (task for _, task in labelling.read_export(handle, where, limits))
+        report = labelling.rows_from_export(tasks, where, min_agreement, limits.max_annotations_per_task)
     if not report.rows:
         raise DataContractError(f"{where}: no usable annotation ({report.summary()}); nothing written.")
     rows, merged = report.rows, {}
@@ -266,9 +273,16 @@ def sampling_model(model: str) -> Iterator[tuple[str, str]]:
     """(a model folder, what tasks call it) for ``rlhf label export --model``: a folder as given, or a
     registered version (``policy#prod``, ``policy@v2``) fetched and checked into a temporary folder for
     the time it samples (its tag, ``policy@v2.0.0``, names it)."""
-    if Path(model).is_dir() or not any(mark in model for mark in "@#"):
+    if len(model) > 4096 or not model.isprintable():
+        raise SettingsError(f"--model {quoted(model)}: not a model folder or a version (unprintable, or too long).")
+    if Path(model).is_dir():
         yield model, model
         return
+    if not any(mark in model for mark in "@#"):
+        raise SettingsError(
+            f"--model {quoted(model)}: no such model folder, and not a registry version (policy@v2, policy#prod); "
+            "nothing was sampled or written."
+        )
     import tempfile
 
     from rlhf_pipeline import registry, versions  # loads DVC and GTO: only for a registered version
@@ -279,26 +293,21 @@ def sampling_model(model: str) -> Iterator[tuple[str, str]]:
         yield str(Path(scratch) / "model"), version.tag
 
 
-def _label_export(args, labelling) -> tuple[list, str]:
-    """(Label Studio's JSON export, where it came from): the file ``INPUT``, or ``--from-server PROJECT``."""
+def _label_export(args, labelling, limits) -> tuple:
+    """(Label Studio's JSON export as an open text file, where it came from): the file ``INPUT``, or
+    ``--from-server PROJECT`` (the server's answer, spooled), each within ``limits``' bounds."""
     if args.from_server is not None:
         if len(args.paths) != 1:
             raise SettingsError("rlhf label import --from-server PROJECT takes one path: OUTPUT (the .jsonl to write).")
         args.output = args.paths[0]
-        return labelling.fetch_export(args.from_server)
+        return labelling.fetch_export(args.from_server, limits)
     if len(args.paths) != 2:
         raise SettingsError(
             "rlhf label import takes INPUT OUTPUT (Label Studio's JSON export, the .jsonl to write), "
             "or --from-server PROJECT OUTPUT."
         )
     args.input, args.output = args.paths
-    try:
-        tasks = read_json(args.input)
-    except (OSError, ValueError) as error:
-        raise DataContractError(f"{args.input}: not a readable Label Studio JSON export ({error}).") from None
-    if not isinstance(tasks, list):
-        raise DataContractError(f"{args.input}: a Label Studio JSON export is a list of tasks.")
-    return tasks, args.input
+    return labelling.open_export_file(args.input, limits), args.input
 
 
 def cmd_plots_page(args) -> int:
@@ -426,8 +435,16 @@ def _add_label_parser(sub) -> None:
     p.set_defaults(func=cmd_label)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors show what the user typed cut and escaped (a 100 kB
+    argument or a control character would otherwise be echoed whole)."""
+
+    def error(self, message: str):
+        super().error(message if len(message) <= 300 and message.isprintable() else quoted(message, 300))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`)."
     )
     parser.add_argument("--version", action="version", version=f"rlhf {__version__}")

@@ -6,6 +6,18 @@ import errno
 import re
 
 
+def quoted(text: str, limit: int = 60) -> str:
+    """``text`` as a message may show a user's input: its first ``limit`` characters, with anything
+    unprintable (a NUL, a control or bidirectional character) escaped, and ``...`` when cut."""
+    return ascii(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def plain(text: str, limit: int = 60) -> str:
+    """``text`` as it is when it is printable ASCII of at most ``limit`` characters (an id, a name),
+    else :func:`quoted`: nothing a user typed can reorder, hide or flood a message."""
+    return text if len(text) <= limit and text.isascii() and text.isprintable() else quoted(text, limit)
+
+
 class PipelineError(Exception):
     """A problem with the user's input (file, dataset, parameter) rather than a bug.
 

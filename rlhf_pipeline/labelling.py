@@ -17,10 +17,15 @@ them (a query, N responses sampled from the current model, the labeller picks th
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
+import re
+import tempfile
+import threading
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
@@ -28,11 +33,19 @@ from xml.sax.saxutils import quoteattr
 
 import torch
 
-from rlhf_pipeline.errors import DataContractError, PipelineError, SettingsError
+from rlhf_pipeline.errors import DataContractError, PipelineError, SettingsError, plain, quoted
 from rlhf_pipeline.io import read_jsonl, sha256_file
+from rlhf_pipeline.json_stream import iter_json_array
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
+from rlhf_pipeline.params.labelling import LabellingParams
 from rlhf_pipeline.params.task import TaskParams
-from rlhf_pipeline.preferences import MAX_RESAMPLES, sample_clean_candidates, sample_problem
+from rlhf_pipeline.preferences import (
+    INVISIBLE_CHARACTERS,
+    MAX_RESAMPLES,
+    sample_clean_candidates,
+    sample_problem,
+    text_problem,
+)
 from rlhf_pipeline.sampling import ResponseSampler
 
 CHOICE = "best"  # the <Choices> name: what an annotation's result is read from
@@ -133,18 +146,47 @@ def export_tasks(
     return tasks
 
 
-def fetch_export(
-    project: int, environ: dict[str, str] | None = None, timeout_s: float = 120.0
-) -> tuple[list[dict], str]:
-    """(project ``project``'s annotated tasks as Label Studio's JSON export, a name for messages), pulled
-    from the server at ``$LABEL_STUDIO_URL`` with the API token ``$LABEL_STUDIO_API_KEY``.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_SPOOL_IN_MEMORY = 8 << 20  # an answer larger than this is spooled to a temporary file, not held in memory
 
-    One GET of the export endpoint: with ``httpx`` (already a dependency) rather than Label Studio's SDK,
-    whose closure would move the pipeline's lock for this one call. The token is either kind Label
-    Studio's Account & Settings page gives: a personal access token (a JWT refresh token, exchanged
-    for an access token first) or a legacy token. It is never printed."""
-    import httpx
 
+def server_address(environ: dict[str, str], limits: LabellingParams) -> str:
+    """``$LABEL_STUDIO_URL`` without its trailing slash, when a token may be sent there: https, or http
+    to this machine, or http elsewhere where ``labelling.allow_plain_http`` says so; else SettingsError."""
+    from urllib.parse import urlsplit
+
+    base = environ[URL_VARIABLE].strip().rstrip("/")
+    parts = urlsplit(base)
+    host = (parts.hostname or "").lower()
+    if parts.scheme not in ("http", "https") or not host or parts.username or parts.password:
+        raise SettingsError(
+            f"{URL_VARIABLE} is {quoted(base)}: give the server's address as http(s)://HOST[:PORT], without a user "
+            "or password (the token goes in " + TOKEN_VARIABLE + "). Nothing was sent."
+        )
+    if (
+        parts.scheme == "http"
+        and not (host in LOOPBACK_HOSTS or host.startswith("127."))
+        and not limits.allow_plain_http
+    ):
+        raise SettingsError(
+            f"{URL_VARIABLE} is {quoted(base)}: plain http:// to another machine would send the API token in clear. "
+            "Use https://, or set labelling.allow_plain_http: true on a network you trust. Nothing was sent."
+        )
+    return base
+
+
+def fetch_export(project: int, limits: LabellingParams, environ: dict[str, str] | None = None):
+    """(project ``project``'s annotated tasks as Label Studio's JSON export, a name for messages): a
+    text file positioned at its start, pulled from the server at ``$LABEL_STUDIO_URL`` with the API
+    token ``$LABEL_STUDIO_API_KEY`` (read it with :func:`read_export`).
+
+    With ``httpx`` (already a dependency) rather than Label Studio's SDK, whose closure would move the
+    pipeline's lock for this one call. The token is either kind Label Studio's Account & Settings page
+    gives: a personal access token (a JWT refresh token, exchanged for an access token first) or a
+    legacy token. It is never printed, never sent over plain http to another machine (unless
+    ``limits.allow_plain_http``), and never sent on across a redirect: one is refused. The answer is
+    read within ``limits.server_timeout_s`` (the whole exchange, a server that trickles included) and
+    up to ``limits.max_export_mb``."""
     environ = os.environ if environ is None else environ
     missing = [name for name in (URL_VARIABLE, TOKEN_VARIABLE) if not environ.get(name)]
     if missing:
@@ -154,44 +196,137 @@ def fetch_export(
             f"http://HOST:PORT and {TOKEN_VARIABLE}=<the token on Label Studio's Account & Settings page>; they are "
             "never read from params or files, so they stay out of git."
         )
-    base = environ[URL_VARIABLE].rstrip("/")
+    base = server_address(environ, limits)
     where = f"Label Studio project {project} at {base}"
+    token = environ[TOKEN_VARIABLE]
+    outcome: dict = {}
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            outcome["file"] = _download(base, project, token, limits, where, stop)
+        except BaseException as error:  # handed to the caller's thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=work, name="label-studio-export", daemon=True)
+    worker.start()
+    worker.join(limits.server_timeout_s)
+    if worker.is_alive():
+        stop.set()  # the worker drops what it read at its next chunk
+        raise PipelineError(  # exit 1: the retrain flow retries it (a server restarting, a slow network)
+            f"{where} did not finish answering within labelling.server_timeout_s = {limits.server_timeout_s:g} s "
+            "(the whole exchange). Try again, or raise the bound for a very large project; nothing written."
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["file"], where
+
+
+def _download(base: str, project: int, token: str, limits: LabellingParams, where: str, stop: threading.Event):
+    """The export, spooled to a temporary file within the size bound (see :func:`fetch_export`)."""
+    import httpx
+
     refused = (
         f"{where} refused the token in {TOKEN_VARIABLE} (HTTP {{}}): use a token from Label Studio's Account & "
         "Settings page (a personal access token, or a legacy token where the organisation enables them); "
         "nothing written."
     )
+    limit = int(limits.max_export_mb * (1 << 20))
     try:
-        with httpx.Client(base_url=base, timeout=timeout_s) as client:
-            token = environ[TOKEN_VARIABLE]
+        # follow_redirects=False (httpx's default, stated): a redirect is refused below, never followed
+        with httpx.Client(base_url=base, timeout=limits.server_timeout_s, follow_redirects=False) as client:
             authorization = f"Token {token}"
             if token.count(".") == 2:  # a personal access token: a JWT refresh token, exchanged for an access token
                 exchanged = client.post("/api/token/refresh", json={"refresh": token})
-                if exchanged.status_code != 200:
-                    raise SettingsError(refused.format(exchanged.status_code))
-                authorization = f"Bearer {exchanged.json()['access']}"
-            response = client.get(
+                _check_status(exchanged, where, refused, token)
+                try:
+                    authorization = f"Bearer {exchanged.json()['access']}"
+                except (ValueError, KeyError, TypeError):
+                    raise DataContractError(f"{where}: the token exchange answered no access token.") from None
+            request = client.build_request(
+                "GET",
                 f"/api/projects/{project}/export",
                 params={"exportType": "JSON", "download_all_tasks": "false"},
                 headers={"Authorization": authorization},
             )
+            response = client.send(request, stream=True)
+            try:
+                _check_status(response, where, refused, token)
+                kind = response.headers.get("content-type", "")
+                if "json" not in kind:
+                    raise DataContractError(
+                        f"{where} answered {quoted(kind) if kind else 'no content type'}, not JSON: "
+                        f"{URL_VARIABLE} may point at another service (a proxy's page?). Nothing written."
+                    )
+                declared = response.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > limit:
+                    raise _too_large(where, limits)
+                spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_IN_MEMORY, mode="w+b")
+                received = 0
+                for chunk in response.iter_bytes():
+                    received += len(chunk)
+                    if received > limit:
+                        spool.close()
+                        raise _too_large(where, limits)
+                    if stop.is_set():
+                        spool.close()
+                        return None
+                    spool.write(chunk)
+            finally:
+                response.close()
     except httpx.HTTPError as error:
         raise PipelineError(  # exit 1: the retrain flow retries it (a server restarting)
             f"{where}: the server did not answer ({type(error).__name__}: {error}); nothing written."
         ) from None
-    if response.status_code in (401, 403):
-        raise SettingsError(refused.format(response.status_code))
-    if response.status_code == 404:
+    spool.seek(0)
+    return io.TextIOWrapper(spool, encoding="utf-8", errors="replace")
+
+
+def _too_large(where: str, limits: LabellingParams) -> DataContractError:
+    return DataContractError(
+        f"{where}: the export is over labelling.max_export_mb = {limits.max_export_mb:g} MiB; reading stopped there. "
+        "Export fewer tasks (one round at a time), or raise the bound. Nothing written."
+    )
+
+
+def _check_status(response, where: str, refused: str, token: str) -> None:
+    """Refuse an answer that is not 200 OK: a redirect (never followed: the token stays here), a token
+    refused, no such project, anything else (its first characters, the token cut out)."""
+    status = response.status_code
+    if 300 <= status < 400:
+        target = quoted(response.headers.get("location", "(no Location)"), 120)
+        raise SettingsError(
+            f"{where} answered a redirect (HTTP {status}) to {target}; it is not followed, so the token is not sent "
+            f"there. Set {URL_VARIABLE} to the address that answers itself (https:// if the server redirects to it). "
+            "Nothing written."
+        )
+    if status in (401, 403):
+        raise SettingsError(refused.format(status))
+    if status == 404:
         raise SettingsError(f"{where}: no such project (HTTP 404); its id is the number in the project's URL.")
-    if response.status_code != 200:
-        raise PipelineError(f"{where} answered HTTP {response.status_code}: {response.text[:300]}; nothing written.")
+    if status != 200:
+        text = response.read()[:300].decode("utf-8", "replace").replace(token, "<token>")
+        raise PipelineError(f"{where} answered HTTP {status}: {quoted(text, 300)}; nothing written.")
+
+
+def read_export(handle, where: str, limits: LabellingParams) -> Iterator[tuple[int, dict]]:
+    """``(position, task)`` of a Label Studio JSON export (a text file), parsed one task at a time
+    (:func:`rlhf_pipeline.json_stream.iter_json_array`): any size is read in bounded memory."""
+    return iter_json_array(handle.read, where, max_element_chars=int(limits.max_export_mb * (1 << 20)))
+
+
+def open_export_file(path: str | Path, limits: LabellingParams):
+    """A hand-made or downloaded export file, open as text; refused (exit 3) over the size bound."""
     try:
-        tasks = response.json()
-    except ValueError:
-        raise PipelineError(f"{where} answered something that is not JSON ({response.text[:200]!r}).") from None
-    if not isinstance(tasks, list):
-        raise DataContractError(f"{where}: the export is not a list of tasks ({type(tasks).__name__}).")
-    return tasks, where
+        size = Path(path).stat().st_size
+        if size > limits.max_export_mb * (1 << 20):
+            raise DataContractError(
+                f"{path}: {size / (1 << 20):,.0f} MiB, over labelling.max_export_mb = {limits.max_export_mb:g} MiB. "
+                "Import it round by round, or raise the bound; nothing written."
+            )
+        return open(path, encoding="utf-8", errors="replace")
+    except OSError as error:
+        raise DataContractError(f"{path}: not a readable Label Studio JSON export ({error.strerror}).") from None
 
 
 @dataclass
@@ -218,44 +353,120 @@ class ImportReport:
         }
 
 
-def _annotator(annotation: dict) -> str:
+def _annotator(annotation: dict, where: str) -> str:
     who = annotation.get("completed_by")
     if isinstance(who, dict):  # some exports expand the user
         who = who.get("email") or who.get("id")
+    if not isinstance(who, (str, int)) or isinstance(who, bool) or not str(who).isprintable() or len(str(who)) > 256:
+        raise DataContractError(
+            f"{where}: completed_by is {quoted(str(who))}, not an annotator's id or email; Label Studio writes one "
+            "for every annotation. Nothing was written."
+        )
     return str(who)
 
 
-def _choice(annotation: dict) -> list[str] | None:
+def _choice(annotation: dict, where: str) -> list[str] | None:
     """The values chosen in ``annotation``'s result for :data:`CHOICE` (None: no choice made)."""
-    for item in annotation.get("result") or []:
-        if item.get("from_name") == CHOICE and item.get("type") == "choices":
-            return list((item.get("value") or {}).get("choices") or [])
+    result = annotation.get("result") or []
+    if not isinstance(result, list):
+        raise DataContractError(f"{where}: its result is not a list of regions. Nothing was written.")
+    for item in result:
+        if isinstance(item, dict) and item.get("from_name") == CHOICE and item.get("type") == "choices":
+            value = item.get("value") or {}
+            chosen = value.get("choices") if isinstance(value, dict) else None
+            if chosen is not None and not (isinstance(chosen, list) and all(isinstance(c, str) for c in chosen)):
+                raise DataContractError(f"{where}: its choices are not a list of texts. Nothing was written.")
+            return list(chosen or [])
     return None
 
 
-def rows_from_export(tasks: list[dict], where: str, min_agreement: float | None = None) -> ImportReport:
-    """Best-of-N rows from Label Studio's JSON export ``tasks`` (see the module docstring)."""
+# the fields `rlhf label export` writes, and what each may hold: (type, check, what it should be)
+_INTEGER_FIELDS = {"query_index": 2**31, "seed": 2**32, "round": 10**6}
+_HEX = frozenset("0123456789abcdef")
+INVISIBLE = re.compile(f"[{INVISIBLE_CHARACTERS}]")
+MAX_SAMPLES = 64
+
+
+def task_data(item, position: int, where: str) -> tuple[dict, int, str]:
+    """``(data, n, label)`` of one exported task, checked field by field: every field `rlhf label
+    export` writes, of its type and range, texts that pass the contract's text rule
+    (:func:`rlhf_pipeline.preferences.text_problem`); else :class:`DataContractError` naming the field."""
+    if not isinstance(item, dict):
+        raise DataContractError(f"{where}: task {position} is a {type(item).__name__}, not a task object.")
+    label = f"{where}: task {plain(str(item.get('id', position)), 40)}"
+    data = item.get("data")
+    if not isinstance(data, dict):
+        raise DataContractError(f"{label} has no data object: it was not made by `rlhf label export`.")
+    missing = [k for k in (*TASK_FIELDS, "sample0", "sample1") if k not in data]
+    if missing:
+        raise DataContractError(
+            f"{label} lacks {', '.join(missing)} in its data: it was not made by `rlhf label export` (or its "
+            "fields were edited). Export tasks with `rlhf label export` and import them into the project."
+        )
+    n = sum(1 for k in data if k.startswith("sample") and k[6:].isdigit())
+    samples = [f"sample{k}" for k in range(n)]
+    problems = []
+    if n > MAX_SAMPLES or any(k not in data for k in samples):
+        problems.append(f"its responses are not sample0 to sample{n - 1} (at most {MAX_SAMPLES})")
+    for name, bound in _INTEGER_FIELDS.items():
+        value = data[name]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
+            problems.append(f"{name} is {quoted(str(value), 40)}, not a whole number from 0 to {bound - 1:,}")
+    if data["split"] not in ("train", "test"):
+        problems.append(f"split is {quoted(str(data['split']), 40)}, not train or test")
+    sha = data["model_sha256"]
+    if not (isinstance(sha, str) and len(sha) == 64 and set(sha) <= _HEX):
+        problems.append("model_sha256 is not 64 hexadecimal digits")
+    for name in ("task_id", "model"):
+        value = data[name]
+        if not (isinstance(value, str) and value.isprintable() and 0 < len(value) <= 1024):
+            problems.append(f"{name} is not a printable text of 1 to 1024 characters")
+    for name in ("query", *samples):
+        value = data.get(name)
+        problem = text_problem(value) if isinstance(value, str) else "not a text"
+        if problem is not None:
+            problems.append(f"{name} fails the contract's text rule ({problem})")
+    shown = [INVISIBLE.sub("", data[k]) for k in samples if isinstance(data.get(k), str)]
+    if not problems and len(set(shown)) < len(shown) and len(set(data[k] for k in samples)) == len(shown):
+        # zero-width and directional marks are kept (emoji sequences and Persian need them), but two
+        # responses that differ only by them look the same to the annotator, whose choice is then a coin
+        problems.append("two responses differ only by invisible characters (zero-width or directional marks)")
+    if problems:
+        raise DataContractError(
+            f"{label}: {'; '.join(problems[:4])}. Tasks come from `rlhf label export`; one edited by hand or by "
+            "another tool is refused. Nothing was written."
+        )
+    return data, n, label
+
+
+def rows_from_export(
+    tasks: Iterable, where: str, min_agreement: float | None = None, max_annotations: int = 100
+) -> ImportReport:
+    """Best-of-N rows from Label Studio's JSON export ``tasks`` (task objects, e.g. from
+    :func:`read_export`; see the module docstring). Every task is checked (:func:`task_data`)."""
     report = ImportReport(rows=[])
     choices_by_task: dict[str, list[int]] = {}
     for position, item in enumerate(tasks):
-        data = item.get("data") or {}
-        label = f"{where}: task {item.get('id', position)}"
-        missing = [k for k in (*TASK_FIELDS, "sample0", "sample1") if k not in data]
-        if missing:
+        data, n, label = task_data(item, position, where)
+        annotations = item.get("annotations") or []
+        if not isinstance(annotations, list):
+            raise DataContractError(f"{label}: its annotations are not a list. Nothing was written.")
+        if len(annotations) > max_annotations:
             raise DataContractError(
-                f"{label} lacks {', '.join(missing)} in its data: it was not made by `rlhf label export` (or its "
-                "fields were edited). Export tasks with `rlhf label export` and import them into the project."
+                f"{label}: {len(annotations):,} annotations; at most labelling.max_annotations_per_task = "
+                f"{max_annotations} are read. Nothing was written."
             )
-        n = sum(1 for k in data if k.startswith("sample") and k[6:].isdigit())
         seen: set[str] = set()
         report.tasks += 1
-        for annotation in item.get("annotations") or []:
+        for annotation in annotations:
             report.annotations += 1
+            if not isinstance(annotation, dict):
+                raise DataContractError(f"{label}: an annotation is not an object. Nothing was written.")
             best = _label(annotation, data, n, f"{label} (task_id {data['task_id']})", seen, report)
             if best is None:
                 continue
             choices_by_task.setdefault(data["task_id"], []).append(best)
-            report.rows.append(_row(data, n, best, _annotator(annotation)))
+            report.rows.append(_row(data, n, best, _annotator(annotation, label)))
     report.agreement, report.tasks_with_several = pairwise_agreement(choices_by_task)
     if min_agreement is not None and report.agreement is not None and report.agreement < min_agreement:
         worst = [t for t, c in choices_by_task.items() if len(set(c)) > 1][:5]
@@ -270,19 +481,19 @@ def rows_from_export(tasks: list[dict], where: str, min_agreement: float | None 
 def _label(annotation: dict, data: dict, n: int, task_label: str, seen: set[str], report: ImportReport) -> int | None:
     """The response ``annotation`` chose (None for a cancelled or empty one, counted in ``report``);
     refuses a choice outside the ``n`` responses and a second answer by one annotator (``seen``)."""
-    who = _annotator(annotation)
-    where = f"{task_label}, annotation {annotation.get('id')} by annotator {who}"
+    who = _annotator(annotation, task_label)
+    where = f"{task_label}, annotation {plain(str(annotation.get('id')), 40)} by annotator {plain(who, 80)}"
     if annotation.get("was_cancelled"):
         report.cancelled += 1
         return None
-    chosen = _choice(annotation)
+    chosen = _choice(annotation, where)
     if not chosen:
         report.skipped += 1
         return None
-    if len(chosen) != 1 or not chosen[0].isdigit() or not 0 <= int(chosen[0]) < n:
+    if len(chosen) != 1 or chosen[0] not in {str(k) for k in range(n)}:
         raise DataContractError(
-            f"{where}: the choice {chosen} is not one of the {n} responses (0 to {n - 1}); the project's labelling "
-            "interface must be the one `rlhf label config` writes. Nothing was written."
+            f"{where}: the choice {plain(str(chosen), 80)} is not one of the {n} responses (0 to {n - 1}); the "
+            "project's labelling interface must be the one `rlhf label config` writes. Nothing was written."
         )
     if who in seen:
         raise DataContractError(

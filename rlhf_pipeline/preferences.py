@@ -65,7 +65,8 @@ _BAD_CHARACTERS_RE = re.compile(BAD_CHARACTERS)
 # A text must hold at least one character that shows: not whitespace and not a format character
 # that renders as nothing (soft hyphen, zero-width space/joiners, directional marks, word joiner,
 # BOM), so a row of only U+200B is as empty as a row of spaces.
-VISIBLE_CHARACTER = r"[^\s\u00ad\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u206a-\u206f\ufeff]"
+INVISIBLE_CHARACTERS = r"\u00ad\u180e\u200b-\u200f\u202a-\u202e\u2060-\u2064\u206a-\u206f\ufeff"
+VISIBLE_CHARACTER = rf"[^\s{INVISIBLE_CHARACTERS}]"
 _VISIBLE_CHARACTER_RE = re.compile(VISIBLE_CHARACTER)
 # The contract's two text checks, by the names its report gives them.
 EMPTY_TEXT_CHECK = "no empty, whitespace-only or invisible-only text"
@@ -642,12 +643,25 @@ def split_positions(frame, source: str, test_fraction: float, seed: int) -> dict
     }
 
 
-def label_rounds(frame) -> list[dict] | None:
+def label_rounds(frame, where: str) -> list[dict] | None:
     """Where human labels came from, round by round (``rlhf label import`` rows carry ``round``,
     ``model``, ``model_sha256``, ``task_id`` and ``annotator``): rows, tasks, annotators and the
-    model(s) that sampled the responses. None for data without rounds."""
+    model(s) that sampled the responses. None for data without rounds. A ``round`` that is not a
+    whole number from 0 (a text, a fraction, a negative number) is refused (exit 3), naming it."""
     if "round" not in frame.columns:
         return None
+    bad = [
+        value
+        for value in frame["round"].dropna().unique()
+        if isinstance(value, (bool, str)) or not float(value).is_integer() or not 0 <= value < 10**6
+    ]
+    if bad:
+        shown = ", ".join(repr(v)[:40] for v in bad[:3])
+        raise DataContractError(
+            f"{where}: the round column holds {shown}{' and more' if len(bad) > 3 else ''}, where each row's labelling "
+            "round is a whole number (0 to 999999) or empty. Fix those rows (rlhf label import writes the round), "
+            "then rerun; nothing was written."
+        )
     rounds = []  # a row without a round (a file that mixes sources) is counted under round None
     for number, part in frame.groupby(frame["round"].fillna(-1).astype(int), sort=True):
         entry = {"round": int(number) if number >= 0 else None, "rows": len(part)}

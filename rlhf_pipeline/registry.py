@@ -10,17 +10,19 @@ nothing makes no version. What a version's metrics were, and its bytes, are read
 
 from __future__ import annotations
 
+import fcntl
 import json
 import re
-import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.lineage.record import git
+from rlhf_pipeline.errors import PipelineError, SettingsError, quoted
+from rlhf_pipeline.gitrepo import file_at, resolve_rev
 
 PROD = "prod"
 # the metrics a version is listed with: (file, key, label)
@@ -50,20 +52,6 @@ class Version:
         return f"{self.artifact}@{self.version}"
 
 
-def _git(root: str | Path, *args: str) -> str:
-    """``git ARGS`` in ``root``; PipelineError when it fails."""
-    out = git(str(root), *args)
-    if out is None:
-        raise PipelineError(f"git {' '.join(args)} failed in {root}: is it a git repository with that revision?")
-    return out
-
-
-def file_at(root: str | Path, rev: str, path: str) -> str | None:
-    """The text of ``path`` at git revision ``rev``; None when that revision has no such file."""
-    proc = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True)
-    return proc.stdout.decode("utf-8", "replace") if proc.returncode == 0 else None
-
-
 def declared_artifacts(root: str | Path) -> dict[str, dict[str, Any]]:
     """``{name: {"path", "type", "desc", "labels"}}`` from the ``artifacts:`` section of ``root``/dvc.yaml."""
     path = Path(root, "dvc.yaml")
@@ -76,7 +64,7 @@ def artifact_path(root: str | Path, name: str) -> str:
     artifacts = declared_artifacts(root)
     if name not in artifacts:
         known = ", ".join(sorted(artifacts)) or "none"
-        raise PipelineError(f"dvc.yaml declares no artifact {name!r} (its artifacts: {known}).")
+        raise SettingsError(f"dvc.yaml declares no artifact {quoted(name)} (its artifacts: {known}).")
     return str(artifacts[name]["path"]).rstrip("/")
 
 
@@ -123,6 +111,24 @@ def versions(root: str | Path, name: str) -> list[Version]:
     return sorted(found, key=lambda v: SemVer.parse(v.version.lstrip("v")), reverse=True)
 
 
+def recorded_hash(root: str | Path, version: Version) -> str | None:
+    """The hash of ``version``'s artifact that its commit's dvc.lock records; None when it records none."""
+    return locked_hash(file_at(root, version.commit, "dvc.lock"), artifact_path(root, version.artifact))
+
+
+def require_recorded(root: str | Path, version: Version) -> Version:
+    """``version`` when its commit's dvc.lock records its artifact; else SettingsError (exit 2): a tag
+    that names no bytes (pushed by hand onto a commit without a run) is not a version."""
+    if recorded_hash(root, version) is None:
+        path = artifact_path(root, version.artifact)
+        raise SettingsError(
+            f"{version.tag} is a tag on commit {version.commit[:12]}, whose dvc.lock records no {path}: it names no "
+            f"model, so it is not a version (a tag pushed by hand?). Remove it (`git tag -d {version.tag}` and, "
+            "where it was pushed, `git push --delete origin` the tag), or register a run with `rlhf models gate`."
+        )
+    return version
+
+
 def in_stage(root: str | Path, name: str, stage: str = PROD) -> Version | None:
     """The version of ``name`` assigned ``stage`` now: the latest assignment wins (as ``gto show NAME#STAGE``)."""
     from gto.exceptions import ArtifactNotFound
@@ -133,23 +139,24 @@ def in_stage(root: str | Path, name: str, stage: str = PROD) -> Version | None:
         return None
     if not shown:
         return None
-    return next((v for v in versions(root, name) if v.version == shown[0]["version"]), None)
+    found = next((v for v in versions(root, name) if v.version == shown[0]["version"]), None)
+    return None if found is None else require_recorded(root, found)
 
 
 def normalise_version(version: str) -> str:
     """``2``, ``v2``, ``v2.1`` -> GTO's ``v2.0.0``, ``v2.1.0``."""
     parts = version.lstrip("v").split(".")
     if not all(p.isdigit() for p in parts) or len(parts) > 3:
-        raise PipelineError(f"{version!r} is not a version such as v2 or v2.0.0.")
+        raise SettingsError(f"{quoted(version)} is not a version such as v2 or v2.0.0.")
     return "v" + ".".join([*parts, "0", "0"][:3])
 
 
 def resolve(root: str | Path, spec: str) -> Version:
     """The version ``spec`` names: ``policy@v2`` (or ``@v2.0.0``), ``policy@latest``, ``policy#prod``."""
-    match = _SPEC.match(spec)
+    match = _SPEC.match(spec) if len(spec) <= 256 else None
     if not match:
-        raise PipelineError(
-            f"{spec!r} names no registry version: write NAME@VERSION (policy@v2), NAME@latest or "
+        raise SettingsError(
+            f"{quoted(spec)} names no registry version: write NAME@VERSION (policy@v2), NAME@latest or "
             "NAME#STAGE (policy#prod)."
         )
     name, version, stage = match["name"], match["version"], match["stage"]
@@ -157,7 +164,7 @@ def resolve(root: str | Path, spec: str) -> Version:
     if stage:
         found = in_stage(root, name, stage)
         if found is None:
-            raise PipelineError(f"no version of {name} is assigned {stage!r}; `rlhf models` lists the versions.")
+            raise SettingsError(f"no version of {name} is assigned {stage!r}; `rlhf models` lists the versions.")
         return found
     if version == "latest":
         if not registered:
@@ -165,20 +172,20 @@ def resolve(root: str | Path, spec: str) -> Version:
                 f"{name} has no registered version yet; `rlhf models gate` registers HEAD's policy and the "
                 "reward model it was trained against."
             )
-        return registered[0]
+        return require_recorded(root, registered[0])
     wanted = normalise_version(version)
     found = next((v for v in registered if v.version == wanted), None)
     if found is None:
         listed = ", ".join(v.version for v in registered) or "none"
-        raise PipelineError(f"{name} has no version {wanted} (registered: {listed}).")
-    return found
+        raise SettingsError(f"{name} has no version {wanted} (registered: {listed}).")
+    return require_recorded(root, found)
 
 
 def version_of(root: str | Path, name: str, ref: str = "HEAD") -> tuple[Version | None, str, str]:
     """``(version, commit, hash)``: the registered version of ``name`` whose bytes ``ref``'s dvc.lock
     records (None when none has them), ``ref``'s commit, and that hash."""
     path = artifact_path(root, name)
-    commit = _git(root, "rev-parse", f"{ref}^{{commit}}").strip()
+    commit = resolve_rev(root, ref, "revision")
     recorded = locked_hash(file_at(root, commit, "dvc.lock"), path)
     if recorded is None:
         raise PipelineError(
@@ -189,9 +196,27 @@ def version_of(root: str | Path, name: str, ref: str = "HEAD") -> tuple[Version 
     return next(same, None), commit, recorded
 
 
+@contextmanager
+def registry_lock(root: str | Path) -> Iterator[None]:
+    """One writer of the registry's tags at a time: GTO numbers a new tag from the ones it reads, so two
+    at once would pick the same number (the second ``git tag`` fails) or race for ``prod``."""
+    path = Path(root, ".git", "rlhf-registry.lock")
+    with open(path if path.parent.is_dir() else Path(root, ".rlhf-registry.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def register(root: str | Path, name: str, ref: str = "HEAD", message: str | None = None) -> tuple[Version, bool]:
     """Register the ``name`` that ``ref``'s dvc.lock records as a new major version, unless a
     registered version already has those bytes: ``(version, created)``."""
+    with registry_lock(root):
+        return _register(root, name, ref, message)
+
+
+def _register(root: str | Path, name: str, ref: str, message: str | None) -> tuple[Version, bool]:
     existing, commit, _ = version_of(root, name, ref)
     if existing is not None:
         return existing, False
@@ -204,9 +229,10 @@ def register(root: str | Path, name: str, ref: str = "HEAD", message: str | None
 
 def assign(root: str | Path, name: str, version: str, stage: str = PROD, message: str | None = None) -> Version:
     """Assign ``stage`` to ``version`` of ``name`` (a rollback when it is an earlier one)."""
-    target = resolve(root, f"{name}@{version}")
-    _gto().assign(str(root), name, stage, version=target.version, message=message, force=True)
-    return next(v for v in versions(root, name) if v.version == target.version)
+    with registry_lock(root):
+        target = resolve(root, f"{name}@{version}")
+        _gto().assign(str(root), name, stage, version=target.version, message=message, force=True)
+        return next(v for v in versions(root, name) if v.version == target.version)
 
 
 def metrics_at(root: str | Path, commit: str) -> dict[str, Any]:

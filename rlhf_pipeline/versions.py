@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.errors import DamagedArtifactError, PipelineError
+from rlhf_pipeline.gitrepo import file_at, git
 from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, write_checksums
 from rlhf_pipeline.labelers import get_labeler
-from rlhf_pipeline.lineage.record import git
+from rlhf_pipeline.lineage.verify import tree_md5
 from rlhf_pipeline.modelcard import add_held_out_results, held_out_result
 from rlhf_pipeline.params.schema import load_params
 from rlhf_pipeline.promotion import (
@@ -34,9 +35,9 @@ from rlhf_pipeline.registry import (
     Version,
     assign,
     declared_artifacts,
-    file_at,
     in_stage,
     metrics_at,
+    recorded_hash,
     register,
     resolve,
     version_of,
@@ -62,6 +63,7 @@ def listing(root: str | Path) -> list[dict[str, Any]]:
                     "stages": list(version.stages),
                     "registered": version.created_at,
                     "commit": version.commit,
+                    "names_a_model": recorded_hash(root, version) is not None,
                     **metrics_at(root, version.commit),
                 }
             )
@@ -83,8 +85,11 @@ def render_listing(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        stages = ", ".join(row["stages"]) or "-"
+        if not row.get("names_a_model", True):  # a tag pushed by hand onto a commit without a run
+            stages += " (not a version: its commit's dvc.lock records no model)"
         lines.append(
-            f"| {row['artifact']} | {row['version']} | {', '.join(row['stages']) or '-'} | {row['registered'][:19]} "
+            f"| {row['artifact']} | {row['version']} | {stages} | {row['registered'][:19]} "
             f"| {value(row, 'gold gain', 'gold SE')} | {value(row, 'proxy gain', 'proxy SE')} | {value(row, 'KL')} "
             f"| {value(row, 'RM accuracy')} |"
         )
@@ -212,6 +217,13 @@ def fetch(
     try:
         Artifacts.get(str(root), name, version=target.version, out=str(staging / "artifact"))
         fetched = staging / "artifact"
+        recorded, found = recorded_hash(root, target), tree_md5(fetched)
+        if found != recorded:  # DVC checks out its cache without re-reading it: a swapped object passes there
+            raise DamagedArtifactError(
+                f"{target.tag} as fetched is not what dvc.lock at its commit {target.commit[:12]} records: its files "
+                f"digest to {found}, the lock records {recorded}. The DVC cache or remote holds other bytes under "
+                "that hash; `rlhf lineage --verify` finds which. Nothing was written."
+            )
         if not (fetched / CHECKSUMS).is_file():
             raise DamagedArtifactError(f"{target.tag} as fetched has no {CHECKSUMS}: its bytes cannot be checked.")
         problems = checksum_problems(fetched, read_checksums(fetched / CHECKSUMS))

@@ -126,7 +126,7 @@ def user_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict, dict]
         for name, frame in frames.items()
     }
     metrics = {"format": fmt, "labels/ceiling_accuracy": None}
-    rounds = label_rounds(pd.concat(frames.values(), ignore_index=True))
+    rounds = label_rounds(pd.concat(frames.values(), ignore_index=True), cfg.source)
     if rounds:
         metrics["labels/rounds"] = len(rounds)
     for name, columns in splits.items():

@@ -367,3 +367,26 @@ def test_no_library_or_stage_function_is_over_80_lines():
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80
     ]
     assert long == []
+
+
+def test_only_gitrepo_starts_git():
+    """git has one home in the library (rlhf_pipeline/gitrepo.py): no other module builds a command
+    line that starts with "git", so every user's revision passes its one check before git sees it."""
+    import ast
+
+    others = []
+    for path in library_modules():
+        if path.name == "gitrepo.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.List) and node.elts and isinstance(node.elts[0], ast.Constant):
+                if node.elts[0].value == "git":
+                    others.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert others == [], f"modules that run git themselves: {others}"
+
+
+def test_the_registry_reads_git_below_the_lineage_records():
+    """registry.py used to import lineage/record.py (the one upward arrow); both now read git below them."""
+    for name in ("registry.py", "versions.py"):
+        imported = imported_modules(REPO / "rlhf_pipeline" / name)
+        assert "rlhf_pipeline.gitrepo" in imported and "rlhf_pipeline.lineage.record" not in imported, name

@@ -104,6 +104,15 @@ def broken(path: str, value, **also):
         ("ppo.samples_per_query", 3, "ppo.samples_per_query: must divide ppo.batch_size (32)"),
         ("ppo.lora", {"rank": 0}, "ppo.lora.rank: Input should be greater than 0"),
         ("ppo.lora", {"rank": 4, "target_modules": "all"}, "ppo.lora.target_modules"),
+        # an empty list adapts nothing (peft's NoMatchingPeftModuleError at the stage, retried by the flow)
+        (
+            "ppo.lora",
+            {"rank": 4, "target_modules": []},
+            "ppo.lora.target_modules.list[constrained-str]: List should have at least 1",
+        ),
+        ("ppo.lora", {"rank": 4, "target_modules": [""]}, "ppo.lora.target_modules.list[constrained-str].0"),
+        ("labelling.max_export_mb", 0, "labelling.max_export_mb: Input should be greater than 0"),
+        ("labelling.server_timeout_s", float("inf"), "labelling.server_timeout_s: Input should be a finite number"),
         # strict types: a boolean is not a number, a string not a length
         ("ppo.lr", True, "ppo.lr: Input should be a valid number"),
         ("seed", True, "seed: Input should be a valid integer"),

@@ -231,3 +231,60 @@ def test_a_run_killed_with_its_worker_mid_stage_is_retried_and_ends_on_the_same_
     assert "AwaitingRetry" in [name for name, _ in states] and flow_run.run_count == 2
     assert time.time() - killed >= 3 * HEARTBEAT_SECONDS
     assert_same_lock(project, tiny_run)
+
+
+def test_deploying_twice_makes_one_deployment_and_one_of_each_automation(prefect, tiny_run, tmp_path):
+    """A redeploy replaces, never adds; a project whose params.yaml is invalid is refused (exit 2)
+    before anything reaches the server."""
+    project = stale_copy(tiny_run, tmp_path)
+    first, second = deploy(prefect, project), deploy(prefect, project)
+    assert first == second
+    with prefect.client() as client:
+        deployments = [d for d in client.read_deployments() if d.name == "retrain-schedule"]
+        automations = [a.name for a in client.read_automations()]
+        recorded = client.read_deployment(UUID(first)).parameters["code_commit"]
+    assert len(deployments) == 1
+    assert sorted(automations) == ["retrain-schedule: crashed when silent", "retrain-schedule: retry when crashed"]
+    assert (
+        recorded
+        and recorded.split("+")[0]
+        == subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parents[1], capture_output=True, text=True
+        ).stdout.strip()
+    )
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["ppo"]["lora"] = {"rank": 4, "target_modules": []}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.retrain", "deploy", "--repo", str(project), "--pool", "a-new-pool"],
+        env=prefect.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2 and "ppo.lora.target_modules" in result.stderr, result.stderr[-2000:]
+    with prefect.client() as client:
+        assert "a-new-pool" not in [pool.name for pool in client.read_work_pools()]  # refused before the pool
+        assert client.read_deployment(UUID(first)).updated == deployments[0].updated
+
+
+def test_a_run_whose_code_is_at_another_commit_than_deployed_is_refused(prefect, tiny_run, tmp_path):
+    """A worker loads the flow from the deployed checkout's folder: if that checkout moved on (or is
+    another machine's, at another commit), the run fails at once naming both commits (no retry)."""
+    project = stale_copy(tiny_run, tmp_path)
+    deployment = deploy(prefect, project)
+    elsewhere = "0123456789abcdef0123456789abcdef01234567"
+    lock_before = (project / "dvc.lock").read_text()
+    with prefect.client() as client:
+        run = client.create_flow_run_from_deployment(UUID(deployment), parameters={"code_commit": elsewhere}).id
+    worker = prefect.worker("checkout-b")
+    try:
+        flow_run = prefect.wait_final(run, 300)
+    finally:
+        worker.kill()
+        worker.wait()
+    message = " ".join(s.message or "" for s in prefect.states(run))
+    assert flow_run.state.name == "Failed" and flow_run.run_count == 1, message
+    assert f"the deployment was made from commit {elsewhere}" in message and "this run's code is at commit" in message
+    assert (project / "dvc.lock").read_text() == lock_before  # refused before any stage

@@ -359,18 +359,23 @@ def test_an_overlong_user_text_is_refused_before_tokenization(project, capsys, m
     assert not (project / "data" / "preferences").exists()
 
 
-def test_the_stage_refuses_a_text_the_contract_refuses(project, capsys):
-    """A bidirectional override inside a reply: the preferences stage refuses the file as
-    `rlhf validate-preferences` does (exit 3, column and row named), and writes nothing."""
+def run_on_pairs(project, edit) -> int:
+    """The preferences stage on a user's file of ten pairs (and a round), after ``edit(rows)``."""
     rows = [
-        {"prompt": f"Prompt number {i}.", "chosen": f"A good answer {i}.", "rejected": f"A bad answer {i}."}
+        {"prompt": f"Prompt number {i}.", "chosen": f"A good answer {i}.", "rejected": f"A bad answer {i}.", "round": 1}
         for i in range(10)
     ]
-    rows[4]["rejected"] = "pay \u202eelbuod\u202c now"
+    edit(rows)
     (project / "data" / "labels").mkdir(parents=True)
     pd.DataFrame(rows).to_json(project / "data" / "labels" / "pairs.jsonl", orient="records", lines=True)
     project.write_params(**{"data.preferences.source": "data/labels/pairs.jsonl", "data.queries.test_fraction": 0.1})
-    assert run_stage_script("preferences") == 3
+    return run_stage_script("preferences")
+
+
+def test_the_stage_refuses_a_text_the_contract_refuses(project, capsys):
+    """A bidirectional override inside a reply: the preferences stage refuses the file as
+    `rlhf validate-preferences` does (exit 3, column and row named), and writes nothing."""
+    assert run_on_pairs(project, lambda rows: rows[4].update(rejected="pay \u202eelbuod\u202c now")) == 3
     err = capsys.readouterr().err
     assert "column 'rejected', row " in err and BAD_CHARACTER_CHECK in err and "Traceback" not in err
     assert not (project / "data" / "preferences").exists()
@@ -439,10 +444,19 @@ def test_human_labels_are_held_out_by_task_and_their_rounds_summarised():
     train_tasks = {frame["task_id"][i] for i in rows["train"] if frame["task_id"][i] is not None}
     assert test_tasks and not test_tasks & train_tasks
     assert len(rows["test"]) in (10, 11, 12)  # round(22 tasks * 0.25) = 6 tasks: whole pairs, at most one lone row
-    rounds = label_rounds(frame)
+    rounds = label_rounds(frame, "labels.jsonl")
     assert rounds == [
         {"round": None, "rows": 2, "tasks": 0, "annotators": 2, "model": []},
         {"round": 1, "rows": 20, "tasks": 10, "annotators": 2, "model": ["base"]},
         {"round": 2, "rows": 20, "tasks": 10, "annotators": 2, "model": ["policy@v1.0.0"]},
     ]
-    assert label_rounds(frame.drop(columns="round")) is None
+    assert label_rounds(frame.drop(columns="round"), "labels.jsonl") is None
+
+
+def test_a_round_column_holding_text_is_refused_by_the_stage(project, capsys):
+    """A hand-edited label file whose `round` holds text: exit 3 naming the file, the column and the
+    value (it used to be a traceback inside label_rounds), nothing written."""
+    assert run_on_pairs(project, lambda rows: rows[3].update(round="two")) == 3
+    err = capsys.readouterr().err
+    assert "data/labels/pairs.jsonl: the round column holds 'two'" in err and "Traceback" not in err
+    assert not (project / "data" / "preferences").exists()

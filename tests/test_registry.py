@@ -4,13 +4,14 @@ promotion gate both ways, lineage of any version and between two, rollback with 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 from test_lineage import _validate_event
-from test_pipeline_e2e import sh
+from test_pipeline_e2e import BIN, sh
 
 from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums
 from rlhf_pipeline.params.promotion import PromotionParams
@@ -261,3 +262,130 @@ def test_a_bad_version_or_revision_is_one_paragraph(versioned):
     ):
         result = rlhf(versioned, *args, check=False)
         assert result.returncode != 0 and expected in result.stderr and "Traceback" not in result.stderr
+
+
+HOSTILE_NAMES = (
+    "--output=../outside/x",
+    "-c core.sshCommand=touch ../outside/pwned",
+    "HEAD:../../etc/passwd",
+    "policy@v1;touch ../outside/y",
+    "policy@" + "v" * 100_000,
+    "policy@v1\x00",
+    "HEAD\x00--output=../outside/z",
+)
+
+
+def test_a_revision_or_name_from_the_user_is_never_an_option_or_a_path(versioned, tmp_path):
+    """`rlhf lineage --rev/--diff`, `rlhf models get NAME`, `rlhf label export --model NAME`: exit 2, one
+    paragraph, no git process given the user's text as an option, nothing outside the project written."""
+    root = tmp_path / "project"
+    shutil.copytree(versioned, root, symlinks=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    # a git that logs every argv it is given, then runs the real one
+    spy = tmp_path / "spy"
+    spy.mkdir()
+    log = tmp_path / "git-argv.log"
+    real_git = shutil.which("git")
+    (spy / "git").write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\nexec {real_git} "$@"\n')
+    (spy / "git").chmod(0o755)
+    path = f"{spy}:{BIN}:{os.environ['PATH']}"
+    for name in HOSTILE_NAMES:
+        if "\x00" in name:  # a NUL cannot be an argv: the exec itself refuses it, as any shell would
+            with pytest.raises(ValueError):
+                sh(["rlhf", "lineage", "models/policy", "--rev", name], root, check=False, PATH=path)
+            continue
+        calls = (
+            ("lineage", "models/policy", f"--rev={name}"),
+            ("lineage", "--diff", name, "models/policy@HEAD"),
+            ("lineage", "--diff", "models/policy@HEAD", name),
+            ("lineage", name),
+            ("models", "get", name, "-o", str(tmp_path / "got")),
+            ("label", "export", "--model", name, "--num", "2", str(tmp_path / "tasks.json")),
+        )
+        for args in calls:
+            result = sh(["rlhf", *args], root, check=False, PATH=path)
+            shown = " ".join(a[:60] for a in args)
+            assert result.returncode == 2, f"{shown}: exit {result.returncode}\n{result.stderr[-2000:]}"
+            assert "Traceback" not in result.stderr and len(result.stderr) < 2000, shown
+    assert sorted(p.name for p in outside.iterdir()) == []
+    assert not (tmp_path / "got").exists() and not (tmp_path / "tasks.json").exists()
+    argvs = log.read_text().splitlines() if log.exists() else []
+    assert argvs, "git was never called: the spy is not on PATH"
+    for line in argvs:  # what each hostile value carries that no git call of the project's own does
+        for marker in ("--output=", "sshCommand", "etc/passwd", ";touch", "v" * 50):
+            assert marker not in line, f"git saw the user's {marker!r}: git {line[:200]}"
+
+
+def test_a_tag_pushed_by_hand_or_swapped_bytes_are_refused_and_concurrent_assigns_agree(versioned, tmp_path):
+    """A GTO tag on a commit whose dvc.lock records no model is not a version (exit 2 wherever it is
+    named, flagged in the listing); bytes that differ from what the version's dvc.lock records are
+    never written by `get` (exit 7); two `assign`s at once leave one consistent prod."""
+    import subprocess
+
+    root = tmp_path / "project"
+    shutil.copytree(versioned, root, symlinks=True)
+    set_promotion(root, max_kl=1.0e-9, min_queries=2)
+    sh(["git", "commit", "-qam", "rule"], root)
+    assert gate(root)["registered"] == "policy@v1.0.0, reward-model@v1.0.0"
+
+    # two assigns at once: both succeed, one after the other, and prod is v1 by tags GTO numbers apart
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    both = [
+        subprocess.Popen(["rlhf", "models", "assign", "policy", "v1"], cwd=root, env=env, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    assert [p.wait(timeout=300) for p in both] == [0, 0], [p.stderr.read()[-800:] for p in both]
+    assert prod_of(root) == "policy@v1.0.0"
+    prod_tags = sh(["git", "tag", "--list", "policy#prod#*"], root).stdout.split()
+    assert len(prod_tags) == len(set(prod_tags)) == 2
+
+    # a tag pushed by hand onto a commit that holds no run
+    stray = sh(
+        [
+            "git",
+            "commit-tree",
+            "-m",
+            "stray",
+            sh(["git", "hash-object", "-t", "tree", "/dev/null"], root).stdout.strip(),
+        ],
+        root,
+    )
+    stray_commit = stray.stdout.strip()
+    sh(["git", "tag", "-a", "policy@v9.0.0", "-m", "Registering artifact policy version v9.0.0", stray_commit], root)
+    for args in (("models", "get", "policy", "v9", "-o", str(tmp_path / "got")), ("models", "assign", "policy", "v9")):
+        result = rlhf(root, *args, check=False)
+        assert result.returncode == 2 and "it names no model, so it is not a version" in result.stderr, result.stderr
+    assert prod_of(root) == "policy@v1.0.0" and not (tmp_path / "got").exists()
+    listed = rlhf(root, "models").stdout
+    assert "v9.0.0 | - (not a version: its commit's dvc.lock records no model)" in listed
+    # ... and prod moved onto it by hand: whatever reads prod (get, the gate's incumbent) refuses it
+    sh(
+        [
+            "git",
+            "tag",
+            "-a",
+            "policy#prod#9",
+            "-m",
+            "Assigning stage prod to artifact policy version v9.0.0",
+            stray_commit,
+        ],
+        root,
+    )
+    result = rlhf(root, "models", "get", "policy", "--from-stage", "prod", "-o", str(tmp_path / "got"), check=False)
+    assert result.returncode == 2 and "policy@v9.0.0 is a tag on commit" in result.stderr, result.stderr
+
+    # a DVC cache object of v1's policy swapped for other bytes: `get` refuses, writes nothing
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    tree = next(o["md5"] for s in lock["stages"].values() for o in s.get("outs", []) if o["path"] == "models/policy")
+    cache = root / ".dvc" / "cache" / "files" / "md5"
+    listing = json.loads((cache / tree[:2] / tree[2:]).read_text())
+    config = next(entry["md5"] for entry in listing if entry["relpath"] == "config.json")
+    (root / "models" / "policy").rename(root / "policy-moved-away")  # `get` reads the cache, not the workspace
+    target = cache / config[:2] / config[2:]
+    target.chmod(0o644)
+    target.write_text(target.read_text().replace("}", ', "swapped": true}', 1))
+    result = rlhf(root, "models", "get", "policy", "v1", "-o", str(tmp_path / "got"), check=False)
+    assert result.returncode == 7 and "is not what dvc.lock at its commit" in result.stderr, result.stderr
+    assert not (tmp_path / "got").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".got.get-")]

@@ -51,6 +51,7 @@ from rlhf_pipeline.errors import (
     PipelineError,
     StorageError,
 )
+from rlhf_pipeline.gitrepo import git
 from rlhf_pipeline.lineage.verify import RESTORE_ADVICE, stage_input_problems, stage_output_problems, verify_paths
 from rlhf_pipeline.params import format_validation_error
 from rlhf_pipeline.params.labelling import FILE_LABELS, SIMULATED_LABELS
@@ -85,6 +86,7 @@ class RetrainLocked(RetrainError):
 # --------------------------------------------------------------------------------------------
 # Subprocess helpers
 # --------------------------------------------------------------------------------------------
+CODE_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding flows/: what a worker loads the flow from
 
 
 def resolve_schedule(repo: str | Path = ".", cron: str | None = None, timezone: str | None = None) -> ScheduleParams:
@@ -430,6 +432,7 @@ def retrain(
     lock_timeout: float = 3600.0,
     lineage_target: str | None = DEFAULT_LINEAGE_TARGET,
     crash_restarts: int = 2,
+    code_commit: str | None = None,
 ) -> dict[str, Any]:
     """One retrain run; see the module docstring.
 
@@ -447,9 +450,12 @@ def retrain(
         lineage_target: artifact whose ``rlhf lineage`` goes into the summary (None: skip).
         crash_restarts: a run that crashed (its process or machine died) and was scheduled again
             by the work pool's automation (flows/retrain/pool.py) runs at most this many more times.
+        code_commit: the commit of the code the deployment was made from (flows/retrain/pool.py
+            records it): a run whose code is at another commit refuses to start.
     """
     logger = get_run_logger()
     refuse_endless_restarts(crash_restarts)
+    refuse_other_code(code_commit)
     root = Path(repo).expanduser().resolve()
     validate_command = list(validate_command or rlhf_command("validate-preferences"))
     lock_path = root / LOCK_RELATIVE_PATH
@@ -523,6 +529,27 @@ def deployment_parameters(root: Path, incoming: str | None, remote: str | None, 
     if remote:
         parameters["remote"] = remote
     return parameters
+
+
+def running_code_commit() -> str | None:
+    """The commit of the checkout this flow's code was loaded from (None outside git); ``+dirty`` when
+    a tracked file of it differs from that commit."""
+    commit = git(CODE_ROOT, "rev-parse", "HEAD")
+    if commit and git(CODE_ROOT, "status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    return commit
+
+
+def refuse_other_code(code_commit: str | None) -> None:
+    """Fail (final: no automation retries it) a run whose code is not the deployment's: a worker that
+    loaded this flow from a checkout at another commit would run other stages' code than was deployed."""
+    running = running_code_commit()
+    if code_commit and running != code_commit:
+        raise RetrainError(
+            f"this run's code is at commit {running or '(not a git checkout)'} ({CODE_ROOT}), but the deployment "
+            f"was made from commit {code_commit}. Check out {code_commit} there, or deploy again from the code "
+            "the workers run (`python -m flows.retrain deploy`); nothing was changed."
+        )
 
 
 def refuse_endless_restarts(crash_restarts: int) -> None:

@@ -34,10 +34,17 @@ from prefect.events.schemas.events import ResourceSpecification
 from prefect.exceptions import ObjectNotFound
 from prefect.schedules import Cron
 
-from flows.retrain.flow import DEPLOYMENT_NAME, deployment_parameters, resolve_schedule, retrain
+from flows.retrain.flow import (
+    CODE_ROOT,
+    DEPLOYMENT_NAME,
+    deployment_parameters,
+    resolve_schedule,
+    retrain,
+    running_code_commit,
+)
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.params.schema import load_params
 
-CODE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding flows/: what the worker loads the flow from
 ENTRYPOINT = "flows/retrain/flow.py:retrain"
 HEARTBEAT_ENV = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
 MISSED_HEARTBEATS = 3  # a run is taken for dead after this many heartbeats did not arrive
@@ -133,9 +140,14 @@ def deploy_to_pool(
             f"{heartbeat_seconds}) and crash_restarts at least 0 (got {crash_restarts})."
         )
     root = Path(repo).expanduser().resolve()
+    if Path(root, "params.yaml").is_file():
+        load_params(root / "params.yaml")  # the whole file, not only its schedule: refused before deploying
     schedule = resolve_schedule(root, cron, timezone)
     ensure_process_pool(pool)
-    parameters = deployment_parameters(root, incoming, remote, push) | {"crash_restarts": crash_restarts}
+    parameters = deployment_parameters(root, incoming, remote, push) | {
+        "crash_restarts": crash_restarts,
+        "code_commit": running_code_commit(),  # a worker whose checkout is at another commit refuses the run
+    }
     deployment_id = retrain.from_source(source=str(CODE_ROOT), entrypoint=ENTRYPOINT).deploy(
         name=DEPLOYMENT_NAME,
         work_pool_name=pool,

@@ -13,7 +13,8 @@ from typing import Any
 
 from rlhf_pipeline import registry
 from rlhf_pipeline.environment import compare
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import SettingsError, quoted
+from rlhf_pipeline.gitrepo import resolve_rev
 from rlhf_pipeline.lineage import facts, record
 from rlhf_pipeline.lineage.event import build_lineage
 
@@ -25,15 +26,27 @@ def target(root: str, spec: str) -> tuple[str, str, str]:
     """``(label, path, commit)`` of a version: ``NAME@VERSION``/``NAME#STAGE`` from the registry, or
     ``PATH@REV`` (a path of the project at a git revision: a branch, tag, sha, ``HEAD~1``)."""
     if "@" not in spec and "#" not in spec:
-        raise PipelineError(
-            f"--diff {spec}: name a version (policy@v1, policy#prod) or PATH@REV (models/policy@HEAD~1)."
+        raise SettingsError(
+            f"--diff {quoted(spec)}: name a version (policy@v1, policy#prod) or PATH@REV (models/policy@HEAD~1)."
         )
     name = spec.split("@")[0].split("#")[0]
     if name in registry.declared_artifacts(root):
         version = registry.resolve(root, spec)
         return version.tag, registry.artifact_path(root, name), version.commit
     path, _, rev = spec.rpartition("@")
-    return spec, path, record.resolve_rev(root, rev)
+    return spec, project_path(path, "--diff"), resolve_rev(root, rev, "--diff")
+
+
+def project_path(path: str, what: str) -> str:
+    """``path`` when it names a place inside the project (relative, no ``..``, printable); else
+    SettingsError (exit 2): a revision's path is read from git, never from the file system outside."""
+    parts = path.replace("\\", "/").split("/")
+    if not path or len(path) > 1024 or path.startswith("/") or ".." in parts or not path.isprintable():
+        raise SettingsError(
+            f"{what} {quoted(path)}@...: PATH must be a path inside the project, relative to its root (such as "
+            "models/policy), with no '..'; nothing was read."
+        )
+    return path
 
 
 def preference_rows(repo) -> Counter[str] | None:

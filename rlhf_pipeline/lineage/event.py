@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from rlhf_pipeline import __version__
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import PipelineError, SettingsError
 from rlhf_pipeline.lineage import facts, record
 
 # What made the event: this package at its version, as a package URL (purl). The project has no
@@ -60,7 +60,7 @@ def build_lineage(path: str | os.PathLike, namespace: str | None = None, rev: st
         )
     found = record.producer_of(repo, rel)
     if found is None:
-        raise PipelineError(record.not_produced_message(repo, str(path), rel))
+        raise SettingsError(record.not_produced_message(repo, str(path), rel))
     if rev:  # git's tree at a commit: no workspace to lock
         return _event(repo, *found, rel, namespace)
     try:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.environment import LOCK_FILE, compare, environment_record
+from rlhf_pipeline.gitrepo import commits_touching, file_bytes_at
 from rlhf_pipeline.lineage.record import is_under, project_root, read_text, repo_path, revision, stage_name
 from rlhf_pipeline.modelcard import CARD
 
@@ -98,17 +99,12 @@ def annotate(repo, path: str, producer) -> dict[str, Any]:
 def lock_texts(root: str) -> dict[str, str]:
     """``{sha256: text}`` of the workspace's lock and of every version git history holds of it."""
     import hashlib
-    import subprocess
 
     texts = {}
     blobs = [Path(root, LOCK_FILE).read_bytes()] if Path(root, LOCK_FILE).is_file() else []
-    log = subprocess.run(
-        ["git", "log", "--format=%H", "--all", "--", LOCK_FILE], cwd=root, capture_output=True, text=True
-    )
-    for commit in log.stdout.split() if log.returncode == 0 else []:
-        shown = subprocess.run(["git", "show", f"{commit}:{LOCK_FILE}"], cwd=root, capture_output=True)
-        if shown.returncode == 0:
-            blobs.append(shown.stdout)
+    for commit in commits_touching(root, LOCK_FILE):
+        if (shown := file_bytes_at(root, commit, LOCK_FILE)) is not None:
+            blobs.append(shown)
     for blob in blobs:
         texts.setdefault(hashlib.sha256(blob).hexdigest(), blob.decode("utf-8", "replace"))
     return texts

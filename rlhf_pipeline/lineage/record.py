@@ -8,12 +8,12 @@ import datetime as dt
 import json
 import os
 import posixpath
-import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.errors import PipelineError, SettingsError, plain, quoted
+from rlhf_pipeline.gitrepo import git, resolve_rev
 
 # DVC's words for an entry that differs from the lock -> the report's
 STATUS_WORDS = {"deleted": "missing", "new": "unknown"}
@@ -67,14 +67,6 @@ def read_text(repo, path: str) -> str | None:
         return None
 
 
-def resolve_rev(root: str, rev: str) -> str:
-    """The commit ``rev`` names (a branch, tag, sha, ``HEAD~2``); PipelineError when git knows none."""
-    commit = git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
-    if not commit:
-        raise PipelineError(f"--rev {rev}: git knows no such revision in {root} (a branch, tag or commit).")
-    return commit
-
-
 def open_repo(path: str | os.PathLike, rev: str | None = None):
     """The DVC repo holding ``path`` and ``path`` relative to its root (a ``.dvc`` file stands for what it tracks);
     at git revision ``rev`` (nothing is checked out: DVC reads that commit's files through git) when given."""
@@ -93,7 +85,7 @@ def open_repo(path: str | os.PathLike, rev: str | None = None):
         ) from None
     rel = Path(os.path.relpath(absolute, root)).as_posix()
     if rel == ".." or rel.startswith("../"):
-        raise PipelineError(f"{path} is outside the DVC repository at {root}.")
+        raise SettingsError(f"{quoted(str(path))} is outside the DVC repository at {root}; nothing was read.")
     if not rev and (problem := lock_problem(root)):
         raise PipelineError(
             f"{Path(root, LOCK_FILE)} cannot be read by DVC ({problem}): a dvc command was probably killed while "
@@ -301,14 +293,6 @@ def show(value: Any) -> str:
     return "(unset)" if value is None else value if isinstance(value, str) else json.dumps(value, default=str)
 
 
-def git(root: str, *args: str) -> str | None:
-    try:
-        proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout.rstrip() if proc.returncode == 0 else None
-
-
 def produced_at(stage) -> str:
     """When the stage run that wrote ``stage``'s outputs finished: the newest modification time among its
     output files (a .dvc file's: the tracked data's), else the record file's; ISO 8601 in UTC.
@@ -419,4 +403,4 @@ def not_produced_message(repo, path: str, rel: str) -> str:
             "no output in dvc.lock is or contains it. Check the path (it is resolved from the current directory), "
             "or run `dvc repro` if the stage that should write it has not run yet."
         )
-    return f"{path} is not produced by any DVC stage (nor tracked by a .dvc file): {hint}"
+    return f"{plain(path, 200)} is not produced by any DVC stage (nor tracked by a .dvc file): {hint}"

@@ -16,7 +16,7 @@ import os
 import posixpath
 from pathlib import Path
 
-from rlhf_pipeline.errors import DamagedArtifactError, PipelineError
+from rlhf_pipeline.errors import DamagedArtifactError, PipelineError, SettingsError
 from rlhf_pipeline.lineage import record
 
 
@@ -26,6 +26,21 @@ def md5_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def tree_md5(folder: str | os.PathLike) -> str:
+    """The hash DVC records for ``folder`` as a directory output (``<md5>.dir``: the digest of its
+    files' relative paths and md5s), computed afresh from the bytes."""
+    from dvc_data.hashfile.hash_info import HashInfo
+    from dvc_data.hashfile.meta import Meta
+    from dvc_data.hashfile.tree import Tree
+
+    folder = Path(folder)
+    tree = Tree()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        tree.add(tuple(path.relative_to(folder).parts), Meta(size=path.stat().st_size), HashInfo("md5", md5_file(path)))
+    tree.digest()
+    return tree.hash_info.value
 
 
 def _recorded_files(out) -> tuple[dict[str, str], list[str]]:
@@ -92,7 +107,7 @@ def verify_paths(path: str | os.PathLike) -> tuple[int, list[str]]:
     else:
         found = record.producer_of(repo, rel)
         if found is None:
-            raise PipelineError(record.not_produced_message(repo, str(path), rel))
+            raise SettingsError(record.not_produced_message(repo, str(path), rel))
         out, base = found[1], record.repo_path(repo, found[1])
         outs = [(out, "" if rel == base else posixpath.relpath(rel, base))]
     checked, problems = 0, []

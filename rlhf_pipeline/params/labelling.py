@@ -32,3 +32,20 @@ class LabellingParams(Strict):
     label_studio_project: int | None = Field(
         None, gt=0, description="label_studio: the project's id (the number in its URL)."
     )
+    # the bounds of `rlhf label import` (a server's answer, or a file typed by hand): what it refuses
+    server_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="The whole exchange with the labelling server, in seconds (exit 1 past it)."
+    )
+    max_export_mb: float = Field(
+        256.0,
+        gt=0,
+        le=16384,
+        description="The largest export read, from the server or a file, in MiB (exit 3 over it).",
+    )
+    max_annotations_per_task: int = Field(
+        100, ge=1, le=100_000, description="More annotations of one task than this are refused (exit 3)."
+    )
+    allow_plain_http: bool = Field(
+        False,
+        description="Send the API token over plain http:// to a host other than this machine (it travels in clear).",
+    )

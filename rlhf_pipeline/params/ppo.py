@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -64,7 +64,10 @@ class LoraParams(Strict):
         "thousands already overflows the first steps).",
     )
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
-    target_modules: Literal["all-linear"] | list[str] = Field(
+    # an empty list adapts nothing: peft then stops with NoMatchingPeftModuleError at the stage
+    target_modules: (
+        Literal["all-linear"] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(
         "all-linear",
         description="'all-linear': every linear layer of the transformer blocks (not the LM head); or a list of "
         "module names (e.g. [q_proj, v_proj]). Only the blocks above ppo.freeze_layers get an adapter.",
