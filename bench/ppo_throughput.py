@@ -58,8 +58,12 @@ PHASES = ["generation", "ref_value", "reward", "train", "other"]
 # --------------------------------------------------------------------------------------------
 # ours
 # --------------------------------------------------------------------------------------------
-def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_model: str, profiler=None) -> list[dict]:
-    """Per-update phase times (seconds) of the project's PPOTrainer, warmup update included.
+def run_ours(
+    model_dir: Path, tokenizer, queries: torch.Tensor, args, value_model: str, profiler=None, lora_rank: int = 0
+) -> list[dict]:
+    """Per-update phase times (seconds) of the project's PPOTrainer, warmup update included; the first
+    record also holds the peak GPU memory (``peak_bytes``, None on the CPU). ``lora_rank`` > 0: a LoRA
+    adapter of that rank on every linear layer (``ppo.lora``), the reference being the adapter switched off.
 
     ``profiler`` (a not-yet-started ``torch.profiler.profile``) is started after the warmup update
     and stopped at the end, so it sees the timed updates only.
@@ -92,10 +96,16 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
                 "freeze_layers": args.freeze_layers,
                 "value_model": value_model,
                 "checkpoint_every": 10**6,
+                **({"lora": {"rank": lora_rank}} if lora_rank else {}),
             },
         }
     )
     plan = resolve_device(params.compute.device, params.compute.cuda_precision)
+    on_gpu = plan.device.type == "cuda"
+    if on_gpu:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     seed_everything(args.seed)
     lm = load_causal_lm(model_dir, plan.device)
     if value_model == "shared":
@@ -105,7 +115,10 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
             model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed + 1)
         )
         policy = PolicyWithValue(lm, value_init.backbone.train(), value_init.head).to(plan.device)
-    ref_model = load_causal_lm(model_dir, plan.device)
+    if params.ppo.lora is not None:
+        policy.add_lora(params.ppo.lora, params.ppo.freeze_layers)
+    # with LoRA the reference is the policy with its adapter off, as the train_policy stage runs it
+    ref_model = load_causal_lm(model_dir, plan.device) if params.ppo.lora is None else None
     reward_model = reward_model_on_base(
         model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed)
     ).to(plan.device)
@@ -140,6 +153,7 @@ def run_ours(model_dir: Path, tokenizer, queries: torch.Tensor, args, value_mode
         }
         phases["other"] = h["time/update"] - sum(phases.values())
         out.append({"update": h["time/update"], **phases})
+    out[0]["peak_bytes"] = torch.cuda.max_memory_allocated() if on_gpu else None
     del trainer, policy, ref_model, reward_model, lm
     gc.collect()
     return out
@@ -265,6 +279,16 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
     return updates
 
 
+def peak_cell(results: dict[str, list[dict]], key: str) -> str:
+    """The side's peak GPU memory, and its ratio to the full fine-tune's (``shared``) when both ran."""
+    peak = results[key][0].get("peak_bytes")
+    if peak is None:
+        return "n/a"
+    full = results.get("shared", [{}])[0].get("peak_bytes")
+    ratio = f" ({peak / full:.2f}x full)" if full and key != "shared" else ""
+    return f"{peak / 2**30:.2f} GiB{ratio}"
+
+
 # --------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     parser = benchmark_parser(__doc__)
@@ -290,8 +314,12 @@ def main(argv=None) -> None:
         help="ours only on cuda (bf16 autocast, TF32, as compute.device auto picks); TRL runs on CPU",
     )
     parser.add_argument(
-        "--only", choices=["shared", "separate", "trl"], action="append", help="run only these sides (repeatable)"
+        "--only",
+        choices=["shared", "lora", "separate", "trl"],
+        action="append",
+        help="run only these sides (repeatable; lora runs only when named)",
     )
+    parser.add_argument("--lora-rank", type=int, default=8, help="the lora side's ppo.lora.rank (all linear layers)")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -322,6 +350,12 @@ def main(argv=None) -> None:
             "rlhf_pipeline PPOTrainer, value_model shared (reference)",
             lambda: profiled("shared", lambda prof: run_ours(model_dir, tokenizer, queries, args, "shared", prof)),
         ),
+        "lora": (
+            f"rlhf_pipeline PPOTrainer, value_model shared, LoRA rank {args.lora_rank}",
+            lambda: profiled(
+                "lora", lambda prof: run_ours(model_dir, tokenizer, queries, args, "shared", prof, args.lora_rank)
+            ),
+        ),
         "separate": (
             "rlhf_pipeline PPOTrainer, value_model separate (TRL-like)",
             lambda: profiled("separate", lambda prof: run_ours(model_dir, tokenizer, queries, args, "separate", prof)),
@@ -333,7 +367,7 @@ def main(argv=None) -> None:
     }
     results: dict[str, list[dict]] = {}
     for key, (_label, run) in sides.items():
-        if args.only and key not in args.only:
+        if (args.only and key not in args.only) or (key == "lora" and not args.only):
             continue
         print(f"[ppo_throughput] running {key} ...", file=sys.stderr, flush=True)
         results[key] = run()
@@ -358,6 +392,7 @@ def main(argv=None) -> None:
                 ratio,
                 *phase_cells,
                 f"{results[key][0]['update']:.2f}",
+                peak_cell(results, key),
             ]
         )
     headers = [
@@ -371,6 +406,7 @@ def main(argv=None) -> None:
         "PPO epochs s",
         "other s",
         "warmup update s",
+        "peak GPU memory",
     ]
     table = render_table(headers, rows, args.markdown)
     model_name = MODEL_NAMES[args.model]
@@ -403,6 +439,12 @@ def main(argv=None) -> None:
         "gc.collect/empty_cache).",
         "speed vs TRL = TRL s/update / implementation s/update (>1 means faster than TRL).",
     ]
+    if "lora" in results:
+        notes.append(
+            f"lora: ppo.lora rank {args.lora_rank} (alpha 16) on every linear layer of every block, the base weights "
+            "frozen; the reference is the policy with its adapter switched off (no second model loaded), as the "
+            "train_policy stage runs it. peak GPU memory: torch.cuda.max_memory_allocated over the side's run."
+        )
     if args.profile:
         notes.append(
             "PROFILED RUN: every side ran under torch.profiler during the timed updates, so their timings include "
