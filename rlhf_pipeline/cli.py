@@ -444,9 +444,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`)."
-    )
+    parser = Parser(prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`).")
     parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
