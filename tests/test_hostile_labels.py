@@ -220,11 +220,10 @@ def test_plain_http_to_another_host_is_tried_where_params_allow_it(tmp_path):
 # --------------------------------------------------------------------------------------------
 # hand-made exports (a file)
 # --------------------------------------------------------------------------------------------
-def import_file(tmp_path: Path, export: str | bytes, **limits):
-    path = tmp_path / "export.json"
-    path.write_bytes(export if isinstance(export, bytes) else export.encode())
-    params = {"labelling": {"max_export_mb": 64, **limits}}
-    (tmp_path / "params.yaml").write_text(json.dumps(params))
+def run_import(tmp_path: Path, labelling: dict):
+    """`rlhf label import export.json out.jsonl` under params whose labelling section is ``labelling``:
+    (exit code, stderr without the RSS line, stdout, peak RSS in KiB, seconds)."""
+    (tmp_path / "params.yaml").write_text(json.dumps({"labelling": labelling}))
     command = [sys.executable, "-m", "rlhf_pipeline.cli", "label", "import", "export.json", "out.jsonl"]
     start = time.monotonic()
     proc = subprocess.run(
@@ -232,6 +231,12 @@ def import_file(tmp_path: Path, export: str | bytes, **limits):
     )
     lines = proc.stderr.splitlines()
     return proc.returncode, "\n".join(lines[:-1]), proc.stdout, int(lines[-1].split()[-1]), time.monotonic() - start
+
+
+def import_file(tmp_path: Path, export: str | bytes, **limits):
+    path = tmp_path / "export.json"
+    path.write_bytes(export if isinstance(export, bytes) else export.encode())
+    return run_import(tmp_path, {"max_export_mb": 64, **limits})
 
 
 def edited(**data) -> str:
@@ -268,7 +273,7 @@ def test_zero_width_characters_in_a_text_are_kept(tmp_path):
 
 
 def test_a_large_export_is_read_in_bounded_memory_and_one_over_the_bound_is_refused_unread(tmp_path):
-    # ~120 MB of valid tasks: streamed (the rows, not the text, are what stays in memory)
+    # ~25 MB of valid tasks, streamed: the rows, not the text, are what stays in memory
     tasks = ",".join(json.dumps(task(i, [answer(i, 1, "0")], query="q " * 4000 + str(i))) for i in range(3000))
     text = "[" + tasks + "]"
     returncode, err, _, rss, _ = import_file(tmp_path, text, max_export_mb=256)
@@ -277,3 +282,16 @@ def test_a_large_export_is_read_in_bounded_memory_and_one_over_the_bound_is_refu
     assert rss < RSS_LIMIT_KB, f"peak RSS {rss / 1024:.0f} MiB for a {size_kb / 1024:.0f} MiB export"
     (tmp_path / "out.jsonl").unlink()
     assert_refused(tmp_path, import_file(tmp_path, text, max_export_mb=16), 3, "over labelling.max_export_mb = 16 MiB")
+
+
+def test_a_1_gib_export_is_refused_by_its_size_unread_or_read_only_as_far_as_it_is_wrong(tmp_path):
+    """A 1 GiB file (sparse: its size without its bytes): over the default bound it is refused from its
+    size; under a bound raised past it, reading stops at the first character that is not a list."""
+    path = tmp_path / "export.json"
+    with open(path, "wb") as handle:
+        handle.truncate(1 << 30)
+    for limits, words in (
+        ({}, "1,024 MiB, over labelling.max_export_mb = 256 MiB"),
+        ({"max_export_mb": 2048}, "starts with"),
+    ):
+        assert_refused(tmp_path, run_import(tmp_path, limits), 3, words)
