@@ -141,7 +141,8 @@ def test_a_round_through_label_studio_retrains_the_tiny_pipeline(
     assert {d["model_sha256"] for d in data} == {weights_sha256(root / "models" / "policy")}
     assert not list(root.glob(".label-export-*"))
     missing = rlhf("label", "export", "tasks2.json", "--model", "policy@v9", cwd=root)
-    assert missing.returncode == 1 and "policy has no version v9.0.0" in missing.stderr, missing.stderr
+    # a version that is not registered: exit 2 (a name no retry makes right), as every registry name
+    assert missing.returncode == 2 and "policy has no version v9.0.0" in missing.stderr, missing.stderr
 
 
 def test_a_refused_token_or_a_missing_project_is_one_paragraph_and_writes_nothing(label_studio, tmp_path):

@@ -366,7 +366,7 @@ def test_real_cli(repo):
     bad = subprocess.run(
         [*cmd, "does/not/exist.txt"], cwd=repo, env=_env(), capture_output=True, text=True, timeout=120
     )
-    assert bad.returncode == 1
+    assert bad.returncode == 2  # a path no stage produces: the user's to correct, not retried
     assert "does/not/exist.txt" in bad.stderr and "Traceback" not in bad.stderr
 
 
