@@ -231,7 +231,7 @@ def _download(base: str, project: int, token: str, limits: LabellingParams, wher
         "Settings page (a personal access token, or a legacy token where the organisation enables them); "
         "nothing written."
     )
-    limit = int(limits.max_export_mb * (1 << 20))
+    limit = limits.max_export_bytes
     try:
         # follow_redirects=False (httpx's default, stated): a redirect is refused below, never followed
         with httpx.Client(base_url=base, timeout=limits.server_timeout_s, follow_redirects=False) as client:
@@ -312,14 +312,14 @@ def _check_status(response, where: str, refused: str, token: str) -> None:
 def read_export(handle, where: str, limits: LabellingParams) -> Iterator[tuple[int, dict]]:
     """``(position, task)`` of a Label Studio JSON export (a text file), parsed one task at a time
     (:func:`rlhf_pipeline.json_stream.iter_json_array`): any size is read in bounded memory."""
-    return iter_json_array(handle.read, where, max_element_chars=int(limits.max_export_mb * (1 << 20)))
+    return iter_json_array(handle.read, where, max_element_chars=limits.max_export_bytes)
 
 
 def open_export_file(path: str | Path, limits: LabellingParams):
     """A hand-made or downloaded export file, open as text; refused (exit 3) over the size bound."""
     try:
         size = Path(path).stat().st_size
-        if size > limits.max_export_mb * (1 << 20):
+        if size > limits.max_export_bytes:
             raise DataContractError(
                 f"{path}: {size / (1 << 20):,.0f} MiB, over labelling.max_export_mb = {limits.max_export_mb:g} MiB. "
                 "Import it round by round, or raise the bound; nothing written."
@@ -380,7 +380,7 @@ def _choice(annotation: dict, where: str) -> list[str] | None:
     return None
 
 
-# the fields `rlhf label export` writes, and what each may hold: (type, check, what it should be)
+# the whole-number fields `rlhf label export` writes, each with its exclusive upper bound
 _INTEGER_FIELDS = {"query_index": 2**31, "seed": 2**32, "round": 10**6}
 _HEX = frozenset("0123456789abcdef")
 INVISIBLE = re.compile(f"[{INVISIBLE_CHARACTERS}]")

@@ -192,7 +192,7 @@ def version_of(root: str | Path, name: str, ref: str = "HEAD") -> tuple[Version 
             f"dvc.lock at {commit[:12]} records no {path}: run `dvc repro` and commit dvc.lock before "
             f"registering {name}."
         )
-    same = (v for v in versions(root, name) if locked_hash(file_at(root, v.commit, "dvc.lock"), path) == recorded)
+    same = (v for v in versions(root, name) if recorded_hash(root, v) == recorded)
     return next(same, None), commit, recorded
 
 

@@ -43,7 +43,6 @@ from flows.retrain.flow import (
     running_code_commit,
 )
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.params.schema import load_params
 
 ENTRYPOINT = "flows/retrain/flow.py:retrain"
 HEARTBEAT_ENV = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
@@ -140,9 +139,7 @@ def deploy_to_pool(
             f"{heartbeat_seconds}) and crash_restarts at least 0 (got {crash_restarts})."
         )
     root = Path(repo).expanduser().resolve()
-    if Path(root, "params.yaml").is_file():
-        load_params(root / "params.yaml")  # the whole file, not only its schedule: refused before deploying
-    schedule = resolve_schedule(root, cron, timezone)
+    schedule = resolve_schedule(root, cron, timezone)  # validates all of params.yaml: refused before deploying
     ensure_process_pool(pool)
     parameters = deployment_parameters(root, incoming, remote, push) | {
         "crash_restarts": crash_restarts,

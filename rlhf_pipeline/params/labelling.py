@@ -45,6 +45,11 @@ class LabellingParams(Strict):
     max_annotations_per_task: int = Field(
         100, ge=1, le=100_000, description="More annotations of one task than this are refused (exit 3)."
     )
+
+    @property
+    def max_export_bytes(self) -> int:
+        return int(self.max_export_mb * (1 << 20))
+
     allow_plain_http: bool = Field(
         False,
         description="Send the API token over plain http:// to a host other than this machine (it travels in clear).",
