@@ -13,7 +13,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from rlhf_pipeline.errors import SettingsError, quoted
+from rlhf_pipeline.errors import PipelineError, SettingsError, quoted
 
 MAX_REVISION_CHARS = 256
 # what git's revision syntax needs (names, shas, ~N, ^N, @{...}), and nothing that a shell, an option
@@ -29,6 +29,20 @@ def git(root: str | Path, *args: str, timeout_s: float = 60) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout.rstrip() if proc.returncode == 0 else None
+
+
+def commit_staged(root: str | Path, paths: list[str], message: str) -> str:
+    """Commit the staged ``paths`` (nothing else a person has staged) with ``message``; the new
+    commit's short id. A refusal (no identity, a hook) is a PipelineError with git's own words."""
+    try:
+        proc = subprocess.run(
+            ["git", "commit", "-q", "-m", message, "--", *paths], cwd=root, capture_output=True, text=True, timeout=120
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        raise PipelineError(f"git commit in {root} could not run: {error}") from None
+    if proc.returncode != 0:
+        raise PipelineError(f"git commit in {root} failed:\n{proc.stderr.strip() or proc.stdout.strip()}")
+    return git(root, "rev-parse", "--short", "HEAD") or "?"
 
 
 def file_bytes_at(root: str | Path, commit: str, path: str) -> bytes | None:

@@ -122,6 +122,16 @@ def make_project(tmp_path: Path) -> Path:
     return repo
 
 
+LABELS_BY_FILE = "labelling:\n  source: file\ndata:\n  preferences:\n    source: data/labels/preferences.jsonl\n"
+
+
+def _labels_by_file(repo: Path, extra: str = "") -> None:
+    """params.yaml saying that each run's --incoming file replaces data/labels/preferences.jsonl."""
+    (repo / "params.yaml").write_text(extra + LABELS_BY_FILE)
+    _git(repo, "add", "params.yaml")
+    _git(repo, "commit", "-qm", "labels come in files")
+
+
 def _control(repo: Path, **behaviour: dict) -> None:
     (repo / "control.json").write_text(json.dumps(behaviour))
 
@@ -178,6 +188,7 @@ def test_stage_order_and_exit_code_parsing(project: Path):
 
 def test_transient_failure_is_retried_and_valid_data_ingested(project: Path, tmp_path: Path):
     _control(project, train_policy={"fail_first": 2})
+    _labels_by_file(project)
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     (inbox / "old.jsonl").write_text('{"chosen": "old", "rejected": "x"}\n')
@@ -216,9 +227,7 @@ def test_the_schedule_runs_on_after_its_own_ingest(project: Path, tmp_path: Path
     """With a params.yaml (the flow then runs `rlhf check-params` first) and the .dvc files an ingest
     makes: a run ingesting a file, a second ingesting another, a third with none all end well, each
     rerunning only what changed."""
-    (project / "params.yaml").write_text("seed: 1\n")
-    _git(project, "add", "params.yaml")
-    _git(project, "commit", "-qm", "params")
+    _labels_by_file(project, "seed: 1\n")
     ran = []
     for round_, rows in enumerate(
         ('{"chosen": "first", "rejected": "x"}\n', '{"chosen": "second", "rejected": "y"}\n', None)
@@ -286,6 +295,7 @@ def test_the_bytes_validated_are_the_bytes_ingested(project: Path, tmp_path: Pat
     """An exporter still writing: a row is appended to the incoming file while the validator runs.
     The flow validated a private copy and renames that copy into place: the appended (unchecked)
     row never reaches data/labels, and nothing is left beside the target."""
+    _labels_by_file(project)
     incoming = tmp_path / "incoming.jsonl"
     checked = '{"chosen": "checked", "rejected": "x"}\n'
     incoming.write_text(checked)
@@ -408,6 +418,7 @@ def test_an_output_dvc_could_only_half_delete_is_put_back_whole(project: Path, t
 
 
 def test_invalid_preferences_fail_the_run_before_any_stage(project: Path, tmp_path: Path):
+    _labels_by_file(project)
     before = (project / "data/labels/preferences.jsonl").read_text()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"chosen": "same", "rejected": "same"}\n')
@@ -789,12 +800,10 @@ def test_a_run_that_keeps_crashing_is_refused_after_its_crash_restarts(monkeypat
 
 
 def test_labelling_source_file_ingests_into_the_labels_file(project: Path, tmp_path: Path):
-    """labelling.source: file: the run's incoming file replaces labelling.labels_file (the file the
-    preferences stage reads), not the default target."""
+    """labelling.source: file: the run's incoming file replaces data.preferences.source (the one file
+    the preferences stage reads), wherever that is."""
     labels = "data/labels/human.jsonl"
-    (project / "params.yaml").write_text(
-        f"data:\n  preferences:\n    source: {labels}\nlabelling:\n  source: file\n  labels_file: {labels}\n"
-    )
+    (project / "params.yaml").write_text(f"data:\n  preferences:\n    source: {labels}\nlabelling:\n  source: file\n")
     incoming = tmp_path / "round.jsonl"
     incoming.write_text('{"chosen": "people", "rejected": "x"}\n')
     state = retrain(
@@ -811,13 +820,37 @@ def test_labelling_source_file_ingests_into_the_labels_file(project: Path, tmp_p
     assert (project / "data/labels/preferences.jsonl").read_text() == '{"chosen": "a", "rejected": "b"}\n'
 
 
+@pytest.mark.parametrize("params", [None, "labelling:\n  source: simulated\n"])
+def test_a_project_whose_labels_are_simulated_refuses_an_incoming_file(project: Path, tmp_path: Path, params):
+    """labelling.source: simulated (also the default, without a params.yaml) brings in no labels: an
+    --incoming file is refused (exit 2) before anything is written, saying what to set instead."""
+    if params is not None:
+        (project / "params.yaml").write_text(params)
+    incoming = tmp_path / "round.jsonl"
+    incoming.write_text('{"chosen": "people", "rejected": "x"}\n')
+
+    def files():  # the project's own files and what git says of them (DVC's and the flow's locks aside)
+        kept = [p for p in project.rglob("*") if p.is_file() and not {".git", ".dvc"} & set(p.parts)]
+        status = subprocess.run(["git", "status", "-s"], cwd=project, capture_output=True, text=True).stdout
+        return {p.relative_to(project).as_posix(): p.read_bytes() for p in kept}, status
+
+    before = files()
+    state = retrain(repo=str(project), incoming=str(incoming), push=False, return_state=True, **FAST)
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert error.exit_code == 2, error
+    assert "labelling.source is simulated" in state.message and "set labelling.source: file" in state.message
+    assert _counters(project) == {}
+    assert files() == before
+    assert (project / "data/labels/preferences.jsonl").read_text() == '{"chosen": "a", "rejected": "b"}\n'
+
+
 def test_labelling_from_an_unreachable_label_studio_is_retried_then_fails_with_nothing_changed(
     project: Path, tmp_path: Path, monkeypatch
 ):
     labels = "data/labels/human.jsonl"
     (project / "params.yaml").write_text(
-        f"data:\n  preferences:\n    source: {labels}\n"
-        f"labelling:\n  source: label_studio\n  labels_file: {labels}\n  label_studio_project: 3\n"
+        f"data:\n  preferences:\n    source: {labels}\nlabelling:\n  source: label_studio\n  label_studio_project: 3\n"
     )
     (project / labels).write_text('{"chosen": "kept", "rejected": "x"}\n')
     closed = _free_port()  # a port nobody listens on

@@ -89,7 +89,7 @@ def test_a_round_through_label_studio_retrains_the_tiny_pipeline(
     # a round of a dozen tasks holds out two or three: their label share says nothing (which tasks are held
     # out depends on the samples, so on the CPU)
     params["data"]["validation"]["max_label_share"] = 1.0
-    params["labelling"] = {"source": "label_studio", "labels_file": LABELS, "label_studio_project": project}
+    params["labelling"] = {"source": "label_studio", "label_studio_project": project}
     params_path.write_text(yaml.safe_dump(params, sort_keys=False))
     monkeypatch.setenv(URL_VARIABLE, server.url)
     monkeypatch.setenv(TOKEN_VARIABLE, server.personal_access_token(second))  # 1.23's default kind of token

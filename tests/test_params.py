@@ -137,8 +137,14 @@ def broken(path: str, value, **also):
         (
             "labelling.source",
             "file",
-            "data.preferences.source: must be labelling.labels_file (data/labels/human.jsonl) when labelling.source "
-            "is file",
+            "data.preferences.source: must be the .jsonl or .parquet file in this project that a run brings labels "
+            "into when labelling.source is file",
+        ),
+        # the labels file had a second key once: an old params file is told where it went
+        (
+            "labelling.labels_file",
+            "data/labels/human.jsonl",
+            "labelling.labels_file: this key moved to data.preferences.source (one key names the labels file",
         ),
         ("labelling", {"source": "label_studio", "label_studio_project": 2}, "data.preferences.source: must be"),
         (

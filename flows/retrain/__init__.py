@@ -1,4 +1,4 @@
-"""Prefect flow that retrains the RLHF pipeline: ingest preferences, `dvc repro` stage by stage, push.
+"""Prefect flow that retrains the RLHF pipeline: bring in labels, `dvc repro` stage by stage, commit, gate, push.
 
 Run once (against ``PREFECT_API_URL`` if set, else a temporary local server)::
 
@@ -18,17 +18,18 @@ What a run does, in order:
    of 1 (collision strategy ENQUEUE), so scheduled runs queue on the server instead of piling up
    on the lock. DVC's own repo lock stays the last line of defence against a manual ``dvc repro``:
    a stage that hits it fails with exit 1 and is retried with backoff.
-2. Ingests ``incoming`` if given (a file, or a folder whose newest ``.jsonl``/``.parquet`` is
-   taken): runs the preference validator on it; on failure the flow fails with the validator's
-   summary and nothing is replaced. On success the file is copied atomically to
-   ``preferences_target`` and ``dvc add``-ed (unless that path is a stage output). ``labelling``
-   in params.yaml may say otherwise: ``file`` ingests ``incoming`` into ``labelling.labels_file``;
-   ``label_studio`` first pulls ``labelling.label_studio_project``'s annotations from the server
-   at ``$LABEL_STUDIO_URL`` (``rlhf label import --from-server``, retried like a stage), adds them
-   to a private copy of ``labelling.labels_file`` (every round kept, deduplicated by task and
-   annotator) and ingests that copy the same way.
-3. DVC's status (``Repo.status``): when nothing is stale the run ends here ("all stages up to date").
-4. Each stage, in the order of DVC's stage graph (dependencies first; ``dvc.yaml`` order among
+2. Checks the whole params.yaml (``rlhf check-params``): a bad key stops the run before any stage.
+3. Brings in labels as ``labelling.source`` says (:mod:`.labels`). The labels are one file,
+   ``data.preferences.source``. ``simulated``: none (an ``incoming`` file is refused, exit 2).
+   ``file``: ``incoming`` (a file, or a folder whose newest ``.jsonl``/``.parquet`` is taken) is
+   copied privately and validated; on failure the flow fails with the validator's summary and
+   nothing is replaced, on success the validated copy is renamed over the labels file and
+   ``dvc add``-ed. ``label_studio``: ``labelling.label_studio_project``'s annotations are pulled
+   from the server at ``$LABEL_STUDIO_URL`` (``rlhf label import --from-server``, retried like a
+   stage), added to a private copy of the labels file (every round kept, deduplicated by task and
+   annotator) and that copy is ingested the same way.
+4. DVC's status (``Repo.status``): when nothing is stale no stage runs ("all stages up to date").
+5. Each stage, in the order of DVC's stage graph (dependencies first; ``dvc.yaml`` order among
    independent stages), is one task running ``dvc repro --single-item STAGE``: DVC re-runs the
    stage only if it is stale, and never recurses into upstream stages
    (they ran, or were checked, just before). Exit codes of the stage command (DVC reports
@@ -37,13 +38,19 @@ What a run does, in order:
    command) are not retried, the flow fails at once with the stage's message; anything else is
    retried with exponential backoff. Each stage runs with the flow's own interpreter first on
    ``PATH``, so ``.venv/bin/python -m flows.retrain`` needs no activated venv.
-5. ``dvc push`` (to ``remote`` if given, else the default remote, else ``localremote``), then a
-   markdown summary artifact (stages, metrics against HEAD and against the previous run, lineage
-   of the policy) and a table artifact of the metrics.
-
+6. Where the project declares a policy artifact: commits the run's record (dvc.lock, metrics/,
+   evaluation/, the .dvc files; a registry version is a commit), then the promotion gate
+   (``rlhf models gate``) registers the new policy and assigns it prod only if ``promotion.*``
+   holds; its decision is a markdown artifact.
+7. Re-reads every output against dvc.lock and the DVC cache, then ``dvc push`` (to ``remote`` if
+   given, else the default remote, else ``localremote``), then a markdown summary artifact (stages,
+   metrics against HEAD and against the previous run, lineage of the policy) and a table artifact
+   of the metrics.
 
 The package is split by concern: :mod:`.dvc_project` (everything asked of DVC), :mod:`.report`
-(the summary artifacts), :mod:`.flow` (the tasks, the flow, the deployment), ``__main__`` (the CLI).
+(the summary artifacts), :mod:`.labels` (the label tasks), :mod:`.flow` (the stage, commit, gate and
+push tasks, the flow, the deployment), :mod:`.pool` (the work pool and its crash automations),
+``__main__`` (the CLI).
 """
 
 from __future__ import annotations

@@ -371,3 +371,14 @@ def stage_failure_message(stage: str, code: int, output: str, attempts: int | No
     retry = "not retried" if code in NOT_RETRIED_EXIT_CODES else f"after {attempts or 1} attempt(s)"
     lines = [line for line in output.splitlines() if line.strip()][-OUTPUT_TAIL_LINES:]
     return f"DVC stage '{stage}' failed with exit code {code} ({meaning}; {retry}):\n" + "\n".join(lines)
+
+
+def refuse_retry_on_contract_errors(task, task_run, state) -> bool:
+    """retry_condition_fn: no retry for the exit codes of deterministic failures (errors.NOT_RETRIED_EXIT_CODES)."""
+    error = state.data if isinstance(state.data, BaseException) else None
+    if error is None:
+        try:
+            error = state.result(raise_on_failure=False)
+        except Exception:  # noqa: BLE001 - unknown failure: retry it
+            return True
+    return getattr(error, "exit_code", PipelineError.exit_code) not in NOT_RETRIED_EXIT_CODES

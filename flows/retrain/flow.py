@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import filecmp
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +23,10 @@ from flows.retrain.dvc_project import (
     clear_unreadable_rwlock,
     configured_remote,
     dvc_command,
-    is_stage_output,
     keep_lock_copy,
     put_back_recorded_outputs,
     recover_unreadable_lock,
+    refuse_retry_on_contract_errors,
     restore_lock_copy,
     rlhf_command,
     stage_exit_code,
@@ -40,30 +36,26 @@ from flows.retrain.dvc_project import (
     stream,
     unsaved_outputs,
 )
+from flows.retrain.labels import bring_in_labels
 from flows.retrain.report import publish_summary
 from rlhf_pipeline.errors import (
     EXIT_CODE_MEANINGS,
-    NOT_RETRIED_EXIT_CODES,
     BusyError,
     DamagedArtifactError,
-    DataContractError,
     ParamsError,
     PipelineError,
     StorageError,
 )
-from rlhf_pipeline.gitrepo import git
+from rlhf_pipeline.gitrepo import commit_staged, git
 from rlhf_pipeline.lineage.verify import RESTORE_ADVICE, stage_input_problems, stage_output_problems, verify_paths
 from rlhf_pipeline.params import format_validation_error
-from rlhf_pipeline.params.labelling import FILE_LABELS, SIMULATED_LABELS
 from rlhf_pipeline.params.schedule import ScheduleParams
 from rlhf_pipeline.params.schema import load_params
 from rlhf_pipeline.registry import declared_artifacts
 from rlhf_pipeline.versions import POLICY, RUN_RECORD
 
 DEPLOYMENT_NAME = "retrain-schedule"
-DEFAULT_PREFERENCES_TARGET = "data/labels/preferences.jsonl"
 DEFAULT_LINEAGE_TARGET = "models/policy"
-PREFERENCE_SUFFIXES = (".jsonl", ".parquet")
 LOCK_RELATIVE_PATH = Path(".dvc") / "tmp" / "retrain.lock"
 
 
@@ -73,10 +65,6 @@ class StageFailed(RetrainError):
     def __init__(self, message: str, exit_code: int = PipelineError.exit_code, stage: str = ""):
         super().__init__(message, exit_code)
         self.stage = stage
-
-
-class InvalidPreferences(RetrainError):
-    """The incoming preference file failed validation; nothing was replaced."""
 
 
 class RetrainLocked(RetrainError):
@@ -102,28 +90,6 @@ def resolve_schedule(repo: str | Path = ".", cron: str | None = None, timezone: 
         raise ParamsError(
             "--cron/--timezone", [f"schedule.{line}" for line in format_validation_error(error)]
         ) from None
-
-
-def _newest_preference_file(incoming: Path) -> Path:
-    if incoming.is_file():
-        return incoming
-    if incoming.is_dir():
-        candidates = [p for p in incoming.iterdir() if p.is_file() and p.suffix in PREFERENCE_SUFFIXES]
-        if candidates:
-            return max(candidates, key=lambda p: (p.stat().st_mtime, p.name))
-        raise RetrainError(f"no .jsonl or .parquet preference file in {incoming}", ParamsError.exit_code)
-    raise RetrainError(f"incoming preference path {incoming} does not exist", ParamsError.exit_code)
-
-
-def refuse_retry_on_contract_errors(task, task_run, state) -> bool:
-    """retry_condition_fn: no retry for the exit codes of deterministic failures (errors.NOT_RETRIED_EXIT_CODES)."""
-    error = state.data if isinstance(state.data, BaseException) else None
-    if error is None:
-        try:
-            error = state.result(raise_on_failure=False)
-        except Exception:  # noqa: BLE001 - unknown failure: retry it
-            return True
-    return getattr(error, "exit_code", PipelineError.exit_code) not in NOT_RETRIED_EXIT_CODES
 
 
 @task(
@@ -228,159 +194,21 @@ def dvc_status(repo: str) -> dict[str, Any]:
     return stale_stages(Path(repo))
 
 
-@task(name="ingest-preferences", cache_policy=NO_CACHE)
-def ingest_preferences(
-    repo: str, incoming: str, target: str, validate_command: list[str], shown_as: str | None = None
-) -> dict[str, Any]:
-    """Copy the incoming file privately, validate that copy, then rename it over ``target`` and
-    ``dvc add`` it: the bytes checked are the bytes ingested, even while an exporter still writes.
-    ``shown_as``: what messages call the incoming file (labels pulled into a scratch file)."""
-    logger = get_run_logger()
-    root = Path(repo).resolve()
-    source = _newest_preference_file(Path(incoming).expanduser().resolve())
-    destination = (root / target).resolve()
-    if root not in destination.parents:
-        raise RetrainError(f"preferences_target {target} is outside the repository {root}", ParamsError.exit_code)
-    if source.suffix != destination.suffix:
-        raise RetrainError(
-            f"incoming preference file {source} is {source.suffix} but preferences_target {target} is "
-            f"{destination.suffix}: pass a preferences_target with the same extension",
-            ParamsError.exit_code,
-        )
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    # the private copy keeps the suffix (the validator reads the format from it) and sits beside the
-    # target, so that putting it in place is one rename on one file system
-    fd, name = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=destination.suffix, dir=destination.parent)
-    private = Path(name)
-    try:
-        with os.fdopen(fd, "wb") as out, source.open("rb") as src:
-            shutil.copyfileobj(src, out)
-            out.flush()
-            os.fsync(out.fileno())
-        logger.info("validating %s (a private copy of %s)", private.name, source)
-        check = capture([*validate_command, str(private)], root, timeout=3600)
-        if check.returncode != 0:
-            summary = "\n".join(part.strip() for part in (check.output, check.stderr) if part.strip())
-            shown = shown_as or str(source)
-            raise InvalidPreferences(
-                f"incoming preference file {shown} failed validation (exit {check.returncode}); "
-                f"nothing was replaced.\n{summary.replace(str(private), shown)}",
-                exit_code=DataContractError.exit_code
-                if check.returncode == DataContractError.exit_code
-                else PipelineError.exit_code,
-            )
-        unchanged = destination.is_file() and filecmp.cmp(private, destination, shallow=False)
-        if not unchanged:
-            os.replace(private, destination)
-            logger.info("copied %s -> %s (the validated bytes)", source, destination)
-    finally:
-        private.unlink(missing_ok=True)
-    tracked = "stage output (not dvc-added)"
-    if not is_stage_output(root, destination):
-        dvc_file = destination.with_name(destination.name + ".dvc")
-        if unchanged and dvc_file.is_file():
-            tracked = f"unchanged ({dvc_file.name})"
-        else:
-            added = capture(dvc_command("add", str(destination.relative_to(root))), root)
-            if added.returncode != 0:
-                raise RetrainError(
-                    f"dvc add {target} failed (exit {added.returncode}):\n"
-                    f"{added.stderr.strip() or added.output.strip()}"
-                )
-            tracked = f"dvc add -> {dvc_file.name}"
-    return {"source": str(source), "target": target, "changed": not unchanged, "tracked": tracked}
-
-
-@task(
-    name="pull-labels",
-    retries=3,
-    retry_delay_seconds=exponential_backoff(30),
-    retry_condition_fn=refuse_retry_on_contract_errors,
-    cache_policy=NO_CACHE,
-)
-def pull_labels(repo: str, project: int, labels_file: str, private: str) -> dict[str, Any]:
-    """Label Studio ``project``'s annotations (``rlhf label import --from-server``: address and token
-    from this process's environment) added to a private copy of ``labels_file``, every earlier
-    round kept; the copy is then validated and ingested like any incoming file."""
-    root = Path(repo)
-    current = root / labels_file
-    if current.is_file():
-        shutil.copyfile(current, private)
-    else:
-        Path(private).unlink(missing_ok=True)
-    result = capture(rlhf_command("label", "import", "--from-server", str(project), private, "--append"), root)
-    if result.returncode != 0:
-        details = "\n".join(part.strip() for part in (result.output, result.stderr) if part.strip())
-        raise RetrainError(
-            f"pulling labels from Label Studio project {project} failed (exit {result.returncode}); {labels_file} "
-            f"is unchanged.\n{details}",
-            result.returncode,
-        )
-    return json.loads(result.output)
-
-
-def bring_in_labels(
-    root: Path,
-    incoming: str | None,
-    preferences_target: str,
-    validate_command: list[str],
-    retries: int = 3,
-    retry_delay_seconds: float = 30.0,
-) -> dict:
-    """What ``labelling.source`` in params.yaml says this run adds to the labels (see LabellingParams):
-    {"ingested": ..., "pulled": ...}; nothing for the simulated labeller without ``incoming``. A pull
-    that fails for a reason a retry can fix (the server restarting) is retried like a stage."""
-    labelling = load_params(root / "params.yaml").labelling if (root / "params.yaml").is_file() else None
-    if labelling is None or labelling.source == SIMULATED_LABELS:
-        return (
-            {"ingested": ingest_preferences(str(root), incoming, preferences_target, validate_command)}
-            if incoming
-            else {}
-        )
-    if labelling.source == FILE_LABELS:
-        if not incoming:
-            return {"ingested": None, "note": "labelling.source is file and no --incoming file was given"}
-        return {"ingested": ingest_preferences(str(root), incoming, labelling.labels_file, validate_command)}
-    if incoming:
-        raise RetrainError(
-            f"labelling.source is label_studio in params.yaml: the run pulls its labels from Label Studio project "
-            f"{labelling.label_studio_project}, so the incoming file {incoming} would be left out; pass no incoming "
-            "file, or set labelling.source: file. Nothing was changed.",
-            ParamsError.exit_code,
-        )
-    target = root / labelling.labels_file
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, private = tempfile.mkstemp(prefix=f".{target.name}.pull-", suffix=target.suffix, dir=target.parent)
-    os.close(fd)
-    try:
-        project = labelling.label_studio_project
-        pull = pull_labels.with_options(retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_seconds))
-        pulled = pull(str(root), project, labelling.labels_file, private)
-        shown = f"{labelling.labels_file} with Label Studio project {project}'s new labels"
-        return {
-            "pulled": pulled,
-            "ingested": ingest_preferences(str(root), private, labelling.labels_file, validate_command, shown),
-        }
-    finally:
-        Path(private).unlink(missing_ok=True)
-
-
 @task(name="record-run", cache_policy=NO_CACHE)
 def record_run(repo: str, status: str) -> str:
     """Commit what git keeps of the run (dvc.lock, metrics/, evaluation/ and the .dvc files DVC
     staged): a registry version is a commit, so the gate registers this one."""
     root = Path(repo)
-    paths = [p for p in RUN_RECORD if (root / p).exists()]
-    capture(["git", "add", "--", *paths], root)
-    staged = capture(["git", "diff", "--cached", "--name-only"], root).output.split()
+    git(root, "add", "--", *[p for p in RUN_RECORD if (root / p).exists()])
+    staged = (git(root, "diff", "--cached", "--name-only") or "").split()
     # the run's own files only: whatever else a person has staged stays theirs to commit
     staged = [f for f in staged if f.split("/")[0] in RUN_RECORD or f.endswith((".dvc", ".gitignore"))]
     if not staged:
         return "nothing new to commit"
-    result = capture(["git", "commit", "-q", "-m", f"retrain: {status}", "--", *sorted(set(staged))], root)
-    if result.returncode != 0:
-        raise RetrainError(f"git commit of the run's record failed:\n{result.stderr.strip() or result.output.strip()}")
-    head = capture(["git", "rev-parse", "--short", "HEAD"], root).output.strip()
+    try:
+        head = commit_staged(root, sorted(set(staged)), f"retrain: {status}")
+    except PipelineError as error:
+        raise RetrainError(f"the commit of the run's record failed: {error}") from None
     return f"committed {len(staged)} file(s) as {head}"
 
 
@@ -419,14 +247,54 @@ def dvc_push(repo: str, remote_args: list[str]) -> str:
     return result.output.splitlines()[-1] if result.output.strip() else "pushed"
 
 
-@flow(name="retrain", description="Ingest preferences, reproduce the stale DVC stages, push, report.")
+def take_retrain_lock(root: Path, lock_timeout: float) -> FileLock:
+    """The retrain lock ``.dvc/tmp/retrain.lock``, held; RetrainLocked (exit 8) past ``lock_timeout``."""
+    lock_path = root / LOCK_RELATIVE_PATH
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(lock_path), timeout=lock_timeout)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RetrainLocked(
+            f"another retrain run holds {lock_path} (waited {lock_timeout:g}s); nothing was changed. "
+            "If no run is active the lock is stale only if its process died: the OS releases it then.",
+            exit_code=BusyError.exit_code,
+        ) from None
+    return lock
+
+
+def reproduce_stale(root: Path, stages: list[str], retries: int, retry_delay_seconds: float) -> tuple[str, list]:
+    """Each stage in DVC's order, a task each (see reproduce_stage); (status, the stages' reports)."""
+    stale = dvc_status(str(root))
+    if not stale:
+        get_run_logger().info("all stages up to date; nothing to reproduce")
+        return "all stages up to date", []
+    get_run_logger().info("stale: %s", ", ".join(sorted(stale)))
+    repro = reproduce_stage.with_options(retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_seconds))
+    reports = [repro(str(root), stage) for stage in stages]
+    ran = [s["stage"] for s in reports if s["result"] == "ran"]
+    return (f"reproduced {', '.join(ran)}" if ran else "all stages up to date"), reports
+
+
+def push_outputs(root: Path, remote: str | None, push: bool, retries: int, retry_delay_seconds: float) -> dict:
+    """The outputs re-read against dvc.lock, then ``dvc push`` (retried); what the report says of it."""
+    if not push:
+        return {"push": "disabled (push=False)"}
+    target = configured_remote(root, remote)
+    if target is None:
+        return {"push": "skipped: no DVC remote configured"}
+    verified = verify_outputs(str(root))
+    pusher = dvc_push.with_options(retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_seconds))
+    return {"verified": verified, "push": f"{target[1]}: {pusher(str(root), target[0])}"}
+
+
+@flow(name="retrain", description="Ingest labels, reproduce the stale DVC stages, commit, gate, push, report.")
 def retrain(
     repo: str = ".",
     incoming: str | None = None,
     remote: str | None = None,
     push: bool = True,
     validate_command: list[str] | None = None,
-    preferences_target: str = DEFAULT_PREFERENCES_TARGET,
     retries: int = 3,
     retry_delay_seconds: float = 30.0,
     lock_timeout: float = 3600.0,
@@ -434,16 +302,16 @@ def retrain(
     crash_restarts: int = 2,
     code_commit: str | None = None,
 ) -> dict[str, Any]:
-    """One retrain run; see the module docstring.
+    """One retrain run; see the package docstring for its steps.
 
     Args:
         repo: the DVC project (folder holding dvc.yaml).
-        incoming: a preference file, or a folder whose newest .jsonl/.parquet is taken.
+        incoming: a preference file, or a folder whose newest .jsonl/.parquet is taken; only where
+            ``labelling.source`` is ``file`` (it replaces ``data.preferences.source``).
         remote: DVC remote to push to; default: the repo's default remote, else ``localremote``.
         push: push the DVC cache at the end.
         validate_command: validator argv, the file path is appended; exit 0 = valid. Default:
             ``python -m rlhf_pipeline.cli validate-preferences``.
-        preferences_target: where valid incoming data is copied (relative to ``repo``).
         retries: retries of a stage failing with an exit code not in errors.NOT_RETRIED_EXIT_CODES.
         retry_delay_seconds: first retry delay; doubles each retry (exponential backoff).
         lock_timeout: seconds to wait for an overlapping run to finish before failing.
@@ -458,17 +326,7 @@ def retrain(
     refuse_other_code(code_commit)
     root = Path(repo).expanduser().resolve()
     validate_command = list(validate_command or rlhf_command("validate-preferences"))
-    lock_path = root / LOCK_RELATIVE_PATH
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(lock_path), timeout=lock_timeout)
-    try:
-        lock.acquire()
-    except Timeout:
-        raise RetrainLocked(
-            f"another retrain run holds {lock_path} (waited {lock_timeout:g}s); nothing was changed. "
-            "If no run is active the lock is stale only if its process died: the OS releases it then.",
-            exit_code=BusyError.exit_code,
-        ) from None
+    lock = take_retrain_lock(root, lock_timeout)
     report: dict[str, Any] = {"status": "running", "repo": str(root), "stages": [], "ingested": None}
     try:
         try:
@@ -476,38 +334,12 @@ def retrain(
             clear_unreadable_rwlock(root, logger)  # DVC's rwlock emptied by a full disk: DVC makes a new one
             stages = stage_order(root)
             report["params"] = check_params(str(root))
-            report |= bring_in_labels(
-                root, incoming, preferences_target, validate_command, retries, retry_delay_seconds
-            )
-            stale = dvc_status(str(root))
-            if not stale:
-                report["status"] = "all stages up to date"
-                logger.info("all stages up to date; nothing to reproduce")
-            else:
-                logger.info("stale: %s", ", ".join(sorted(stale)))
-                repro = reproduce_stage.with_options(
-                    retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_seconds)
-                )
-                for stage in stages:
-                    report["stages"].append(repro(str(root), stage))
-                ran = [s["stage"] for s in report["stages"] if s["result"] == "ran"]
-                report["status"] = f"reproduced {', '.join(ran)}" if ran else "all stages up to date"
+            report |= bring_in_labels(root, incoming, validate_command, retries, retry_delay_seconds)
+            report["status"], report["stages"] = reproduce_stale(root, stages, retries, retry_delay_seconds)
             if POLICY in declared_artifacts(root):
                 report["recorded"] = record_run(str(root), report["status"])
-                gate = promotion_gate(str(root))
-                report["promotion"] = gate["outcome"]
-            if push:
-                target = configured_remote(root, remote)
-                if target is None:
-                    report["push"] = "skipped: no DVC remote configured"
-                else:
-                    report["verified"] = verify_outputs(str(root))
-                    pusher = dvc_push.with_options(
-                        retries=retries, retry_delay_seconds=exponential_backoff(retry_delay_seconds)
-                    )
-                    report["push"] = f"{target[1]}: {pusher(str(root), target[0])}"
-            else:
-                report["push"] = "disabled (push=False)"
+                report["promotion"] = promotion_gate(str(root))["outcome"]
+            report |= push_outputs(root, remote, push, retries, retry_delay_seconds)
         except BaseException as error:
             report["status"] = "failed"
             try:

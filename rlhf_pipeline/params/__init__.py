@@ -39,7 +39,11 @@ MAX_SMALL = 10_000  # epochs, samples per query, layers, ranks, table rows
 MAX_DEPTH = 16  # how deep a params file may nest (params.yaml itself: 4 levels)
 Model = TypeVar("Model", bound=BaseModel)
 # keys that moved: a params file written for an older version is told where the key lives now
-MOVED_KEYS = {"ppo.device": "compute.device (one device rule for every stage that runs a model)"}
+MOVED_KEYS = {
+    "ppo.device": "compute.device (one device rule for every stage that runs a model)",
+    "labelling.labels_file": "data.preferences.source (one key names the labels file: the one the stages read "
+    "and a run brings labels into); delete it here",
+}
 
 
 class Strict(BaseModel):

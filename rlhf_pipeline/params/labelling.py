@@ -1,8 +1,9 @@
 """``labelling``: where each retrain run's new labels come from (read by the retrain flow, by no stage).
 
-The preferences stage reads one file (``data.preferences.source``); this section says how the flow
-brings labels into it before the stages run, so that every run's labels are a tracked file and the
-stages stay reproducible (they never talk to a server).
+One key says where the labels are: ``data.preferences.source``, the one file the preferences stage
+reads. This section says how a retrain run brings labels into that file before the stages run, so
+that every run's labels are a tracked file and the stages stay reproducible (they never talk to a
+server).
 """
 
 from __future__ import annotations
@@ -14,20 +15,17 @@ from pydantic import Field
 from rlhf_pipeline.params import Strict
 
 SIMULATED_LABELS, FILE_LABELS, LABEL_STUDIO = "simulated", "file", "label_studio"
+LABEL_FILE_SUFFIXES = (".jsonl", ".parquet")  # the formats a run can bring labels into
 
 
 class LabellingParams(Strict):
     source: Literal["simulated", "file", "label_studio"] = Field(
         SIMULATED_LABELS,
-        description="simulated: no people's labels (data.preferences.source decides; the simulated labeller by "
-        "default). file: the run's --incoming file, validated, replaces labels_file. label_studio: the run pulls "
-        "label_studio_project's annotations from the server at $LABEL_STUDIO_URL ($LABEL_STUDIO_API_KEY) and "
-        "appends them to labels_file, every round kept.",
-    )
-    labels_file: str = Field(
-        "data/labels/human.jsonl",
-        min_length=1,
-        description="Where people's labels accumulate (file, label_studio); data.preferences.source must name it.",
+        description="simulated: a run brings in no labels (data.preferences.source is read as it stands: the "
+        "simulated labeller by default; an --incoming file is refused). file: the run's --incoming file, validated, "
+        "replaces the file data.preferences.source. label_studio: the run pulls label_studio_project's annotations "
+        "from the server at $LABEL_STUDIO_URL ($LABEL_STUDIO_API_KEY) and appends them to that file, every round "
+        "kept.",
     )
     label_studio_project: int | None = Field(
         None, gt=0, description="label_studio: the project's id (the number in its URL)."

@@ -19,7 +19,7 @@ from rlhf_pipeline.params.base_model import BaseModelParams
 from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.evaluate import EvaluateParams
-from rlhf_pipeline.params.labelling import LABEL_STUDIO, SIMULATED_LABELS, LabellingParams
+from rlhf_pipeline.params.labelling import LABEL_FILE_SUFFIXES, LABEL_STUDIO, SIMULATED_LABELS, LabellingParams
 from rlhf_pipeline.params.ppo import PPOParams
 from rlhf_pipeline.params.promotion import PromotionParams
 from rlhf_pipeline.params.reward import RewardParams
@@ -53,13 +53,14 @@ class Params(Strict):
                 )
             )
         labelling = self.labelling
-        if labelling.source != SIMULATED_LABELS and self.data.preferences.source != labelling.labels_file:
+        labels = self.data.preferences.source
+        if labelling.source != SIMULATED_LABELS and not labels.endswith(LABEL_FILE_SUFFIXES):
             problems.append(
                 (
                     "data.preferences.source",
-                    f"must be labelling.labels_file ({labelling.labels_file}) when labelling.source is "
-                    f"{labelling.source}: the stages train on the labels the flow brings in",
-                    self.data.preferences.source,
+                    f"must be the .jsonl or .parquet file in this project that a run brings labels into when "
+                    f"labelling.source is {labelling.source} (e.g. data/labels/human.jsonl)",
+                    labels,
                 )
             )
         if labelling.source == LABEL_STUDIO and labelling.label_studio_project is None:
