@@ -9,7 +9,7 @@ test labels) with the frozen base model (``models/base``) and no training at all
   negative, scored by log p(" positive") - log p(" negative") at the answer position.
 
 It reports each score's best-of-N accuracy against the labels, beside chance and the label ceiling
-(:func:`rlhf_pipeline.preferences.ceiling_accuracy`). A score near chance means the reward model can
+(:func:`rlhf_pipeline.preferences.simulated.ceiling_accuracy`). A score near chance means the reward model can
 only learn the labeller's sentiment from the labels themselves.
 
 Usage: .venv/bin/python bench/probe_prompted_reward.py [--rows 288] [--output FILE]
@@ -72,7 +72,7 @@ def main() -> None:
     from datasets import load_from_disk
 
     from rlhf_pipeline.models import load_causal_lm, load_tokenizer
-    from rlhf_pipeline.preferences import ceiling_accuracy
+    from rlhf_pipeline.preferences.simulated import ceiling_accuracy
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=288, help="held-out rows to score (the first n)")

@@ -34,7 +34,7 @@ def sample_features(args) -> dict:
     from rlhf_pipeline.labelers import get_labeler
     from rlhf_pipeline.models import load_causal_lm, load_tokenizer
     from rlhf_pipeline.params.schema import load_params
-    from rlhf_pipeline.preferences import pick_best
+    from rlhf_pipeline.preferences.simulated import pick_best
     from rlhf_pipeline.sampling import ResponseSampler
 
     params = load_params("params.yaml")

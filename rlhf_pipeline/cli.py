@@ -214,7 +214,8 @@ def writing(path: str | os.PathLike) -> Iterator[None]:
 
 
 def cmd_export_preferences(args) -> int:
-    from rlhf_pipeline.preferences import export_pairwise  # loads torch and datasets: only when this command runs
+    # loads torch and datasets: only when this command runs
+    from rlhf_pipeline.preferences.export import export_pairwise
 
     with writing(args.output):
         count = export_pairwise(args.input, args.split, args.output)

@@ -1,7 +1,8 @@
 """The data contract of preference labels: a Great Expectations suite written in code.
 
 It runs on a *flat* pandas frame, the same for every source (see
-:func:`rlhf_pipeline.preferences.to_flat_frame` and :func:`~rlhf_pipeline.preferences.internal_to_flat`):
+:func:`~rlhf_pipeline.preferences.formats.to_flat_frame` and
+:func:`~rlhf_pipeline.preferences.formats.internal_to_flat`):
 ``query``, ``sample0`` .. ``sample{N-1}``, ``best`` (and ``margin`` when present). Pairwise data
 is ``query=prompt, sample0=chosen, sample1=rejected, best=0``; messages use the user's names.
 
@@ -34,18 +35,20 @@ from rlhf_pipeline.io import read_table, replace_surrogates, write_json
 from rlhf_pipeline.models import load_tokenizer
 from rlhf_pipeline.params import Seed, Strict, read_params_file, validate
 from rlhf_pipeline.params.data import DataParams
-from rlhf_pipeline.preferences import (
-    BAD_CHARACTER_CHECK,
-    BAD_CHARACTERS,
-    EMPTY_TEXT_CHECK,
+from rlhf_pipeline.preferences.formats import (
     LABEL_KEY,
     PAIRED_FORMATS,
-    VISIBLE_CHARACTER,
     detect_format,
     display_names,
     sample_columns,
-    split_positions,
     to_flat_frame,
+)
+from rlhf_pipeline.preferences.splits import split_positions
+from rlhf_pipeline.preferences.text_rules import (
+    BAD_CHARACTER_CHECK,
+    BAD_CHARACTERS,
+    EMPTY_TEXT_CHECK,
+    VISIBLE_CHARACTER,
 )
 
 INTEGER_TYPES = ["int", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "Int64", "Int32"]

@@ -39,13 +39,8 @@ from rlhf_pipeline.json_stream import iter_json_array
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.labelling import LabellingParams
 from rlhf_pipeline.params.task import TaskParams
-from rlhf_pipeline.preferences import (
-    INVISIBLE_CHARACTERS,
-    MAX_RESAMPLES,
-    sample_clean_candidates,
-    sample_problem,
-    text_problem,
-)
+from rlhf_pipeline.preferences.simulated import MAX_RESAMPLES, sample_clean_candidates, sample_problem
+from rlhf_pipeline.preferences.text_rules import INVISIBLE_CHARACTERS, text_problem
 from rlhf_pipeline.sampling import ResponseSampler
 
 CHOICE = "best"  # the <Choices> name: what an annotation's result is read from
@@ -390,7 +385,7 @@ MAX_SAMPLES = 64
 def task_data(item, position: int, where: str) -> tuple[dict, int, str]:
     """``(data, n, label)`` of one exported task, checked field by field: every field `rlhf label
     export` writes, of its type and range, texts that pass the contract's text rule
-    (:func:`rlhf_pipeline.preferences.text_problem`); else :class:`DataContractError` naming the field."""
+    (:func:`rlhf_pipeline.preferences.text_rules.text_problem`); else :class:`DataContractError` naming the field."""
     if not isinstance(item, dict):
         raise DataContractError(f"{where}: task {position} is a {type(item).__name__}, not a task object.")
     label = f"{where}: task {plain(str(item.get('id', position)), 40)}"

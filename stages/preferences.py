@@ -27,18 +27,16 @@ from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import SIMULATED, DataParams
 from rlhf_pipeline.params.task import TaskParams
-from rlhf_pipeline.preferences import (
+from rlhf_pipeline.preferences.formats import (
     LABEL_KEY,
-    ceiling_accuracy,
     chat_format,
     features,
-    label_rounds,
-    load_user_frames,
     refuse_bad_texts,
     refuse_overlong_texts,
-    simulate_preferences,
     user_to_internal,
 )
+from rlhf_pipeline.preferences.simulated import ceiling_accuracy, simulate_preferences
+from rlhf_pipeline.preferences.splits import label_rounds, load_user_frames
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sampling import ResponseSampler
 

@@ -22,7 +22,7 @@ from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import atomic_dir, read_json, write_json
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.data import DataParams
-from rlhf_pipeline.preferences import PAIRED_FORMATS, display_names, internal_to_flat
+from rlhf_pipeline.preferences.formats import PAIRED_FORMATS, display_names, internal_to_flat
 from rlhf_pipeline.runner import run_stage
 
 BASE, PREFS, OUT, DOCS = "models/base", "data/preferences", "data/validation", "data/validation_docs"

@@ -13,7 +13,7 @@ from conftest import run_stage_script
 from rlhf_pipeline.contract import format_summary, validate_dataframe, validate_file_cli
 from rlhf_pipeline.errors import DataContractError
 from rlhf_pipeline.params.data import ValidationParams
-from rlhf_pipeline.preferences import BEST_OF_N, PAIRWISE, display_names, to_flat_frame
+from rlhf_pipeline.preferences.formats import BEST_OF_N, PAIRWISE, display_names, to_flat_frame
 
 ROWS = 80
 

@@ -12,7 +12,7 @@ from conftest import run_stage_script
 from rlhf_pipeline.conversations import end_of_turn, render_prompt, to_text_pairs
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.models import load_tokenizer
-from rlhf_pipeline.preferences import CONVERSATIONAL, PAIRWISE, detect_format, to_flat_frame
+from rlhf_pipeline.preferences.formats import CONVERSATIONAL, PAIRWISE, detect_format, to_flat_frame
 
 
 def user(text):
@@ -121,7 +121,7 @@ def test_a_base_model_without_a_chat_template_is_refused(tiny_tokenizer):
 def test_the_contract_checks_the_replies_as_it_checks_pairwise_texts(chat_tokenizer):
     from rlhf_pipeline.contract import validate_dataframe
     from rlhf_pipeline.params.data import ValidationParams
-    from rlhf_pipeline.preferences import display_names
+    from rlhf_pipeline.preferences.formats import display_names
 
     rows = standard_rows()
     rows[5]["rejected"] = rows[5]["chosen"]  # chosen == rejected

@@ -13,22 +13,17 @@ from conftest import run_stage_script
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.labelers import Labeler, get_labeler
 from rlhf_pipeline.params.task import TaskParams
-from rlhf_pipeline.preferences import (
-    BAD_CHARACTER_CHECK,
+from rlhf_pipeline.preferences.formats import (
     BEST_OF_N,
-    EMPTY_TEXT_CHECK,
     PAIRWISE,
     best_of_n_to_internal,
-    ceiling_accuracy,
     detect_format,
-    load_user_frames,
     pairwise_to_internal,
-    pick_best,
-    sample_problem,
-    simulate_preferences,
-    text_problem,
     to_flat_frame,
 )
+from rlhf_pipeline.preferences.simulated import ceiling_accuracy, pick_best, sample_problem, simulate_preferences
+from rlhf_pipeline.preferences.splits import load_user_frames
+from rlhf_pipeline.preferences.text_rules import BAD_CHARACTER_CHECK, EMPTY_TEXT_CHECK, text_problem
 from rlhf_pipeline.queries import is_left_padded, pad_tokens
 from rlhf_pipeline.sampling import ResponseSampler
 from rlhf_pipeline.sources import TINY_TEXT
@@ -427,7 +422,7 @@ def test_human_labels_are_held_out_by_task_and_their_rounds_summarised():
     task of its own; label_rounds counts rows, tasks, annotators and the sampling models per round."""
     import pandas as pd
 
-    from rlhf_pipeline.preferences import label_rounds, split_positions
+    from rlhf_pipeline.preferences.splits import label_rounds, split_positions
 
     tasks = [f"t{i // 2}" for i in range(40)] + [None, None]  # 20 tasks of 2 annotations, 2 rows without
     frame = pd.DataFrame(

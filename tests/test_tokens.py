@@ -11,7 +11,7 @@ from families import tiny_backbone, tiny_causal_lm
 from tokenizers.processors import TemplateProcessing
 
 from rlhf_pipeline.corpus import encode_prompt
-from rlhf_pipeline.preferences import pairwise_to_internal, tokenize_response
+from rlhf_pipeline.preferences.formats import pairwise_to_internal, tokenize_response
 from rlhf_pipeline.queries import build_chat_queries, build_queries, tokenize_query
 from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.sampling import response_outputs, sample_responses
