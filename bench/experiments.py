@@ -24,15 +24,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhf_pipeline import metric_keys as keys
+
 REPO = Path(__file__).resolve().parents[1]
 STAGE_TIME = re.compile(r"^stage (\w+): done in (\d+) s", re.MULTILINE)
 METRICS = {  # column: metric key as `dvc exp show` names it (file-prefixed only when ambiguous)
-    "RM test acc": "test/accuracy",
+    "RM test acc": keys.RM_ACCURACY,
     "label ceiling": "test/ceiling_accuracy",
-    "gold gain (base σ)": "gold/improvement_in_base_std",
-    "± SE": "gold/improvement_stderr_in_base_std",
-    "KL": "kl/mean",
-    "queries": "gold/queries",
+    "gold gain (base σ)": keys.GOLD_GAIN,
+    "± SE": keys.GOLD_GAIN_SE,
+    "KL": keys.KL,
+    "queries": keys.GOLD_QUERIES,
 }
 
 

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rlhf_pipeline import __version__, numerics
-from rlhf_pipeline.environment import LOCK_FILE, environment_record, record_lines
+from rlhf_pipeline import __version__, numerics, paths
+from rlhf_pipeline.environment import environment_record, record_lines
 from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, SettingsError, StorageError, quoted
 from rlhf_pipeline.io import atomic_file
 from rlhf_pipeline.params import read_params_file
@@ -122,8 +122,8 @@ def cmd_environment(args) -> int:
     print(refused or numerics.host_line())
     if args.check and (record["lock_sha256"] is None or record["differs_from_lock"]):
         print(
-            f"rlhf environment: the installed packages are not {Path(args.root, LOCK_FILE)}: run `make setup` "
-            "(it installs exactly the lock), or `make lock` after changing pyproject.toml.",
+            f"rlhf environment: the installed packages are not {Path(args.root, paths.REQUIREMENTS_LOCK)}: run "
+            "`make setup` (it installs exactly the lock), or `make lock` after changing pyproject.toml.",
             file=sys.stderr,
         )
         return 1
@@ -134,17 +134,17 @@ def cmd_models(args) -> int:
     """The registry: list the versions, run the promotion gate, assign a stage, fetch a version."""
     import json
 
-    from rlhf_pipeline import versions  # loads GTO (and, for the gate, torch): only when this command runs
+    from rlhf_pipeline import models_command  # loads GTO (and, for the gate, torch): only when this command runs
 
     root = Path(args.root)
     if args.action == "gate":
-        result = versions.gate(root, args.params)
+        result = models_command.gate(root, args.params)
         print(json.dumps(result, indent=2, default=str) if args.json else result["markdown"] or result["outcome"])
         return 0
     if args.action == "assign":
         if not args.name or not args.version:
             raise PipelineError("rlhf models assign NAME VERSION [--stage STAGE]: name the artifact and the version.")
-        version = versions.assign_stage(root, args.name, args.version, args.stage)
+        version = models_command.assign_stage(root, args.name, args.version, args.stage)
         print(f"{args.name}@{version.version} is now {args.stage} (commit {version.commit[:12]})")
         return 0
     if args.action == "get":
@@ -153,13 +153,14 @@ def cmd_models(args) -> int:
                 "rlhf models get NAME [VERSION | --from-stage STAGE] -o DIR: name the artifact and DIR."
             )
         with writing(args.out):
-            got = versions.fetch(root, args.name, args.version, args.stage_filter, args.out, args.with_results)
+            with_results = False if args.as_recorded else (True if args.with_results else None)
+            got = models_command.fetch(root, args.name, args.version, args.stage_filter, args.out, with_results)
         print(f"{got['out']}: {got['artifact']}@{got['version']} ({got['files_checked']} files match its SHA256SUMS)")
-        if args.with_results:
-            print(f"{got['out']}/README.md: the card's model-index holds the version's held-out results")
+        if got["results"]:
+            print(f"{got['out']}/README.md: the card holds the version's held-out results (also as its model-index)")
         return 0
-    rows = versions.listing(root)
-    print(json.dumps(rows, indent=2, default=str) if args.json else versions.render_listing(rows))
+    rows = models_command.listing(root)
+    print(json.dumps(rows, indent=2, default=str) if args.json else models_command.render_listing(rows))
     return 0
 
 
@@ -286,11 +287,11 @@ def sampling_model(model: str) -> Iterator[tuple[str, str]]:
         )
     import tempfile
 
-    from rlhf_pipeline import registry, versions  # loads DVC and GTO: only for a registered version
+    from rlhf_pipeline import models_command, registry  # loads DVC and GTO: only for a registered version
 
     version = registry.resolve(".", model)
     with tempfile.TemporaryDirectory(prefix=".label-export-", dir=".") as scratch:
-        versions.fetch(".", version.artifact, version.version, None, Path(scratch) / "model")
+        models_command.fetch(".", version.artifact, version.version, None, Path(scratch) / "model")
         yield str(Path(scratch) / "model"), version.tag
 
 
@@ -376,11 +377,15 @@ def _add_models_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--from-stage", dest="stage_filter", default=None, help="get: the version assigned this stage")
     p.add_argument("-o", "--out", default=None, help="get: the folder to write (must not exist)")
-    p.add_argument(
+    results = p.add_mutually_exclusive_group()
+    results.add_argument(
         "--with-results",
         action="store_true",
-        help="get: add the evaluate stage's held-out results at the version's commit to the policy card's "
-        "model-index (and its new hash to SHA256SUMS): the copy to publish on the Hub",
+        help="get: fail unless the policy's card gains the evaluate stage's held-out results at the version's "
+        "commit (by default it gains them when that commit has them; SHA256SUMS gets the card's new hash)",
+    )
+    results.add_argument(
+        "--as-recorded", action="store_true", help="get: the bytes exactly as dvc.lock records them (no results)"
     )
     p.set_defaults(func=cmd_models)
 
@@ -394,13 +399,13 @@ def _add_label_parser(sub) -> None:
     q.add_argument("output")
     q.add_argument(
         "--model",
-        default="models/policy",
+        default=paths.POLICY,
         help="the model that samples: a folder (models/base) or a registered version (policy#prod, policy@v2)",
     )
     q.add_argument(
         "--model-name", default=None, help="what the tasks call the model; default: the version's tag, or --model"
     )
-    q.add_argument("--queries", default="data/queries")
+    q.add_argument("--queries", default=paths.QUERIES)
     q.add_argument("--split", default="train", choices=["train", "test"])
     q.add_argument("--num", type=int, default=64, help="queries (the first NUM of the split)")
     q.add_argument("--n", type=int, default=4)
@@ -485,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the preference data in TRL's pairwise format (prompt, chosen, rejected), .jsonl or .parquet",
     )
     p.add_argument("output")
-    p.add_argument("--input", default="data/preferences", help="the preferences stage's output")
+    p.add_argument("--input", default=paths.PREFERENCES, help="the preferences stage's output")
     p.add_argument("--split", default="train", choices=["train", "test"])
     p.set_defaults(func=cmd_export_preferences)
 

@@ -35,6 +35,7 @@ from rlhf_pipeline.io import read_table, replace_surrogates, write_json
 from rlhf_pipeline.models import load_tokenizer
 from rlhf_pipeline.params import Seed, Strict, read_params_file, validate
 from rlhf_pipeline.params.data import DataParams
+from rlhf_pipeline.paths import BASE_MODEL
 from rlhf_pipeline.preferences.formats import (
     LABEL_KEY,
     PAIRED_FORMATS,
@@ -686,7 +687,7 @@ def train_rows_problem(train: int, by_column: bool, data: DataParams, path: str)
     )
 
 
-def optional_tokenizer(directory: str | Path = "models/base"):
+def optional_tokenizer(directory: str | Path = BASE_MODEL):
     """The base model's tokenizer when ``directory`` holds one, else None."""
     if not (Path(directory) / "tokenizer_config.json").is_file():
         return None
@@ -697,7 +698,7 @@ def validate_file_cli(
     path: str,
     params_path: str = "params.yaml",
     result_path: str | None = None,
-    tokenizer_dir: str = "models/base",
+    tokenizer_dir: str = BASE_MODEL,
     docs_dir: str | None = None,
 ) -> int:
     """``rlhf validate-preferences FILE``: contract check of a user preference file.

@@ -78,20 +78,27 @@ def refuse_unsupported(device: torch.device, trunk_split: bool, stage: str, lora
         )
 
 
+# this process's process-group timeout and the key that set it, for :func:`lost_processes_reported`'s
+# message: a process has one default process group (accelerate's PartialState is a process-wide
+# singleton too), so the timeout is said once, to :func:`make_accelerator`
+_group_timeout: tuple[str, float] = ("the process group's timeout", 1800.0)
+
+
 def make_accelerator(
     device: torch.device,
     trunk_split: bool = False,
     stage: str = "training",
     lora: bool = False,
     collective_timeout_s: float = 1800.0,
+    timeout_key: str = "the process group's timeout",
 ):
     """The ``Accelerator`` for the launcher's processes and configuration (one process: a plain one).
 
-    ``collective_timeout_s`` is the process group's timeout: how long a collective waits for the
-    other processes (with gloo, every collective; with NCCL, its watchdog's limit). The process
-    state is made first with it, as accelerate documents for ``init_process_group`` arguments
-    (``InitProcessGroupKwargs`` would drop a value equal to its own NCCL default of 600 s, and gloo
-    would then wait torch's 1800 s).
+    ``collective_timeout_s`` is the process group's timeout (set by the params key ``timeout_key``,
+    which a lost process's message names): how long a collective waits for the other processes
+    (with gloo, every collective; with NCCL, its watchdog's limit). The process state is made first
+    with it, as accelerate documents for ``init_process_group`` arguments (``InitProcessGroupKwargs``
+    would drop a value equal to its own NCCL default of 600 s, and gloo would then wait torch's 1800 s).
 
     accelerate (1.15) turns FSDP on only for accelerator devices: on CPU processes an FSDP
     configuration would silently give DDP. Here it is honoured on CPU too (gloo), which is how
@@ -100,7 +107,9 @@ def make_accelerator(
     from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+    global _group_timeout
     refuse_unsupported(device, trunk_split, stage, lora)
+    _group_timeout = (timeout_key, collective_timeout_s)
     PartialState(cpu=device.type == "cpu", timeout=timedelta(seconds=collective_timeout_s))
     accelerator = Accelerator(cpu=device.type == "cpu")
     if _flag("ACCELERATE_USE_FSDP") and accelerator.distributed_type == DistributedType.MULTI_CPU:
@@ -122,10 +131,11 @@ _GLOO_LOST_PEER = re.compile(r"Connection closed by peer|Connection reset by pee
 
 
 @contextmanager
-def lost_processes_reported(accelerator, stage: str, timeout_key: str, timeout_s: float, resume: str):
+def lost_processes_reported(accelerator, stage: str, resume: str):
     """Inside the block, a collective that fails because another process is gone (killed, crashed,
-    or silent past ``timeout_key``) stops this process with :class:`LostProcessError`, whose
-    message says what happened and how to go on (``resume``), instead of gloo's traceback.
+    or silent past the timeout :func:`make_accelerator` was given) stops this process with
+    :class:`LostProcessError`, whose message says what happened and how to go on (``resume``),
+    instead of gloo's traceback.
     One process: nothing to lose, errors pass unchanged."""
     try:
         yield
@@ -136,6 +146,7 @@ def lost_processes_reported(accelerator, stage: str, timeout_key: str, timeout_s
         if not (isinstance(error, torch.distributed.DistError) or _GLOO_LOST_PEER.search(reason)):
             raise
         if "Timed out" in reason or "timeout" in reason.lower():
+            timeout_key, timeout_s = _group_timeout
             what = (
                 f"did not answer within {timeout_key} = {timeout_s:g} s (it hangs, or its machine or network is down)"
             )

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline import numerics
+from rlhf_pipeline.paths import REQUIREMENTS_LOCK
 
-LOCK_FILE = "requirements.lock"
 # installed beside the lock by `make setup` (torch: per-machine build) or the venv's own tooling
 OUTSIDE_LOCK = ("torch",)
 TOOLING = ("pip", "setuptools", "wheel", "rlhf-pipeline")
@@ -64,7 +64,7 @@ def environment_record(root: str | Path = ".") -> dict[str, Any]:
     """What a model card records of the environment that made it: the lock's sha256 (None without a
     lock), the packages that differ from it, the builds installed outside it, and the CPU numerics
     this process pinned (None where it pinned none: :mod:`rlhf_pipeline.numerics`)."""
-    path = Path(root, LOCK_FILE)
+    path = Path(root, REQUIREMENTS_LOCK)
     installed = installed_versions()
     outside = {name: installed.get(name) for name in OUTSIDE_LOCK}
     pin = numerics.pinned()
@@ -79,7 +79,7 @@ def environment_record(root: str | Path = ".") -> dict[str, Any]:
         }
     data = path.read_bytes()
     return {
-        "lock": LOCK_FILE,
+        "lock": REQUIREMENTS_LOCK,
         "lock_sha256": hashlib.sha256(data).hexdigest(),
         "differs_from_lock": lock_differences(locked_versions(data.decode()), installed),
         "outside_lock": outside,
@@ -92,7 +92,7 @@ def record_lines(record: Mapping[str, Any]) -> list[str]:
     outside = ", ".join(f"{name} {version}" for name, version in (record.get("outside_lock") or {}).items())
     numerics_line = f"- cpu numerics: {numerics.describe(record.get('cpu_numerics'))}"
     if not record.get("lock_sha256"):
-        return [f"- environment: no {LOCK_FILE} (packages unlocked); {outside}", numerics_line]
+        return [f"- environment: no {REQUIREMENTS_LOCK} (packages unlocked); {outside}", numerics_line]
     differs = record.get("differs_from_lock") or {}
     changes = [f"{name} {v['installed'] or 'missing'} (locked {v['locked'] or 'none'})" for name, v in differs.items()]
     detail = "differs from it: " + ", ".join(changes) if changes else "every package as locked"

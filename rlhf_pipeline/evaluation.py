@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.io import write_figure
 from rlhf_pipeline.ppo.kl import kl_penalty
@@ -162,11 +163,11 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
 
 def summarize(base: SampleSet, policy: SampleSet) -> dict:
     metrics = {
-        "proxy/base_mean": base.proxy.mean().item(),
-        "proxy/policy_mean": policy.proxy.mean().item(),
-        "kl/mean": policy.kl.mean().item(),
+        keys.PROXY_BASE_MEAN: base.proxy.mean().item(),
+        keys.PROXY_POLICY_MEAN: policy.proxy.mean().item(),
+        keys.KL: policy.kl.mean().item(),
         **({"kl/k1_mean": policy.kl_k1.mean().item()} if policy.kl_k1 is not policy.kl else {}),
-        "win_rate/proxy": win_rate(policy.proxy.numpy(), base.proxy.numpy()),
+        keys.WIN_RATE_PROXY: win_rate(policy.proxy.numpy(), base.proxy.numpy()),
         "valid/base": base.valid.float().mean().item(),
         "valid/policy": policy.valid.float().mean().item(),
     }
@@ -174,12 +175,12 @@ def summarize(base: SampleSet, policy: SampleSet) -> dict:
     if base.gold is not None and policy.gold is not None:
         metrics.update(
             {
-                "gold/base_mean": float(base.gold.mean()),
-                "gold/base_std": float(base.gold.std()),
-                "gold/policy_mean": float(policy.gold.mean()),
+                keys.GOLD_BASE_MEAN: float(base.gold.mean()),
+                keys.GOLD_BASE_STD: float(base.gold.std()),
+                keys.GOLD_POLICY_MEAN: float(policy.gold.mean()),
                 **_improvement("gold", policy.gold, base.gold),
-                "gold/queries": int(base.gold.size),
-                "win_rate/gold": win_rate(policy.gold, base.gold),
+                keys.GOLD_QUERIES: int(base.gold.size),
+                keys.WIN_RATE_GOLD: win_rate(policy.gold, base.gold),
             }
         )
     return metrics
@@ -189,8 +190,8 @@ def _improvement(score: str, policy_scores, base_scores) -> dict:
     """``score``'s paired improvement metrics: null, with ``<score>/improvement_undefined`` saying
     why, when the base's scores have no spread."""
     gain, stderr = paired_improvement(policy_scores, base_scores)
-    reason = {f"{score}/improvement_undefined": undefined_scale(base_scores)} if gain is None else {}
-    return {f"{score}/improvement_in_base_std": gain, f"{score}/improvement_stderr_in_base_std": stderr, **reason}
+    reason = {keys.gain_undefined(score): undefined_scale(base_scores)} if gain is None else {}
+    return {keys.gain(score): gain, keys.gain_se(score): stderr, **reason}
 
 
 def curve_point(update: int, sample: SampleSet, base: SampleSet) -> dict:

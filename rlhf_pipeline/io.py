@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline import paths
 from rlhf_pipeline.errors import (
     DamagedArtifactError,
     DataContractError,
@@ -30,9 +31,8 @@ from rlhf_pipeline.errors import (
 )
 
 CHECKSUMS = "SHA256SUMS"  # `sha256sum -c SHA256SUMS` format: "<hex>  <relative path>" per file, sorted
-LOCAL_MODELS = Path("data/models")  # declared in dvc.yaml as a dependency of the stages that read local models
-RAW_DATA = Path("data/raw")  # declared for corpus: a user corpus (data.corpus.source)
-LABELS = Path("data/labels")  # declared for queries and preferences: user labels and prompt files
+# a user's own files: dvc.yaml declares each folder a dependency of the stages that read it
+LOCAL_MODELS, RAW_DATA, LABELS = Path(paths.LOCAL_MODELS), Path(paths.RAW_DATA), Path(paths.LABELS)
 
 
 @contextlib.contextmanager

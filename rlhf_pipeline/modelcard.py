@@ -160,8 +160,11 @@ def add_held_out_results(directory: str | os.PathLike, results: list, source: st
     card.data.model_name = card.data.model_name or next(
         (line[2:].strip() for line in card.text.splitlines() if line.startswith("# ")), Path(directory).name
     )
+    listed = "".join(f"- {r.metric_name}: {r.metric_value:.4g}\n" for r in results)
     card.text = card.text.replace(
-        "## Evaluation\n\n", f"## Evaluation\n\nHeld-out results (the card's model-index) from {source}.\n\n", 1
+        "## Evaluation\n\n",
+        f"## Evaluation\n\nHeld-out results (also the card's model-index), from {source}:\n\n{listed}\n",
+        1,
     )
     with atomic_file(Path(directory, CARD)) as handle:
         handle.write(str(card))

@@ -30,8 +30,6 @@ import numpy as np
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.params.promotion import PromotionParams
 
-RESPONSES = "evaluation/responses.jsonl"
-EVALUATION_METRICS = "metrics/evaluate.json"
 Scorer = Callable[[list[str], list[str]], list[float]]  # (queries, responses) -> one score each
 
 

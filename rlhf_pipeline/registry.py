@@ -21,18 +21,20 @@ from typing import Any
 
 import yaml
 
+from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline.errors import PipelineError, SettingsError, quoted
 from rlhf_pipeline.gitrepo import file_at, resolve_rev
+from rlhf_pipeline.paths import EVALUATION_METRICS, REWARD_TRAIN_METRICS
 
 PROD = "prod"
 # the metrics a version is listed with: (file, key, label)
 VERSION_METRICS = (
-    ("metrics/evaluate.json", "gold/improvement_in_base_std", "gold gain"),
-    ("metrics/evaluate.json", "gold/improvement_stderr_in_base_std", "gold SE"),
-    ("metrics/evaluate.json", "proxy/improvement_in_base_std", "proxy gain"),
-    ("metrics/evaluate.json", "proxy/improvement_stderr_in_base_std", "proxy SE"),
-    ("metrics/evaluate.json", "kl/mean", "KL"),
-    ("metrics/reward_train.json", "test/accuracy", "RM accuracy"),
+    (EVALUATION_METRICS, keys.GOLD_GAIN, "gold gain"),
+    (EVALUATION_METRICS, keys.GOLD_GAIN_SE, "gold SE"),
+    (EVALUATION_METRICS, keys.PROXY_GAIN, "proxy gain"),
+    (EVALUATION_METRICS, keys.PROXY_GAIN_SE, "proxy SE"),
+    (EVALUATION_METRICS, keys.KL, "KL"),
+    (REWARD_TRAIN_METRICS, keys.RM_ACCURACY, "RM accuracy"),
 )
 _SPEC = re.compile(r"^(?P<name>[a-z0-9][a-z0-9-]*)(?:@(?P<version>v?\d+(?:\.\d+){0,2}|latest)|#(?P<stage>[a-z0-9-]+))$")
 

@@ -6,6 +6,7 @@ import _interpreter  # noqa: F401  (first: exit 6 when this Python lacks the pro
 
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
+from rlhf_pipeline import paths
 from rlhf_pipeline.environment import environment_record, record_lines
 from rlhf_pipeline.errors import ParamsError
 from rlhf_pipeline.fit import model_fit_problems
@@ -23,7 +24,7 @@ from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sources import add_dedicated_pad_token, load_source_model
 from rlhf_pipeline.tokens import describe_prefix
 
-OUT = "models/base"
+OUT = paths.BASE_MODEL
 
 
 class Params(StageParams):
@@ -61,6 +62,19 @@ def prefix_line(prefix: dict) -> str:
         f"- Every sequence starts with the tokenizer's own prefix {prefix['tokens']} (ids {prefix['ids']}), as "
         "its tokenizer adds it: queries, corpus prompts and reward-scored texts.\n"
     )
+
+
+def source_hash_line(provenance: dict) -> str:
+    """The card's line on the source's bytes: what its SHA-256 was taken over (one file, every file of
+    a folder), or why there is none."""
+    digest = provenance.get("source_sha256")
+    if digest is None and "revision" in provenance:
+        return f"Source: a hub model at revision `{provenance['revision'] or 'main'}`, not hashed here"
+    if digest is None:
+        return f"Source: built in ({provenance.get('upstream_format')}), no file to hash"
+    if provenance.get("source_file"):
+        return f"Source sha256: `{digest}` (of the file `{provenance['source_file']}`)"
+    return f"Source sha256: `{digest}` (a local folder: over every file in it)"
 
 
 def main(params: Params) -> None:
@@ -103,7 +117,7 @@ Materialised by the `base_model` stage from `{cfg.source}` as fp32 safetensors.
 - Dedicated pad token `{cfg.pad_token}` (id {pad_id}), distinct from eos (id {tokenizer.eos_token_id}),
   as lm-human-preferences requires.
 - Dropout: {cfg.dropout} (the reference trains with dropout off).
-{prefix_line(prefix)}- Source sha256: `{provenance.get("source_sha256")}` (a local folder: over every file in it)
+{prefix_line(prefix)}- {source_hash_line(provenance)}
 
 This is the frozen reference policy for PPO and the initialisation of the reward model and policy.
 

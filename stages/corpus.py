@@ -12,6 +12,7 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 
 from datasets import Dataset
 
+from rlhf_pipeline import paths
 from rlhf_pipeline.corpus import clean_passages, generate_passages, load_hub_passages, load_local_passages
 from rlhf_pipeline.devices import resolve_compute
 from rlhf_pipeline.io import RAW_DATA, atomic_dir, is_local_source, require_tracked_location
@@ -22,7 +23,7 @@ from rlhf_pipeline.params.data import GENERATED, DataParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.runner import run_stage
 
-BASE, OUT = "models/base", "data/corpus"
+BASE, OUT = paths.BASE_MODEL, paths.CORPUS
 
 
 class Params(StageParams):

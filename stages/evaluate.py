@@ -9,6 +9,7 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 import json
 from pathlib import Path
 
+from rlhf_pipeline import paths
 from rlhf_pipeline.devices import resolve_compute
 from rlhf_pipeline.evaluation import (
     Evaluation,
@@ -35,15 +36,9 @@ from rlhf_pipeline.reward.persistence import HEAD_FILE, load_reward_model
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sampling import ResponseSampler
 
-BASE, REWARD, POLICY, QUERIES, SNAPSHOTS = (
-    "models/base",
-    "models/reward",
-    "models/policy",
-    "data/queries",
-    "checkpoints/policy/snapshots",
-)
-OUT = Path("evaluation")
-METRICS = "metrics/evaluate.json"
+BASE, REWARD, POLICY, QUERIES = paths.BASE_MODEL, paths.REWARD, paths.POLICY, paths.QUERIES
+SNAPSHOTS = f"{paths.POLICY_CHECKPOINTS}/snapshots"
+OUT, METRICS = Path(paths.EVALUATION), paths.EVALUATION_METRICS
 
 
 class Params(StageParams):

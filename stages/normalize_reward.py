@@ -18,6 +18,7 @@ import math
 import torch
 from scipy.stats import spearmanr
 
+from rlhf_pipeline import paths
 from rlhf_pipeline.devices import resolve_compute
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import gold_labeler
@@ -34,8 +35,8 @@ from rlhf_pipeline.reward.persistence import HEAD_FILE, load_reward_model, save_
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sampling import ResponseSampler
 
-BASE, TRAINED, QUERIES = "models/base", "models/reward_unnormalized", "data/queries"
-OUT, METRICS = "models/reward", "metrics/reward.json"
+BASE, TRAINED, QUERIES = paths.BASE_MODEL, paths.REWARD_UNNORMALIZED, paths.QUERIES
+OUT, METRICS = paths.REWARD, paths.REWARD_METRICS
 
 
 class Params(StageParams):

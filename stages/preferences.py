@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
+from rlhf_pipeline import paths
 from rlhf_pipeline.devices import resolve_compute
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import LABELS, atomic_dir, is_local_source, require_tracked_location, write_json
@@ -40,7 +41,7 @@ from rlhf_pipeline.preferences.splits import label_rounds, load_user_frames
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sampling import ResponseSampler
 
-BASE, QUERIES, OUT, METRICS = "models/base", "data/queries", "data/preferences", "metrics/preferences.json"
+BASE, QUERIES, OUT, METRICS = paths.BASE_MODEL, paths.QUERIES, paths.PREFERENCES, paths.PREFERENCES_METRICS
 
 
 class Params(StageParams):

@@ -9,6 +9,7 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 
 from datasets import Dataset, DatasetDict, Features, List, Value, load_from_disk
 
+from rlhf_pipeline import paths
 from rlhf_pipeline.conversations import read_prompts, require_chat_template
 from rlhf_pipeline.errors import ParamsError, PipelineError
 from rlhf_pipeline.io import LABELS, atomic_dir, is_local_source, require_tracked_location, write_json
@@ -19,7 +20,7 @@ from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.queries import build_chat_queries, build_queries
 from rlhf_pipeline.runner import run_stage
 
-BASE, CORPUS, OUT, METRICS = "models/base", "data/corpus", "data/queries", "metrics/queries.json"
+BASE, CORPUS, OUT, METRICS = paths.BASE_MODEL, paths.CORPUS, paths.QUERIES, paths.QUERIES_METRICS
 FEATURES = Features({"query_ids": List(Value("int64")), "query": Value("string")})
 
 

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 
 import torch
 
+from rlhf_pipeline import paths
 from rlhf_pipeline.devices import DevicePlan, resolve_compute
 from rlhf_pipeline.distributed import lost_processes_reported, make_accelerator, whole_model
 from rlhf_pipeline.io import atomic_dir, content_hash, write_json
@@ -30,10 +31,10 @@ from rlhf_pipeline.reward.persistence import HEAD_FILE, load_reward_model
 from rlhf_pipeline.runner import declared_code_hash, project_root, run_stage
 from rlhf_pipeline.training import mean_of
 
-BASE, REWARD, QUERIES, PREFS = "models/base", "models/reward", "data/queries", "data/preferences"
-OUT, CHECKPOINTS, METRICS, LIVE = "models/policy", "checkpoints/policy", "metrics/policy.json", "dvclive/train_policy"
+BASE, REWARD, QUERIES, PREFS = paths.BASE_MODEL, paths.REWARD, paths.QUERIES, paths.PREFERENCES
+OUT, CHECKPOINTS, METRICS, LIVE = paths.POLICY, paths.POLICY_CHECKPOINTS, paths.POLICY_METRICS, paths.POLICY_LIVE
 RESUME = f"Its last checkpoint in {CHECKPOINTS} is kept: launch every process again and the stage resumes from it."
-SPEED = "metrics/speed.json"  # dvc.yaml's top-level metrics: git keeps it, dvc.lock records no hash of it
+SPEED = paths.SPEED_METRICS
 
 
 class Params(StageParams):
@@ -134,7 +135,12 @@ def main(params: Params) -> None:
     plan = resolve_compute(params.compute, cfg.deterministic)
     # one process unless `accelerate launch` started several; refuses what it cannot honour, before loading
     accelerator = make_accelerator(
-        plan.device, cfg.freeze_layers > 0, "train_policy", cfg.lora is not None, cfg.collective_timeout_s
+        plan.device,
+        cfg.freeze_layers > 0,
+        "train_policy",
+        cfg.lora is not None,
+        cfg.collective_timeout_s,
+        timeout_key="ppo.collective_timeout_s",
     )
     require_fit(cfg, BASE, accelerator.num_processes)  # the model's depth, modules and widths, from its config
     if uses_reward_model:
@@ -146,9 +152,7 @@ def main(params: Params) -> None:
     queries = load_queries(QUERIES, "train", tokenizer.pad_token_id)
     require_context(BASE, queries.shape[1], params.task.response_length)
     # a process that dies or hangs stops the others with a clear error; the checkpoints keep the work
-    with lost_processes_reported(
-        accelerator, "train_policy", "ppo.collective_timeout_s", cfg.collective_timeout_s, RESUME
-    ):
+    with lost_processes_reported(accelerator, "train_policy", RESUME):
         policy, history, timings, gold = train(params, plan, accelerator, tokenizer, queries, uses_reward_model)
     if not is_main:
         return

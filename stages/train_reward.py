@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from datasets import load_from_disk
 
+from rlhf_pipeline import paths
 from rlhf_pipeline.devices import DevicePlan, resolve_compute
 from rlhf_pipeline.distributed import lost_processes_reported, make_accelerator, whole_model
 from rlhf_pipeline.errors import PipelineError
@@ -40,8 +41,8 @@ from rlhf_pipeline.reward.training import (
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sampling import ResponseSampler
 
-BASE, PREFS, QUERIES, VALIDATION = "models/base", "data/preferences", "data/queries", "data/validation/summary.json"
-OUT, METRICS = "models/reward_unnormalized", "metrics/reward_train.json"
+BASE, PREFS, QUERIES, VALIDATION = paths.BASE_MODEL, paths.PREFERENCES, paths.QUERIES, paths.VALIDATION_SUMMARY
+OUT, METRICS = paths.REWARD_UNNORMALIZED, paths.REWARD_TRAIN_METRICS
 RESTART = "Reward training keeps no checkpoint (one pass over the labels): launch every process again to start over."
 
 
@@ -125,7 +126,12 @@ def main(params: Params) -> None:
         )
     plan = resolve_compute(params.compute)
     # one process unless `accelerate launch` started several (each then trains on its share of every batch)
-    accelerator = make_accelerator(plan.device, stage="train_reward", collective_timeout_s=cfg.collective_timeout_s)
+    accelerator = make_accelerator(
+        plan.device,
+        stage="train_reward",
+        collective_timeout_s=cfg.collective_timeout_s,
+        timeout_key="reward.train.collective_timeout_s",
+    )
     is_main = accelerator.is_main_process
     tokenizer = load_tokenizer(BASE)
     prefs = load_from_disk(PREFS)
@@ -146,9 +152,7 @@ def main(params: Params) -> None:
     train = preference_tensors(prefs["train"], plan.device)
     test = preference_tensors(prefs["test"], plan.device)
     # a process that dies or hangs stops the others with a clear error
-    with lost_processes_reported(
-        accelerator, "train_reward", "reward.train.collective_timeout_s", cfg.collective_timeout_s, RESTART
-    ):
+    with lost_processes_reported(accelerator, "train_reward", RESTART):
         with open_live("dvclive/train_reward") if is_main else nullcontext() as live:
             log = step_logger(live, ("loss", "accuracy", "lr"), prefix="train/")
             trained = not params.reward.pretrained

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
+from rlhf_pipeline import paths
 from rlhf_pipeline.contract import format_summary, optional_tokenizer, summary_payload, validate_dataframe
 from rlhf_pipeline.datadocs import write_data_docs
 from rlhf_pipeline.errors import DataContractError, PipelineError
@@ -25,7 +26,7 @@ from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.preferences.formats import PAIRED_FORMATS, display_names, internal_to_flat
 from rlhf_pipeline.runner import run_stage
 
-BASE, PREFS, OUT, DOCS = "models/base", "data/preferences", "data/validation", "data/validation_docs"
+BASE, PREFS, OUT, DOCS = paths.BASE_MODEL, paths.PREFERENCES, paths.VALIDATION, paths.VALIDATION_DOCS
 
 
 class Params(StageParams):

@@ -59,6 +59,10 @@ def test_model_card_front_matter(stage_run):
     card = read_model_card(root / "models/base")
     assert card["source"] == "data/models/tiny"
     assert card["source_sha256"] == content_hash(root / "data/models/tiny")  # every file of the folder
+    assert (
+        f"`{card['source_sha256']}` (a local folder: over every file in it)"
+        in (root / "models/base/README.md").read_text()
+    )
     assert card["parameters"] > 10_000
     assert card["base_model"] == "example-org/tiny-llama" and card["license"] == "mit"  # from the source's card
     assert card["pipeline_tag"] == "text-generation" and "tmp-" not in (root / "models/base/README.md").read_text()
@@ -152,6 +156,8 @@ def test_a_users_gguf_is_a_source_like_the_default(tmp_path):
     assert card["source_sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
     assert card["source_format"] == f"GGUF Q4_1 ({gguf.name}), dequantised to fp32" and card["source_file"] == gguf.name
     assert "sequence_prefix" not in card and card.get("base_model") is None  # "SmolLM2 135M Instruct" is no hub id
+    text = (tmp_path / "models/base/README.md").read_text()  # the hash said to be the file's, not a folder's
+    assert f"`{card['source_sha256']}` (of the file `{gguf.name}`)" in text and "a local folder" not in text
     assert (tmp_path / "models/base/model.safetensors").is_file() and not list(
         (tmp_path / "models/base").glob("*.gguf")
     )

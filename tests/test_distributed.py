@@ -20,7 +20,8 @@ import yaml
 from safetensors.torch import load_file
 from test_ppo import policy_project, queries, reward_model  # noqa: F401  (the tiny PPO project fixtures)
 
-from rlhf_pipeline.distributed import lost_processes_reported, refuse_unsupported
+from rlhf_pipeline import distributed
+from rlhf_pipeline.distributed import lost_processes_reported, make_accelerator, refuse_unsupported
 from rlhf_pipeline.errors import NOT_RETRIED_EXIT_CODES, LostProcessError, PipelineError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,10 +228,12 @@ GLOO_TIMEOUT = (
         (GLOO_TIMEOUT, "another process did not answer within ppo.collective_timeout_s = 15 s"),
     ],
 )
-def test_a_lost_process_is_reported_as_a_retried_pipeline_error(reason, said):
-    """The words are gloo's own (measured on torch 2.13 with a killed and a stopped peer)."""
+def test_a_lost_process_is_reported_as_a_retried_pipeline_error(reason, said, monkeypatch):
+    """The words are gloo's own (measured on torch 2.13 with a killed and a stopped peer); the timeout
+    and its key are the ones make_accelerator was given."""
+    monkeypatch.setattr(distributed, "_group_timeout", ("ppo.collective_timeout_s", 15.0))
     with pytest.raises(LostProcessError) as caught:
-        with lost_processes_reported(Processes(2), "train_policy", "ppo.collective_timeout_s", 15.0, "Resume it."):
+        with lost_processes_reported(Processes(2), "train_policy", "Resume it."):
             raise RuntimeError(reason)
     message = str(caught.value)
     assert message.startswith(f"train_policy: process 0 of 2 stopped because {said}")
@@ -238,12 +241,22 @@ def test_a_lost_process_is_reported_as_a_retried_pipeline_error(reason, said):
     assert caught.value.exit_code not in NOT_RETRIED_EXIT_CODES  # another launch can succeed
 
 
+def test_the_timeout_is_said_once_to_make_accelerator(monkeypatch):
+    """The stages give the process group's timeout to make_accelerator alone; a lost process's message
+    names that key and value (a process has one process group)."""
+    monkeypatch.setattr(distributed, "_group_timeout", distributed._group_timeout)
+    make_accelerator(torch.device("cpu"), stage="train_reward", collective_timeout_s=42.0, timeout_key="a.b")
+    with pytest.raises(LostProcessError, match=r"did not answer within a\.b = 42 s"):
+        with lost_processes_reported(Processes(2), "train_reward", ""):
+            raise RuntimeError(GLOO_TIMEOUT)
+
+
 def test_other_errors_and_a_single_process_pass_unchanged():
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        with lost_processes_reported(Processes(2), "train_policy", "ppo.collective_timeout_s", 15.0, ""):
+        with lost_processes_reported(Processes(2), "train_policy", ""):
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
     with pytest.raises(RuntimeError, match="Connection closed by peer"):  # one process has no peers to lose
-        with lost_processes_reported(Processes(1), "train_policy", "ppo.collective_timeout_s", 15.0, ""):
+        with lost_processes_reported(Processes(1), "train_policy", ""):
             raise RuntimeError(GLOO_CLOSED)
 
 

@@ -326,6 +326,7 @@ def test_the_base_model_stage_runs_only_the_bottom_of_the_library():
         "rlhf_pipeline/params/ppo.py",
         "rlhf_pipeline/params/reward.py",
         "rlhf_pipeline/params/task.py",
+        "rlhf_pipeline/paths.py",
         "rlhf_pipeline/runner.py",
         "rlhf_pipeline/sources.py",
         "rlhf_pipeline/tokens.py",
@@ -388,6 +389,34 @@ def test_only_gitrepo_starts_git():
 
 def test_the_registry_reads_git_below_the_lineage_records():
     """registry.py used to import lineage/record.py (the one upward arrow); both now read git below them."""
-    for name in ("registry.py", "versions.py"):
+    for name in ("registry.py", "models_command.py"):
         imported = imported_modules(REPO / "rlhf_pipeline" / name)
         assert "rlhf_pipeline.gitrepo" in imported and "rlhf_pipeline.lineage.record" not in imported, name
+
+
+def test_the_pipeline_s_paths_are_dvc_yaml_s():
+    """rlhf_pipeline/paths.py is the code's one home for the pipeline's paths: each stage output it
+    names is an output (or a metrics file) of dvc.yaml, or a folder of them or a file in one, and each
+    user folder a dependency there."""
+    import yaml
+
+    from rlhf_pipeline import paths
+
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    outs, deps = set(), set()
+    for spec in stages.values():
+        for out in [*spec.get("outs", []), *spec.get("metrics", []), *spec.get("plots", [])]:
+            outs.add(next(iter(out)) if isinstance(out, dict) else out)
+        deps.update(d.split("#")[0].strip() for d in spec.get("deps", []))
+    top_metrics = set(yaml.safe_load((REPO / "dvc.yaml").read_text()).get("metrics", []))
+    named = {k: v for k, v in vars(paths).items() if k.isupper() and isinstance(v, str)}
+    user_folders = {paths.LOCAL_MODELS, paths.RAW_DATA, paths.LABELS}
+    missing = [
+        f"{name} = {path}"
+        for name, path in named.items()
+        if path not in user_folders
+        and path not in outs | top_metrics
+        and not any(path.startswith(f"{o}/") or o.startswith(f"{path}/") for o in outs)
+    ]
+    assert missing == [], f"paths.py names what no stage of dvc.yaml writes: {missing}"
+    assert user_folders <= deps, user_folders - deps

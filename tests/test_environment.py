@@ -11,7 +11,6 @@ import pytest
 from packaging.requirements import Requirement
 
 from rlhf_pipeline.environment import (
-    LOCK_FILE,
     OUTSIDE_LOCK,
     canonical,
     compare,
@@ -21,6 +20,7 @@ from rlhf_pipeline.environment import (
     locked_versions,
     record_lines,
 )
+from rlhf_pipeline.paths import REQUIREMENTS_LOCK
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,19 +46,19 @@ def lock_problems(locked: dict[str, str], torch_version: str) -> list[str]:
             if not requirement.specifier.contains(torch_version):
                 problems.append(f"{requirement}: the Makefile installs {name} {torch_version}")
         elif name not in locked:
-            problems.append(f"{requirement}: not in {LOCK_FILE}")
+            problems.append(f"{requirement}: not in {REQUIREMENTS_LOCK}")
         elif not requirement.specifier.contains(locked[name], prereleases=True):
-            problems.append(f"{requirement}: {LOCK_FILE} has {locked[name]}")
+            problems.append(f"{requirement}: {REQUIREMENTS_LOCK} has {locked[name]}")
     return problems
 
 
 def test_the_lock_satisfies_every_requirement_of_pyproject():
-    problems = lock_problems(locked_versions((REPO / LOCK_FILE).read_text()), makefile_value("TORCH_VERSION"))
-    assert not problems, f"pyproject.toml and {LOCK_FILE} disagree (run `make lock`):\n" + "\n".join(problems)
+    problems = lock_problems(locked_versions((REPO / REQUIREMENTS_LOCK).read_text()), makefile_value("TORCH_VERSION"))
+    assert not problems, f"pyproject.toml and {REQUIREMENTS_LOCK} disagree (run `make lock`):\n" + "\n".join(problems)
 
 
 def test_a_disagreement_between_pyproject_and_the_lock_is_found():
-    locked = locked_versions((REPO / LOCK_FILE).read_text())
+    locked = locked_versions((REPO / REQUIREMENTS_LOCK).read_text())
     stale = {**locked, "transformers": "4.57.0"}  # pyproject asks for >=5
     del stale["gto"]
     problems = lock_problems(stale, "2.12.0")
@@ -68,7 +68,7 @@ def test_a_disagreement_between_pyproject_and_the_lock_is_found():
 
 
 def test_the_lock_pins_every_package_with_hashes_and_holds_the_default_model():
-    text = (REPO / LOCK_FILE).read_text()
+    text = (REPO / REQUIREMENTS_LOCK).read_text()
     blocks = re.split(r"\n(?=[A-Za-z0-9])", text)
     pinned = [b for b in blocks if re.match(r"[A-Za-z0-9][\w.-]*(\[.*\])?==", b)]
     assert len(pinned) == len(locked_versions(text)) > 100
@@ -98,11 +98,11 @@ def test_the_running_venv_is_the_lock():
 def test_a_record_names_its_lock_and_compares_at_package_level(tmp_path):
     old_lock = "transformers==5.23.0 \\\n    --hash=sha256:aa\nnumpy==2.4.6 \\\n    --hash=sha256:bb\n"
     new_lock = old_lock.replace("5.23.0", "5.24.0")
-    (tmp_path / LOCK_FILE).write_text(old_lock)
+    (tmp_path / REQUIREMENTS_LOCK).write_text(old_lock)
     recorded = environment_record(tmp_path)
-    assert recorded["lock"] == LOCK_FILE and len(recorded["lock_sha256"]) == 64
+    assert recorded["lock"] == REQUIREMENTS_LOCK and len(recorded["lock_sha256"]) == 64
     assert "transformers" in recorded["differs_from_lock"]  # this venv has other versions than the toy lock
-    (tmp_path / LOCK_FILE).write_text(new_lock)
+    (tmp_path / REQUIREMENTS_LOCK).write_text(new_lock)
     current = environment_record(tmp_path)
     texts = {recorded["lock_sha256"]: old_lock, current["lock_sha256"]: new_lock}
     assert compare(recorded, recorded, texts) == {"same": True, "packages": {}, "note": None}
@@ -121,7 +121,7 @@ def test_a_record_names_its_lock_and_compares_at_package_level(tmp_path):
 @pytest.mark.parametrize("with_lock", [True, False])
 def test_a_card_s_lines_say_what_differs(tmp_path, with_lock):
     if with_lock:
-        (tmp_path / LOCK_FILE).write_text("numpy==0.0.1 \\\n    --hash=sha256:bb\n")
+        (tmp_path / REQUIREMENTS_LOCK).write_text("numpy==0.0.1 \\\n    --hash=sha256:bb\n")
     line = record_lines(environment_record(tmp_path))[0]
     assert line.startswith("- environment: ")
     assert ("numpy" in line and "(locked 0.0.1)" in line) if with_lock else "no requirements.lock" in line

@@ -288,6 +288,25 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(
     assert json.loads((tmp_path / "ck/state/meta.json").read_text())["update"] == 2
 
 
+def test_an_error_mid_run_ends_the_progress_bar_s_line(tiny_base_dir, reward_model, queries, capsys, monkeypatch):
+    """The bar is closed when an update fails, so the stage's error message (printed next, on stderr
+    too) starts a line of its own instead of running on after the bar's last refresh."""
+    trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params())
+    real_rollout = trainer.rollout
+
+    def failing(update):
+        if update == 1:
+            raise NonFiniteError("the weights after update 1 are not finite")
+        return real_rollout(update)
+
+    monkeypatch.setattr(trainer, "rollout", failing)
+    with pytest.raises(NonFiniteError) as info:  # held, as the stage runner holds it while it reports it
+        trainer.train(progress=True)
+    err = capsys.readouterr().err
+    assert "train_policy" in err and err.endswith("\n"), repr(err[-200:])
+    assert info.value.exit_code == 4
+
+
 def test_stop_at_eos_masks_tokens_after_eos(tiny_base_dir, reward_model, queries):
     params = Params.model_validate(
         {

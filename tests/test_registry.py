@@ -170,8 +170,8 @@ def test_gate_both_ways_register_every_version_and_roll_back(versioned, tmp_path
     stages = {row["version"]: row["stages"] for row in listed if row["artifact"] == "policy"}
     assert stages["v1.0.0"] == ["prod"] and stages["v2.0.0"] == []
     fetched = tmp_path / "prod-policy"
-    out = rlhf(root, "models", "get", "policy", "--from-stage", "prod", "-o", str(fetched)).stdout
-    assert "policy@v1.0.0" in out and "match its SHA256SUMS" in out
+    out = rlhf(root, "models", "get", "policy", "--from-stage", "prod", "--as-recorded", "-o", str(fetched)).stdout
+    assert "policy@v1.0.0" in out and "match its SHA256SUMS" in out and "held-out results" not in out
     v1_sums = sh(["git", "show", "policy@v1.0.0:dvc.lock"], root).stdout
     workspace_sums = read_checksums(root / "models/policy" / CHECKSUMS)
     assert read_checksums(fetched / CHECKSUMS) != workspace_sums  # the workspace moved on (v2)
@@ -182,13 +182,13 @@ def test_gate_both_ways_register_every_version_and_roll_back(versioned, tmp_path
     sh(["dvc", "artifacts", "get", str(root), "policy", "--stage", "prod", "-o", str(dvc_out)], tmp_path)
     assert read_checksums(dvc_out / CHECKSUMS) == read_checksums(fetched / CHECKSUMS)
 
-    # the copy to publish: v1's card gains the held-out results its commit recorded (model-index), the
-    # rest is v1's bytes, and SHA256SUMS names the new card
+    # the card a user gets: v1's card gains the held-out results its commit recorded (in its text and as
+    # its model-index), the rest is v1's bytes, and SHA256SUMS names the new card
     from huggingface_hub import ModelCard
 
     published = tmp_path / "published"
-    out = rlhf(root, "models", "get", "policy", "v1", "--with-results", "-o", str(published)).stdout
-    assert "model-index holds the version's held-out results" in out
+    out = rlhf(root, "models", "get", "policy", "v1", "-o", str(published)).stdout
+    assert "the card holds the version's held-out results" in out
     v1_measured = json.loads(sh(["git", "show", "policy@v1.0.0:metrics/evaluate.json"], root).stdout)
     card = ModelCard.load(published / "README.md")
     results = {r.metric_type: r.metric_value for r in card.data.eval_results}
@@ -199,6 +199,7 @@ def test_gate_both_ways_register_every_version_and_roll_back(versioned, tmp_path
     gain = v1_measured.get("gold/improvement_in_base_std")
     assert results.get("gold_gain") == (None if gain is None else round(gain, 4))
     assert card.data.model_name and "policy@v1.0.0" in card.text
+    assert f"- KL from the base model (nats per response): {results['kl']:.4g}\n" in card.text
     assert checksum_problems(published, read_checksums(published / CHECKSUMS)) == []
     changed = {
         f for f, h in read_checksums(published / CHECKSUMS).items() if read_checksums(fetched / CHECKSUMS)[f] != h

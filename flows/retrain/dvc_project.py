@@ -25,7 +25,8 @@ from rlhf_pipeline.errors import (
     StorageError,
     storage_failure,
 )
-from rlhf_pipeline.lineage.record import LOCK_COPY, LOCK_FILE, lock_problem, stage_name
+from rlhf_pipeline.lineage.record import lock_problem, stage_name
+from rlhf_pipeline.paths import DVC_LOCK, DVC_LOCK_COPY
 
 DEFAULT_LOCAL_REMOTE = "localremote"
 OUTPUT_TAIL_LINES = 40
@@ -60,14 +61,14 @@ def open_repo(root: Path):
 
 
 def keep_lock_copy(root: Path) -> bool:
-    """Copy ``root``/dvc.lock to :data:`LOCK_COPY` (atomically), if DVC can read it; False when
+    """Copy ``root``/dvc.lock to :data:`DVC_LOCK_COPY` (atomically), if DVC can read it; False when
     there is no dvc.lock yet."""
-    lock = root / LOCK_FILE
+    lock = root / DVC_LOCK
     if not lock.is_file():
         return False
     if lock_problem(str(root)) is not None:
         return True  # unreadable already: the copy from before stays the good one
-    target = root / LOCK_COPY
+    target = root / DVC_LOCK_COPY
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".dvc.lock.", dir=target.parent)
     os.close(fd)
@@ -84,14 +85,14 @@ def restore_lock_copy(root: Path, logger, had_lock: bool = True) -> None:
     a failed run leaves it as it was, unless DVC was killed while writing it. A kill mid-write can
     leave a file that no longer parses, or (cut at a line end) one that parses but lost records; the
     copy is right in both cases, and the stage it was taken for simply runs again."""
-    copy, lock = root / LOCK_COPY, root / LOCK_FILE
+    copy, lock = root / DVC_LOCK_COPY, root / DVC_LOCK
     if not had_lock:
         if lock.is_file():
             lock.unlink()
-            logger.warning("%s appeared under a failed `dvc repro`; removed it", LOCK_FILE)
+            logger.warning("%s appeared under a failed `dvc repro`; removed it", DVC_LOCK)
     elif copy.is_file() and (not lock.is_file() or lock.read_bytes() != copy.read_bytes()):
         shutil.copyfile(copy, lock)
-        logger.warning("%s changed under a failed `dvc repro`; put back the copy taken before the stage", LOCK_FILE)
+        logger.warning("%s changed under a failed `dvc repro`; put back the copy taken before the stage", DVC_LOCK)
 
 
 def recover_unreadable_lock(root: Path, logger) -> None:
@@ -101,17 +102,17 @@ def recover_unreadable_lock(root: Path, logger) -> None:
     problem = lock_problem(str(root))
     if problem is None:
         return
-    copy = root / LOCK_COPY
+    copy = root / DVC_LOCK_COPY
     if not copy.is_file():
         raise RetrainError(
-            f"{root / LOCK_FILE} cannot be read by DVC ({problem}), and the flow holds no earlier copy of it "
-            f"({copy}). Restore the last committed one with `git checkout -- {LOCK_FILE}`, then run the flow (or "
+            f"{root / DVC_LOCK} cannot be read by DVC ({problem}), and the flow holds no earlier copy of it "
+            f"({copy}). Restore the last committed one with `git checkout -- {DVC_LOCK}`, then run the flow (or "
             "`dvc repro`) again: stages recorded since that commit rerun or come back from DVC's run cache.",
             ParamsError.exit_code,
         )
-    shutil.copyfile(copy, root / LOCK_FILE)
+    shutil.copyfile(copy, root / DVC_LOCK)
     logger.warning(
-        "%s could not be read by DVC (%s); restored the copy taken before the last stage, %s", LOCK_FILE, problem, copy
+        "%s could not be read by DVC (%s); restored the copy taken before the last stage, %s", DVC_LOCK, problem, copy
     )
 
 

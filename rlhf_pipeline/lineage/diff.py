@@ -17,8 +17,8 @@ from rlhf_pipeline.errors import SettingsError, quoted
 from rlhf_pipeline.gitrepo import resolve_rev
 from rlhf_pipeline.lineage import facts, record
 from rlhf_pipeline.lineage.event import build_lineage
+from rlhf_pipeline.paths import PREFERENCES
 
-PREFERENCES = "data/preferences"
 CODE_SUFFIXES = (".py",)
 
 

@@ -11,16 +11,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.environment import LOCK_FILE, compare, environment_record
+from rlhf_pipeline.environment import compare, environment_record
 from rlhf_pipeline.gitrepo import commits_touching, file_bytes_at
 from rlhf_pipeline.lineage.record import is_under, project_root, read_text, repo_path, revision, stage_name
 from rlhf_pipeline.modelcard import CARD
+from rlhf_pipeline.paths import BASE_MODEL as BASE_MODEL_DIR
+from rlhf_pipeline.paths import PREFERENCES as PREFERENCES_DIR
+from rlhf_pipeline.paths import REQUIREMENTS_LOCK, VALIDATION_SUMMARY
 
 PACKAGES = ("torch", "transformers", "datasets", "dvc", "prefect")
-VALIDATION_SUMMARY = "data/validation/summary.json"
-PREFERENCES_DIR = "data/preferences"
 PREFERENCE_PROVENANCE = f"{PREFERENCES_DIR}/format.json"  # the stage's record of the labels' source and rounds
-BASE_MODEL_DIR = "models/base"
 BASE_MODEL_KEYS = ("source", "source_sha256", "source_file", "base_model", "revision", "sequence_prefix")
 MODEL_CARD_KEYS = ("base_model", "library_name", "device", "license", "task_mode", "chat_template_sha256")
 
@@ -101,9 +101,9 @@ def lock_texts(root: str) -> dict[str, str]:
     import hashlib
 
     texts = {}
-    blobs = [Path(root, LOCK_FILE).read_bytes()] if Path(root, LOCK_FILE).is_file() else []
-    for commit in commits_touching(root, LOCK_FILE):
-        if (shown := file_bytes_at(root, commit, LOCK_FILE)) is not None:
+    blobs = [Path(root, REQUIREMENTS_LOCK).read_bytes()] if Path(root, REQUIREMENTS_LOCK).is_file() else []
+    for commit in commits_touching(root, REQUIREMENTS_LOCK):
+        if (shown := file_bytes_at(root, commit, REQUIREMENTS_LOCK)) is not None:
             blobs.append(shown)
     for blob in blobs:
         texts.setdefault(hashlib.sha256(blob).hexdigest(), blob.decode("utf-8", "replace"))

@@ -14,13 +14,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 from rlhf_pipeline.errors import PipelineError, SettingsError, plain, quoted
 from rlhf_pipeline.gitrepo import git, resolve_rev
+from rlhf_pipeline.paths import DVC_LOCK, DVC_LOCK_COPY
 
 # DVC's words for an entry that differs from the lock -> the report's
 STATUS_WORDS = {"deleted": "missing", "new": "unknown"}
-LOCK_FILE = "dvc.lock"
-# the retrain flow's copy of the last dvc.lock DVC could read, taken before each stage (DVC rewrites
-# dvc.lock in place: a kill during that write leaves it truncated, and no dvc command reads it then)
-LOCK_COPY = ".dvc/tmp/dvc.lock.last-good"
 
 
 def lock_problem(root: str) -> str | None:
@@ -29,7 +26,7 @@ def lock_problem(root: str) -> str | None:
     from dvc.dvcfile import Lockfile
     from dvc.repo import Repo
 
-    path = Path(root, LOCK_FILE)
+    path = Path(root, DVC_LOCK)
     if not path.is_file():
         return None
     try:
@@ -88,9 +85,9 @@ def open_repo(path: str | os.PathLike, rev: str | None = None):
         raise SettingsError(f"{quoted(str(path))} is outside the DVC repository at {root}; nothing was read.")
     if not rev and (problem := lock_problem(root)):
         raise PipelineError(
-            f"{Path(root, LOCK_FILE)} cannot be read by DVC ({problem}): a dvc command was probably killed while "
-            f"rewriting it. Restore the last committed one with `git checkout -- {LOCK_FILE}` (or the retrain "
-            f"flow's copy: `cp {LOCK_COPY} {LOCK_FILE}`), then `dvc repro`: the stages recorded "
+            f"{Path(root, DVC_LOCK)} cannot be read by DVC ({problem}): a dvc command was probably killed while "
+            f"rewriting it. Restore the last committed one with `git checkout -- {DVC_LOCK}` (or the retrain "
+            f"flow's copy: `cp {DVC_LOCK_COPY} {DVC_LOCK}`), then `dvc repro`: the stages recorded "
             "since rerun, or come back from DVC's run cache."
         )
     try:

@@ -194,7 +194,12 @@ class PPOTrainer:
         gradient (sizes stay global)."""
         cfg = self.cfg
         self.accelerator = accelerator or distributed.make_accelerator(
-            self.device, cfg.freeze_layers > 0, "train_policy", cfg.lora is not None, cfg.collective_timeout_s
+            self.device,
+            cfg.freeze_layers > 0,
+            "train_policy",
+            cfg.lora is not None,
+            cfg.collective_timeout_s,
+            timeout_key="ppo.collective_timeout_s",
         )
         self.world_size, self.rank = self.accelerator.num_processes, self.accelerator.process_index
         self.minibatch_share = cfg.batch_size // cfg.nminibatches // self.world_size
@@ -493,34 +498,38 @@ class PPOTrainer:
         bar = tqdm(
             total=self.num_updates, initial=self.start_update, desc="train_policy", unit="update", disable=not progress
         )
-        for update in range(self.start_update, self.num_updates):
-            started = time.perf_counter()
-            ro = self.rollout(update)
-            adv = self.advantages(ro)
-            t_train = time.perf_counter()
-            opt_stats = self.optimize(ro, adv, update)
-            mean_kl = (kl_penalty(ro.logprobs, ro.ref_logprobs, self.cfg.kl.estimator) * ro.mask).sum(-1).mean().item()
-            kl_coef = self.kl_ctl.value
-            self.kl_ctl.update(mean_kl, self.cfg.batch_size)
-            elapsed = time.perf_counter() - started
-            record = self.record(update, ro, adv, opt_stats, mean_kl, kl_coef)
-            self.history.append(record)
-            self.timings.append(
-                {
-                    **ro.timings,
-                    "time/training": time.perf_counter() - t_train,
-                    "time/update": elapsed,
-                    "episodes_per_second": self.cfg.batch_size / elapsed,
-                }
-            )
-            if self.log is not None:
-                self.log(record)
-            bar.update(1)
-            bar.set_postfix(score=f"{record['objective/score']:.3f}", kl=f"{mean_kl:.2f}")
-            done = update + 1
-            if self.checkpointer is not None and (done % self.cfg.checkpoint_every == 0 or done == self.num_updates):
-                self.save_checkpoint(done)
-        bar.close()
+        with bar:  # closed on an error too: the stage's error message then starts a line of its own
+            for update in range(self.start_update, self.num_updates):
+                started = time.perf_counter()
+                ro = self.rollout(update)
+                adv = self.advantages(ro)
+                t_train = time.perf_counter()
+                opt_stats = self.optimize(ro, adv, update)
+                mean_kl = (
+                    (kl_penalty(ro.logprobs, ro.ref_logprobs, self.cfg.kl.estimator) * ro.mask).sum(-1).mean().item()
+                )
+                kl_coef = self.kl_ctl.value
+                self.kl_ctl.update(mean_kl, self.cfg.batch_size)
+                elapsed = time.perf_counter() - started
+                record = self.record(update, ro, adv, opt_stats, mean_kl, kl_coef)
+                self.history.append(record)
+                self.timings.append(
+                    {
+                        **ro.timings,
+                        "time/training": time.perf_counter() - t_train,
+                        "time/update": elapsed,
+                        "episodes_per_second": self.cfg.batch_size / elapsed,
+                    }
+                )
+                if self.log is not None:
+                    self.log(record)
+                bar.update(1)
+                bar.set_postfix(score=f"{record['objective/score']:.3f}", kl=f"{mean_kl:.2f}")
+                done = update + 1
+                if self.checkpointer is not None and (
+                    done % self.cfg.checkpoint_every == 0 or done == self.num_updates
+                ):
+                    self.save_checkpoint(done)
         return self.history
 
 

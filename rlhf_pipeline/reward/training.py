@@ -133,7 +133,10 @@ def train_reward_model(
     Returns one record per optimizer step (step, loss, accuracy, lr); ``log(record)`` is called too.
     """
     accelerator = accelerator or distributed.make_accelerator(
-        torch.device("cpu"), stage="train_reward", collective_timeout_s=cfg.collective_timeout_s
+        torch.device("cpu"),
+        stage="train_reward",
+        collective_timeout_s=cfg.collective_timeout_s,
+        timeout_key="reward.train.collective_timeout_s",
     )
     if cfg.batch_size % accelerator.num_processes:
         raise PipelineError(
@@ -152,35 +155,40 @@ def train_reward_model(
     bar = tqdm(
         total=steps_per_epoch * cfg.epochs, desc="train_reward", unit="step", disable=not accelerator.is_main_process
     )
-    for epoch in range(cfg.epochs):
-        order = torch.randperm(num_labels, generator=generator)
-        for start in range(0, steps_per_epoch * cfg.batch_size, cfg.batch_size):
-            lr = linear_anneal(epoch * num_labels + start, num_labels * cfg.epochs, cfg.lr)
-            set_lr(optimizer, lr)
-            batch = order[start : start + cfg.batch_size]
-            share = batch[distributed.share(accelerator, len(batch))]
-            records = accumulate_and_step(
-                accelerator,
-                scorer,
-                optimizer,
-                share.split(cfg.microbatch_size),
-                lambda micro: _label_loss(scorer, labels, micro, autocast),
-                lambda what, detail: _non_finite(what, len(history), detail),
-                cfg.max_grad_norm,
-                model,
-            )
-            # loss and correct choices summed over every process's rows: the one-process figures
-            sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-            for loss, accuracy, rows in records:
-                sums += torch.tensor([loss, accuracy], dtype=torch.float64, device=accelerator.device) * rows
-            loss_sum, correct = distributed.sum_over_processes(accelerator, sums).tolist()
-            record = {"step": len(history), "loss": loss_sum / len(batch), "accuracy": correct / len(batch), "lr": lr}
-            history.append(record)
-            if log is not None:
-                log(record)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.2f}")
-    bar.close()
+    with bar:  # closed on an error too: the stage's error message then starts a line of its own
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(num_labels, generator=generator)
+            for start in range(0, steps_per_epoch * cfg.batch_size, cfg.batch_size):
+                lr = linear_anneal(epoch * num_labels + start, num_labels * cfg.epochs, cfg.lr)
+                set_lr(optimizer, lr)
+                batch = order[start : start + cfg.batch_size]
+                share = batch[distributed.share(accelerator, len(batch))]
+                records = accumulate_and_step(
+                    accelerator,
+                    scorer,
+                    optimizer,
+                    share.split(cfg.microbatch_size),
+                    lambda micro: _label_loss(scorer, labels, micro, autocast),
+                    lambda what, detail: _non_finite(what, len(history), detail),
+                    cfg.max_grad_norm,
+                    model,
+                )
+                # loss and correct choices summed over every process's rows: the one-process figures
+                sums = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+                for loss, accuracy, rows in records:
+                    sums += torch.tensor([loss, accuracy], dtype=torch.float64, device=accelerator.device) * rows
+                loss_sum, correct = distributed.sum_over_processes(accelerator, sums).tolist()
+                record = {
+                    "step": len(history),
+                    "loss": loss_sum / len(batch),
+                    "accuracy": correct / len(batch),
+                    "lr": lr,
+                }
+                history.append(record)
+                if log is not None:
+                    log(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.2f}")
     model.eval()
     return history
 

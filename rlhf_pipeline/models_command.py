@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline import metric_keys as keys
+from rlhf_pipeline import paths
 from rlhf_pipeline.errors import DamagedArtifactError, PipelineError
 from rlhf_pipeline.gitrepo import file_at, git
 from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, write_checksums
@@ -22,8 +24,6 @@ from rlhf_pipeline.lineage.verify import tree_md5
 from rlhf_pipeline.modelcard import add_held_out_results, held_out_result
 from rlhf_pipeline.params.schema import load_params
 from rlhf_pipeline.promotion import (
-    EVALUATION_METRICS,
-    RESPONSES,
     Side,
     compare,
     decide,
@@ -45,9 +45,6 @@ from rlhf_pipeline.registry import (
 )
 
 POLICY, REWARD_MODEL = "policy", "reward-model"
-REWARD_DIR = "models/reward"
-# what a retrain run writes that git keeps: the record of the version
-RUN_RECORD = ("dvc.lock", "metrics", "evaluation")
 SCORE_BATCH = 64
 
 
@@ -98,7 +95,7 @@ def render_listing(rows: list[dict[str, Any]]) -> str:
 
 def require_recorded_run(root: str | Path) -> None:
     """The gate registers HEAD: the run it judges must be what HEAD records."""
-    changed = (git(str(root), "status", "--porcelain", "--untracked-files=all", "--", *RUN_RECORD) or "").strip()
+    changed = (git(str(root), "status", "--porcelain", "--untracked-files=all", "--", *paths.RUN_RECORD) or "").strip()
     if changed:
         listed = ", ".join(line[3:] for line in changed.splitlines()[:6])
         raise PipelineError(
@@ -111,7 +108,7 @@ def reward_scorer(root: str | Path):
     """The challenger's reward model as a text scorer, in batches."""
     from rlhf_pipeline.reward.persistence import load_reward_model  # loads torch and transformers: only for the gate
 
-    model = load_reward_model(Path(root, REWARD_DIR))
+    model = load_reward_model(Path(root, paths.REWARD))
 
     def score(queries: list[str], responses: list[str]) -> list[float]:
         out: list[float] = []
@@ -136,13 +133,14 @@ def incumbent_side(root: str | Path, challenger_rows: list[dict]) -> tuple[Side,
         return Side(
             "base model", [r["query"] for r in challenger_rows], [r["base_response"] for r in challenger_rows]
         ), None
-    text = file_at(root, prod.commit, RESPONSES)
+    text = file_at(root, prod.commit, paths.EVALUATION_RESPONSES)
     if text is None:
         raise PipelineError(
-            f"{prod.tag} (prod) has no {RESPONSES} at {prod.commit[:12]}: it predates the gate. Assign prod to a "
-            "version evaluated since (`rlhf models assign policy VERSION`), or rerun its evaluation and register it."
+            f"{prod.tag} (prod) has no {paths.EVALUATION_RESPONSES} at {prod.commit[:12]}: it predates the gate. "
+            "Assign prod to a version evaluated since (`rlhf models assign policy VERSION`), or rerun its evaluation "
+            "and register it."
         )
-    rows = read_responses(text, f"{RESPONSES} at {prod.tag}")
+    rows = read_responses(text, f"{paths.EVALUATION_RESPONSES} at {prod.tag}")
     return Side(prod.tag, [r["query"] for r in rows], [r["policy_response"] for r in rows]), prod
 
 
@@ -158,18 +156,20 @@ def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dic
         outcome = f"no new version: {existing.tag} already has the policy HEAD records"
         return {"decision": None, "registered": existing.tag, "outcome": outcome, "markdown": ""}
     # judged before it is registered: a comparison that cannot be made leaves no undecided version
-    if not Path(root, RESPONSES).is_file():
-        raise PipelineError(f"{root / RESPONSES} is missing: run `dvc repro evaluate` (and commit) before the gate.")
-    rows = read_responses(Path(root, RESPONSES).read_text(), str(root / RESPONSES))
+    responses = root / paths.EVALUATION_RESPONSES
+    if not responses.is_file():
+        raise PipelineError(f"{responses} is missing: run `dvc repro evaluate` (and commit) before the gate.")
+    rows = read_responses(responses.read_text(), str(responses))
     incumbent, prod = incumbent_side(root, rows)
-    metrics = json.loads(Path(root, EVALUATION_METRICS).read_text()) if Path(root, EVALUATION_METRICS).is_file() else {}
+    evaluated = root / paths.EVALUATION_METRICS
+    metrics = json.loads(evaluated.read_text()) if evaluated.is_file() else {}
     comparison = compare(
         Side("HEAD's policy", [r["query"] for r in rows], [r["policy_response"] for r in rows]),
         incumbent,
         proxy=reward_scorer(root),
         judge=judge_scorer(rule.judge),
         judge_name=rule.judge,
-        kl=metrics.get("kl/mean"),
+        kl=metrics.get(keys.KL),
     )
     challenger, _ = register(root, POLICY, message="retrain: a new policy")
     reward = (
@@ -196,13 +196,21 @@ def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dic
 
 
 def fetch(
-    root: str | Path, name: str, version: str | None, stage: str | None, out: str | Path, with_results: bool = False
+    root: str | Path,
+    name: str,
+    version: str | None,
+    stage: str | None,
+    out: str | Path,
+    with_results: bool | None = None,
 ) -> dict[str, Any]:
     """A version's bytes through ``dvc artifacts get`` (DVC's cache or remote at the version's
     commit), checked file by file against its ``SHA256SUMS`` before they replace ``out``.
 
-    ``with_results``: then the card gains the version's held-out evaluation as its ``model-index``
-    (:func:`held_out_results`) and ``SHA256SUMS`` the card's new hash: a copy to publish."""
+    The policy's card was written before the evaluate stage measured it: the card a user gets gains
+    the version's held-out results (gold and proxy gain, KL, win rate) in its text and as its
+    ``model-index`` (:func:`held_out_results`), and ``SHA256SUMS`` the card's new hash.
+    ``with_results``: None, when its commit has them; True, or fail; False, never (the bytes exactly
+    as dvc.lock records them)."""
     from dvc.repo.artifacts import Artifacts  # loads DVC's repo: only when fetching
 
     root = Path(root).resolve()
@@ -231,11 +239,11 @@ def fetch(
             raise DamagedArtifactError(
                 f"{target.tag} as fetched does not match its {CHECKSUMS}: {'; '.join(problems[:5])}"
             )
-        if with_results:
+        wanted = name == "policy" and with_results is not False
+        results = held_out_results(root, target, required=bool(with_results)) if wanted else []
+        if results:
             add_held_out_results(
-                fetched,
-                held_out_results(root, target),
-                f"`{EVALUATION_METRICS}` at commit {target.commit[:12]} ({target.tag})",
+                fetched, results, f"`{paths.EVALUATION_METRICS}` at commit {target.commit[:12]} ({target.tag})"
             )
             write_checksums(fetched)  # the files were checked above; the card is the one that changed
         if out.exists():
@@ -250,30 +258,32 @@ def fetch(
         "commit": target.commit,
         "out": str(out),
         "files_checked": files,
+        "results": bool(results),
     }
 
 
 # the policy's held-out results, as the evaluate stage measured them: (metric, name, type), in base-model stds
 HELD_OUT_POLICY_RESULTS = (
-    ("gold/improvement_in_base_std", "gold reward gain over the base model (base-model stds)", "gold_gain"),
-    ("proxy/improvement_in_base_std", "reward-model score gain over the base model (base-model stds)", "proxy_gain"),
-    ("kl/mean", "KL from the base model (nats per response)", "kl"),
-    ("win_rate/gold", "win rate against the base model (gold judge)", "win_rate"),
+    (keys.GOLD_GAIN, "gold reward gain over the base model (base-model stds)", "gold_gain"),
+    (keys.PROXY_GAIN, "reward-model score gain over the base model (base-model stds)", "proxy_gain"),
+    (keys.KL, "KL from the base model (nats per response)", "kl"),
+    (keys.WIN_RATE_GOLD, "win rate against the base model (gold judge)", "win_rate"),
 )
 
 
-def held_out_results(root: str | Path, target: Version) -> list:
-    """The ``model-index`` entries of ``target``: what the evaluate stage measured on held-out queries at its commit."""
-    text = file_at(root, target.commit, EVALUATION_METRICS)
+def held_out_results(root: str | Path, target: Version, required: bool = True) -> list:
+    """The ``model-index`` entries of ``target``: what the evaluate stage measured on held-out queries at its
+    commit (none there: [], or a PipelineError when ``required``)."""
+    text = file_at(root, target.commit, paths.EVALUATION_METRICS)
     measured = json.loads(text) if text else {}
     results = [
         held_out_result(label, measured[key], "held-out queries", metric_type, task="text-generation")
         for key, label, metric_type in HELD_OUT_POLICY_RESULTS
         if isinstance(measured.get(key), (int, float))
     ]
-    if not results:
+    if not results and required:
         raise PipelineError(
-            f"{target.tag}: its commit {target.commit[:12]} records no held-out results in {EVALUATION_METRICS} "
+            f"{target.tag}: its commit {target.commit[:12]} records no held-out results in {paths.EVALUATION_METRICS} "
             "(the evaluate stage had not run): nothing was written. Fetch it without --with-results."
         )
     return results
