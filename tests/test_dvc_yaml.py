@@ -420,3 +420,52 @@ def test_the_pipeline_s_paths_are_dvc_yaml_s():
     ]
     assert missing == [], f"paths.py names what no stage of dvc.yaml writes: {missing}"
     assert user_folders <= deps, user_folders - deps
+
+
+# The library's floors, bottom up: a module imports only its own floor and those below it.
+LIBRARY_FLOORS = {
+    # maths on tensors, I/O, git, the pipeline's names: no model, no params
+    0: "errors io json_stream gitrepo paths metric_keys offline logging functional decoding optim progress numerics "
+    "tokens model_folder ppo/advantages ppo/kl ppo/losses preferences/text_rules",
+    # the params schema, section by section
+    1: "params/__init__ params/base_model params/compute params/data params/evaluate params/labelling params/ppo "
+    "params/promotion params/reward params/schedule params/task params/schema",
+    # models, devices and data: loading, sampling, scoring, formats, the contract
+    2: "devices distributed environment models modelcard fit runner sources conversations queries sampling "
+    "static_sampling labelers preferences/formats preferences/splits preferences/simulated preferences/export "
+    "contract corpus datadocs plots_page reward/model reward/persistence reward/normalization ppo/checkpoint training",
+    # training and evaluation
+    3: "reward/training reward/adoption ppo/policy ppo/trainer evaluation evaluation_report",
+    # audit and commands: lineage, the registry and its gate, labelling with people, the CLI
+    4: "lineage/record lineage/verify lineage/facts lineage/event lineage/render lineage/diff registry promotion "
+    "models_command labelling cli",
+}
+
+
+def _library_name(path: Path) -> str | None:
+    """``ppo/trainer`` for rlhf_pipeline/ppo/trainer.py; None for a package marker (it holds no code)."""
+    name = path.relative_to(REPO / "rlhf_pipeline").with_suffix("").as_posix()
+    return None if name.endswith("__init__") and name != "params/__init__" else name
+
+
+def test_no_library_module_imports_one_above_it():
+    """Pure maths and I/O at the bottom, training in the middle, audit and commands on top: an import
+    of a higher floor (registry.py importing lineage/record.py was one) is refused, every module has
+    its floor, and the library never imports the flow or the stages, which stand above it all."""
+    floor = {name: level for level, names in LIBRARY_FLOORS.items() for name in names.split()}
+    unplaced, upward = [], []
+    for path in library_modules():
+        name = _library_name(path)
+        if name is None:
+            continue
+        if name not in floor:
+            unplaced.append(name)
+            continue
+        for imported in imported_modules(path):
+            assert imported.split(".")[0] not in {"flows", "stages"}, f"{name} imports {imported}"
+            target = module_path(imported)
+            other = _library_name(target) if target is not None and target != path else None
+            if other is not None and floor.get(other, len(LIBRARY_FLOORS)) > floor[name]:
+                upward.append(f"{name} (floor {floor[name]}) imports {other} (floor {floor.get(other)})")
+    assert unplaced == [], f"modules with no floor in LIBRARY_FLOORS: {unplaced}"
+    assert upward == [], upward
