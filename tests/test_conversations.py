@@ -241,14 +241,14 @@ def test_a_bad_prompt_file_is_refused_naming_row_and_field(tmp_path):
     assert "row 2, field prompt: is not a text or a list of messages" in str(caught.value)
 
 
-def test_the_readme_s_chat_example_reads_as_written(chat_tokenizer, tmp_path):
-    """The README's two rows, one with a prompt and one without (its prompt is the conversations'
-    shared part), in one file: each row is read in its own layout."""
+def test_the_guide_s_chat_example_reads_as_written(chat_tokenizer, tmp_path):
+    """The two rows of docs/own_model_and_data.md, one with a prompt and one without (its prompt is
+    the conversations' shared part), in one file: each row is read in its own layout."""
     from pathlib import Path
 
     from rlhf_pipeline.io import read_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs/own_model_and_data.md").read_text()
     block = readme.split("cat > data/labels/chat.jsonl <<'JSONL'\n", 1)[1].split("\nJSONL\n", 1)[0]
     (tmp_path / "chat.jsonl").write_text(block + "\n")
     frame = read_table(tmp_path / "chat.jsonl")
