@@ -45,6 +45,88 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2], len(rank)))  # stable
 
 
+# The tiers mean what they say: a test outside `e2e` runs no stage or pipeline, starts no server and
+# drives no browser. What each of those starts, as a word of its command line; a test that starts one
+# without the marker fails, naming the command (so `pytest -m "not e2e"` stays the quick tier).
+def e2e_command(args) -> str | None:
+    """What ``args`` (a command line) starts that only e2e tests may start, or None."""
+    tokens = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    names = {Path(t).name for t in tokens}
+    if any(t.startswith("stages/") or "/stages/" in t for t in tokens if t.endswith(".py")):
+        return "a pipeline stage"
+    if "repro" in tokens:
+        return "dvc repro"
+    if "uvicorn" in tokens or ("prefect" in names and {"server", "worker"} & set(tokens)):
+        return "a Prefect server or worker"
+    for program, what in {
+        "postgres": "PostgreSQL",
+        "pg_ctl": "PostgreSQL",
+        "initdb": "PostgreSQL",
+        "sshd": "an SSH server",
+        "chromium": "Chromium",
+        "chrome": "Chromium",
+        "label-studio": "Label Studio",
+        "accelerate": "accelerate launch",
+    }.items():
+        if program in names:
+            return what
+    return None
+
+
+_outside_e2e: list[str] = []  # the running test's id while it is outside the e2e tier
+
+
+def refuse_outside_e2e(what: str) -> None:
+    if _outside_e2e:
+        raise AssertionError(
+            f"{_outside_e2e[0]} runs {what} but is not marked e2e: mark it (`@pytest.mark.e2e`, or the module's "
+            "pytestmark), so that `pytest -m 'not e2e'` runs no stage, pipeline, server or browser"
+        )
+
+
+# fixtures that run the pipeline or a stage, or start a server or a browser (shared: set up before a
+# test's own fixtures, so the command guard below would not see them start)
+E2E_FIXTURES = {
+    "tiny_run": "the tiny pipeline",
+    "versioned": "the tiny pipeline",
+    "stage_run": "the base_model stage",
+    "reward_runs": "accelerate launch",
+    "policy_runs": "accelerate launch",
+    "prefect_server": "a Prefect server",
+    "chromium": "Chromium",
+    "label_studio": "Label Studio",
+    "servers": "HTTP servers",
+}
+
+
+@pytest.fixture(autouse=True)
+def _tiers_mean_what_they_say(request, monkeypatch):
+    if request.node.get_closest_marker("e2e") is not None:
+        yield
+        return
+    for name in set(E2E_FIXTURES) & set(request.fixturenames):
+        _outside_e2e.append(request.node.nodeid)
+        try:
+            refuse_outside_e2e(f"{E2E_FIXTURES[name]} (fixture `{name}`)")
+        finally:
+            _outside_e2e.clear()
+    real_init = subprocess.Popen.__init__
+
+    def guarded_init(self, args, *rest, **kwargs):
+        what = e2e_command(args)
+        if what is not None:
+            line = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+            refuse_outside_e2e(f"{what} (`{line[:160]}`)")
+        real_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_init)
+    _outside_e2e.append(request.node.nodeid)
+    try:
+        yield
+    finally:
+        _outside_e2e.clear()
+
+
 # A stage script's first import is stages/_interpreter.py, found because Python puts a script's folder
 # first on sys.path; the stages run in-process here (runpy, importlib) need that folder too. Appended,
 # not prepended: stages/evaluate.py must not shadow a library module of that name.
@@ -222,6 +304,7 @@ def project(tmp_path, monkeypatch, tiny_base_dir) -> Project:
 
 def run_stage_script(name: str, argv: list[str] | None = None) -> int:
     """Run ``stages/<name>.py`` as ``__main__`` in-process (cwd = the project); returns the exit code."""
+    refuse_outside_e2e(f"the stage {name} (in-process)")
     old_argv = sys.argv
     sys.argv = [f"stages/{name}.py", *(argv or [])]
     try:

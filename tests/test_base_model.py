@@ -16,6 +16,8 @@ from rlhf_pipeline.modelcard import read_card as read_model_card
 from rlhf_pipeline.models import load_tokenizer
 from rlhf_pipeline.sources import build_tiny_model
 
+pytestmark = pytest.mark.e2e  # each test runs the base_model stage
+
 REPO = Path(__file__).resolve().parents[1]
 
 

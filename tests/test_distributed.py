@@ -92,6 +92,10 @@ def reward_runs(tiny_base_dir, tmp_path_factory):
     return root, results
 
 
+@pytest.mark.e2e
+@pytest.mark.e2e
+@pytest.mark.e2e
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_reward_training_on_two_processes_gives_the_one_process_weights(reward_runs, tiny_base_dir, kind):
     root, _ = reward_runs
@@ -180,6 +184,7 @@ def wait_for_checkpoint(project: Path, update: int) -> Path:
     return meta
 
 
+@pytest.mark.e2e
 def test_a_process_killed_mid_run_resumes_from_the_checkpoint_to_the_same_policy(policy_runs, policy_project):  # noqa: F811
     """FSDP (the state is gathered from the shards and scattered back): ``kill -9`` of process 1
     between checkpoints; the launcher stops the other; a new launch resumes and ends where the
@@ -339,6 +344,7 @@ def finished(nodes: list[subprocess.Popen]) -> list[str]:
     return outputs
 
 
+@pytest.mark.e2e
 def test_two_machines_of_one_process_train_the_one_process_reward_model(reward_runs, tiny_base_dir):
     root, _ = reward_runs
     finished(
@@ -349,6 +355,7 @@ def test_two_machines_of_one_process_train_the_one_process_reward_model(reward_r
     assert [r["accuracy"] for r in nodes] == [r["accuracy"] for r in one]
 
 
+@pytest.mark.e2e
 def test_two_machines_of_one_process_train_the_one_process_policy(policy_runs, policy_project):  # noqa: F811
     """train_policy launched as 2 machines x 1 process (machine ranks 0 and 1, the main process at
     127.0.0.1, gloo): the one-process policy and metrics, written once (the nodes share the folder)."""

@@ -28,7 +28,7 @@ from flows.retrain import (  # noqa: E402
 )
 from rlhf_pipeline.errors import EXIT_CODE_MEANINGS, NOT_RETRIED_EXIT_CODES, MissingPackageError, ParamsError  # noqa: E402
 
-pytestmark = pytest.mark.prefect
+pytestmark = [pytest.mark.prefect, pytest.mark.e2e]  # every test runs the flow, which starts a temporary Prefect server
 
 PY = sys.executable
 STAGES = ["prepare", "train_reward", "train_policy", "evaluate"]

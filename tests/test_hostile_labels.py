@@ -17,6 +17,8 @@ import pytest
 from test_labelling import answer
 from test_labelling import task as labelling_task
 
+pytestmark = pytest.mark.e2e  # fake labelling servers on 127.0.0.1, and the rlhf command against each
+
 TOKEN = "s3cret-legacy-token-0123456789"
 PAT = "aaaa.bbbb.cccc-personal-access-token"  # two dots: exchanged for an access token first
 RSS_LIMIT_KB = 1 << 20  # 1 GiB

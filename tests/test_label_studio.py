@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at
 from flows.retrain.flow import retrain  # noqa: E402
 from rlhf_pipeline.labelling import TOKEN_VARIABLE, URL_VARIABLE, weights_sha256  # noqa: E402
 
+pytestmark = pytest.mark.e2e  # a real Label Studio server
+
 REPO = Path(__file__).resolve().parents[1]
 RLHF = [sys.executable, "-m", "rlhf_pipeline.cli"]
 TASKS, ROUND, LABELS = 8, 2, "data/labels/human.jsonl"

@@ -133,6 +133,7 @@ def test_import_writes_rows_that_pass_the_contract_and_refuses_low_agreement_wri
     assert twice.returncode == 3 and "one answer per task and annotator" in twice.stdout, twice.stdout
 
 
+@pytest.mark.e2e
 def test_export_samples_n_responses_per_query_tied_to_model_seed_and_round(tiny_run, tmp_path):
     root = tiny_run[0]
     args = ["label", "export", str(tmp_path / "tasks.json"), "--model", "models/base", "--num", "6", "--seed", "5"]
@@ -185,6 +186,7 @@ def test_from_server_needs_the_address_and_token_from_the_environment(tmp_path):
     assert both.returncode == 2 and "takes INPUT OUTPUT" in both.stderr, both.stderr
 
 
+@pytest.mark.e2e
 def test_export_refuses_queries_another_tokenizer_made(tiny_run, tmp_path):
     """Queries of another base model's project (ids beyond this model's vocabulary, as Gemma's 262k
     ids are for SmolLM2) are refused with both sizes, not an index error inside the model."""

@@ -96,6 +96,7 @@ def test_a_kernel_run_before_the_pin_is_named_as_the_entry_point_s_bug(clean_pin
         numerics.pin("portable", 1, {})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["portable", "compatible"])
 def test_a_pin_without_a_thread_count_is_refused_naming_the_key(mode):
     with pytest.raises(ParamsError) as refused:

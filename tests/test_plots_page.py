@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from headless_browser import DVC_PLOTS, DVC_PLOTS_DRAWN, HeadlessChromium, page_url
 
 from rlhf_pipeline.plots_page import TEMPLATE_PATH, offline_page_template
@@ -23,6 +24,7 @@ def test_the_project_config_points_dvc_at_the_committed_template_which_is_curren
     assert re.findall(r"""<(?:script|link)[^>]*(?:src|href)\s*=""", committed) == []
 
 
+@pytest.mark.e2e
 def test_a_page_from_the_template_draws_offline_and_dvc_s_own_page_does_not(chromium, tmp_path):
     """The same plot, in DVC's default page (vega from a CDN) and in ours, with no network."""
     from dvc_render.html import PAGE_HTML, render_html

@@ -1,0 +1,69 @@
+"""The README is for users and stays true: short, its Contents the sections it has, its Layout every
+module there is, and every link it (or a guide in docs/) gives reaching a file and a heading."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+MAX_LINES = 500
+
+
+def headings(text: str, level: str = "#") -> list[str]:
+    """The markdown headings of ``text`` (outside code blocks) whose marks are ``level`` or deeper."""
+    found, fenced = [], False
+    for line in text.splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(rf"^{level}#* ", line):
+            found.append(line)
+    return found
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lstrip("#").strip().lower()).replace(" ", "-")
+
+
+def section(text: str, title: str) -> str:
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_readme_is_short():
+    assert len(README.read_text().splitlines()) <= MAX_LINES
+
+
+def test_contents_lists_every_section_and_only_those():
+    text = README.read_text()
+    listed = re.findall(r"^- \[[^\]]+\]\(#([\w\-]+)\)$", section(text, "Contents"), re.M)
+    sections = [anchor(h) for h in headings(text, "##") if h.startswith("## ") and h != "## Contents"]
+    assert listed == sections
+
+
+def test_layout_names_every_module():
+    layout = section(README.read_text(), "Layout")
+    words = set(re.findall(r"[\w]+", layout))
+    missing = []
+    for path in [*(REPO / "rlhf_pipeline").rglob("*.py"), *(REPO / "flows").rglob("*.py")]:
+        parts = path.relative_to(REPO).with_suffix("").parts[1:]  # the package's own name aside
+        names = [p for p in parts if p != "__init__"]
+        if any(name not in words for name in names):
+            missing.append(path.relative_to(REPO).as_posix())
+    assert missing == [], f"modules the README's Layout does not name: {missing}"
+
+
+def test_every_link_reaches_its_file_and_heading():
+    documents = [README, *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for document in documents:
+        for link in re.findall(r"\]\(([^)\s]+)\)", document.read_text()):
+            if link.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, fragment = link.partition("#")
+            target = (document.parent / path).resolve() if path else document
+            if not target.exists():
+                broken.append(f"{document.name}: {link} (no such file)")
+            elif fragment and target.suffix == ".md" and fragment not in map(anchor, headings(target.read_text())):
+                broken.append(f"{document.name}: {link} (no such heading)")
+    assert broken == []
