@@ -1,4 +1,5 @@
-"""The retrain flow, its tasks and its scheduled deployment (what a run does: see the package docstring)."""
+"""The retrain flow, its stage, commit, gate and push tasks, and its scheduled deployment (the label tasks:
+:mod:`.labels`; what a run does, step by step: the package docstring)."""
 
 from __future__ import annotations
 
