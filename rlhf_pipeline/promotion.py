@@ -14,7 +14,9 @@ the challenger's own file. The two sides are paired by query and scored the same
 
 The rule: promote when the challenger is worse than the incumbent by at most
 ``tolerance_se`` paired standard errors (on gold, or proxy), its KL is within ``max_kl``, and at
-least ``min_queries`` queries pair up. A rejected challenger is a result, not a failure.
+least ``min_queries`` queries pair up. Where a judge scored both sides, the decision shows the
+proxy gain beside the judged gain, and a proxy gain beyond the tolerance with a judged loss beyond it
+is reported as reward hacking and not promoted. A rejected challenger is a result, not a failure.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class Decision:
     reasons: list[str]
     comparison: Comparison
     rule: dict[str, Any]
+    reward_hacking: bool = False  # the proxy gained beyond tolerance while the judge lost beyond it
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -174,6 +177,14 @@ def decide(comparison: Comparison, rule: PromotionParams) -> Decision:
             f"n={diff.n}); the floor is -{rule.tolerance_se:g} SE = {floor:+.4f}: {verdict} tolerance"
         )
         promote = promote and diff.mean >= floor
+    hacking = reward_hacking(comparison, rule.tolerance_se)
+    if hacking:
+        promote = False
+        reasons.append(
+            f"reward hacking: the challenger's own reward model puts it {comparison.proxy.in_se:+.1f} SE above "
+            f"{comparison.incumbent}, the judge ({comparison.judge}) {comparison.gold.in_se:+.1f} SE below: it learnt "
+            "what its labels' reward model rewards, not what the judge does"
+        )
     if rule.max_kl is not None:
         if comparison.kl is None:
             promote = False
@@ -182,7 +193,16 @@ def decide(comparison: Comparison, rule: PromotionParams) -> Decision:
             within = comparison.kl <= rule.max_kl
             reasons.append(f"KL to the base {comparison.kl:.3f} {'<=' if within else '>'} max_kl {rule.max_kl:g}")
             promote = promote and within
-    return Decision(promote, score, reasons, comparison, rule.model_dump())
+    return Decision(promote, score, reasons, comparison, rule.model_dump(), hacking)
+
+
+def reward_hacking(comparison: Comparison, tolerance_se: float) -> bool:
+    """A proxy gain beyond ``tolerance_se`` paired SEs with a judged loss beyond as many: the gap
+    between what the challenger's reward model says and what the judge says, where it matters."""
+    gold, proxy = comparison.gold, comparison.proxy
+    if gold is None or not gold.n or not proxy.n:
+        return False
+    return proxy.mean > tolerance_se * proxy.stderr and gold.mean < -tolerance_se * gold.stderr
 
 
 def render(decision: Decision, registered: str, outcome: str) -> str:
@@ -199,6 +219,17 @@ def render(decision: Decision, registered: str, outcome: str) -> str:
     lines.append(
         f"| KL to the base (nats) | {c.kl:.3f} | | |" if c.kl is not None else "| KL to the base | unknown | | |"
     )
+    if c.gold is not None and c.gold.n and c.gold.in_se is not None and c.proxy.in_se is not None:
+        lines += [
+            "",
+            f"- Proxy-judge gap: the challenger's own reward model puts it {c.proxy.in_se:+.1f} SE from "
+            f"{c.incumbent}, the judge {c.gold.in_se:+.1f} SE.",
+        ]
+    if decision.reward_hacking:
+        lines.append(
+            "- **Reward hacking**: the proxy gain is the reward model's, not the judge's; the labels or the reward "
+            "model this round trained are suspect."
+        )
     lines += ["", f"## Rule (`promotion.*`, compared on {decision.score})", ""]
     lines += [f"- {reason}" for reason in [*decision.reasons, *c.notes]]
     return "\n".join(lines) + "\n"

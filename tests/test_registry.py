@@ -14,71 +14,8 @@ from test_lineage import _validate_event
 from test_pipeline_e2e import BIN, sh
 
 from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums
-from rlhf_pipeline.params.promotion import PromotionParams
-from rlhf_pipeline.promotion import Comparison, Paired, Side, compare, decide, paired
 
 pytestmark = pytest.mark.e2e
-
-
-# --------------------------------------------------------------------------------------------
-# the rule, on numbers
-# --------------------------------------------------------------------------------------------
-def test_paired_difference_and_its_standard_error():
-    result = paired([3.0, 5.0, 4.0, 8.0], [1.0, 2.0, 2.0, 3.0])  # d = 2, 3, 2, 5
-    assert result.mean == pytest.approx(3.0)
-    assert result.stderr == pytest.approx((2.0 / 4) ** 0.5)  # sd(d) = sqrt(2) (n - 1), / sqrt(4)
-    assert result.n == 4 and result.in_se == pytest.approx(3.0 / (0.5**0.5))
-
-
-def _comparison(gold_mean: float, kl: float | None = 4.0, n: int = 64) -> Comparison:
-    return Comparison(
-        "policy@v2.0.0", "policy@v1.0.0", n, Paired(gold_mean, 0.01, n), Paired(0.5, 0.02, n), kl, "vader"
-    )
-
-
-@pytest.mark.parametrize(
-    ("gold_mean", "kl", "rule", "promote"),
-    [
-        (-0.019, 4.0, {}, True),  # within 2 SE below prod
-        (-0.021, 4.0, {}, False),  # beyond
-        (-0.021, 4.0, {"tolerance_se": 3.0}, True),
-        (0.30, 11.0, {}, False),  # better, but past the KL budget
-        (0.30, 11.0, {"max_kl": None}, True),
-        (0.30, None, {}, False),  # a KL nobody measured is no KL within budget
-    ],
-)
-def test_the_rule_promotes_by_its_thresholds(gold_mean, kl, rule, promote):
-    decision = decide(_comparison(gold_mean, kl), PromotionParams(**rule))
-    assert decision.promote is promote, decision.reasons
-    assert decision.score == "gold"
-
-
-def test_without_a_judge_the_rule_compares_proxy_and_says_so():
-    comparison = _comparison(-5.0)
-    comparison.gold = None
-    decision = decide(comparison, PromotionParams(judge=None))
-    assert decision.promote and decision.score == "proxy"
-    assert any("compares proxy" in r for r in decision.reasons)
-
-
-def test_too_few_paired_queries_are_no_evidence():
-    decision = decide(_comparison(0.5, n=8), PromotionParams(min_queries=32))
-    assert not decision.promote and any("only 8 held-out queries" in r for r in decision.reasons)
-
-
-def test_sides_pair_by_query_and_repeated_queries_pair_in_order():
-    challenger = Side("c", ["a", "b", "a", "z"], ["ca1", "cb", "ca2", "cz"])
-    incumbent = Side("p", ["b", "a", "a", "y"], ["pb", "pa1", "pa2", "py"])
-    seen = []
-
-    def scorer(queries, responses):
-        seen.append(list(zip(queries, responses)))
-        return [float(len(r)) for r in responses]
-
-    result = compare(challenger, incumbent, proxy=scorer, judge=None, judge_name=None, kl=1.0)
-    assert seen[0] == [("a", "ca1"), ("b", "cb"), ("a", "ca2")]
-    assert seen[1] == [("a", "pa1"), ("b", "pb"), ("a", "pa2")]
-    assert result.queries == 3 and any("1 of the challenger's 4" in note for note in result.notes)
 
 
 # --------------------------------------------------------------------------------------------
