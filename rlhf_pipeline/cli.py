@@ -250,6 +250,14 @@ def cmd_label(args) -> int:
         return 0
     params = load_params(args.params) if Path(args.params).exists() else None
     limits = params.labelling if params is not None else LabellingParams()
+    golden = params.promotion.golden_labels if params is not None else None
+    target = args.paths[-1] if args.paths else None  # OUTPUT is the last path, with or without INPUT
+    if golden is not None and target is not None and Path(target).resolve() == Path(golden).resolve():
+        raise SettingsError(
+            f"{target} is promotion.golden_labels in {args.params}: the golden set a frozen judge is trained and "
+            "measured on, kept apart from every round so that a round of bad labels cannot reach the judge. Import "
+            "into the labels file (data.preferences.source) instead; nothing was written."
+        )
     min_agreement = args.min_agreement
     if min_agreement is None and params is not None:
         min_agreement = params.data.validation.min_agreement

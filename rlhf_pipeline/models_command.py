@@ -21,7 +21,8 @@ from rlhf_pipeline.gitrepo import file_at, git
 from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, write_checksums
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.lineage.verify import tree_md5
-from rlhf_pipeline.modelcard import add_held_out_results, held_out_result
+from rlhf_pipeline.modelcard import add_held_out_results, held_out_result, read_card
+from rlhf_pipeline.params.promotion import PromotionParams
 from rlhf_pipeline.params.schema import load_params
 from rlhf_pipeline.promotion import (
     Side,
@@ -104,11 +105,12 @@ def require_recorded_run(root: str | Path) -> None:
         )
 
 
-def reward_scorer(root: str | Path):
-    """The challenger's reward model as a text scorer, in batches."""
+def reward_scorer(root: str | Path, folder: str = paths.REWARD):
+    """A reward model as a text scorer, in batches: the challenger's (``folder`` = models/reward), or a
+    frozen judge's."""
     from rlhf_pipeline.reward.persistence import load_reward_model  # loads torch and transformers: only for the gate
 
-    model = load_reward_model(Path(root, paths.REWARD))
+    model = load_reward_model(Path(root, folder))
 
     def score(queries: list[str], responses: list[str]) -> list[float]:
         out: list[float] = []
@@ -119,11 +121,40 @@ def reward_scorer(root: str | Path):
     return score
 
 
-def judge_scorer(name: str | None):
-    if name is None:
+def judge_scorer(root: str | Path, rule: PromotionParams):
+    """The gold judge as a scorer: a labeler, or a frozen judge's reward model (checked against its
+    SHA256SUMS first, as every model folder is); None without one."""
+    if rule.judge is None:
         return None
-    labeler = get_labeler(name)
-    return lambda queries, responses: labeler.score(responses)
+    if rule.frozen_judge is None:
+        labeler = get_labeler(rule.judge)
+        return lambda queries, responses: labeler.score(responses)
+    folder = Path(root, rule.frozen_judge)
+    if not (folder / CHECKSUMS).is_file():
+        raise PipelineError(
+            f"promotion.judge {rule.frozen_judge}: no reward model folder with its {CHECKSUMS} there; train the judge "
+            "on promotion.golden_labels and put its folder (models/reward of that run) there, then `dvc add` it."
+        )
+    problems = checksum_problems(folder, read_checksums(folder / CHECKSUMS))
+    if problems:
+        raise DamagedArtifactError(f"promotion.judge {rule.frozen_judge}: {'; '.join(problems[:5])}")
+    return reward_scorer(root, rule.frozen_judge)
+
+
+def judge_accuracy(root: str | Path, rule: PromotionParams) -> str | None:
+    """What the frozen judge's card says it measured on its own held-out (golden) labels, for the decision."""
+    if rule.frozen_judge is None:
+        return None
+    results = read_card(Path(root, rule.frozen_judge)).get("model-index") or []
+    measured = [
+        f"{metric.get('name')}: {metric.get('value')}"
+        for entry in results
+        for outcome in entry.get("results", [])
+        for metric in outcome.get("metrics", [])
+    ]
+    golden = f" (golden labels: {rule.golden_labels})" if rule.golden_labels else ""
+    said = "; ".join(measured) or "its card records no held-out result"
+    return f"frozen judge {rule.frozen_judge}{golden}: {said}"
 
 
 def incumbent_side(root: str | Path, challenger_rows: list[dict]) -> tuple[Side, Version | None]:
@@ -167,10 +198,12 @@ def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dic
         Side("HEAD's policy", [r["query"] for r in rows], [r["policy_response"] for r in rows]),
         incumbent,
         proxy=reward_scorer(root),
-        judge=judge_scorer(rule.judge),
+        judge=judge_scorer(root, rule),
         judge_name=rule.judge,
         kl=metrics.get(keys.KL),
     )
+    if (accuracy := judge_accuracy(root, rule)) is not None:
+        comparison.notes.append(accuracy)
     challenger, _ = register(root, POLICY, message="retrain: a new policy")
     reward = (
         register(root, REWARD_MODEL, message="retrain: a new reward model")[0]

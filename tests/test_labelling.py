@@ -173,6 +173,22 @@ def test_rounds_append_to_one_file_deduplicated_by_task_and_annotator(tmp_path):
     assert (tmp_path / "labels.jsonl").read_bytes() == before
 
 
+def test_the_golden_label_set_is_never_an_import_target(tmp_path):
+    """promotion.golden_labels is kept apart from every round: importing into it, appended or not, is
+    refused (exit 2) and the file stays as it was."""
+    (tmp_path / "round1.json").write_text(json.dumps(export_of_two_annotators(3)))
+    (tmp_path / "params.yaml").write_text("promotion:\n  golden_labels: data/labels/golden.jsonl\n")
+    golden = tmp_path / "data/labels/golden.jsonl"
+    golden.parent.mkdir(parents=True)
+    golden.write_text('{"query": "q", "sample0": "a", "sample1": "b", "best": 0}\n')
+    for extra in (["--append"], []):
+        refused = cli("label", "import", "round1.json", "data/labels/golden.jsonl", *extra, cwd=tmp_path)
+        assert refused.returncode == 2 and "is promotion.golden_labels" in refused.stderr, refused.stderr
+    assert golden.read_text() == '{"query": "q", "sample0": "a", "sample1": "b", "best": 0}\n'
+    kept = cli("label", "import", "round1.json", "data/labels/human.jsonl", "--append", cwd=tmp_path)
+    assert kept.returncode == 0, kept.stderr
+
+
 def test_from_server_needs_the_address_and_token_from_the_environment(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in (URL_VARIABLE, TOKEN_VARIABLE)}
     pulled = subprocess.run(

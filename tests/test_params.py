@@ -153,6 +153,8 @@ def broken(path: str, value, **also):
             "labelling.label_studio_project: must name the project to pull when source is label_studio",
         ),
         ("labelling.source", "labelstudio", "labelling.source: Input should be 'simulated', 'file' or 'label_studio'"),
+        # a frozen judge is a labeler or a model folder; the golden set no round may write to
+        ("promotion.judge", "gpt-4", "promotion.judge: must be one of ['vader'], null, or a reward model folder"),
     ],
 )
 def test_each_rule_is_refused_with_its_key_path(path, value, expected):
@@ -161,6 +163,20 @@ def test_each_rule_is_refused_with_its_key_path(path, value, expected):
         parse_params(broken(path, value, task__truncate_token="."))
     assert any(line.startswith(expected) for line in info.value.problems), info.value.problems
     assert all("(got " in line for line in info.value.problems)
+
+
+def test_a_frozen_judge_is_a_model_folder_and_its_golden_set_no_round_s_target():
+    golden = "data/labels/golden.jsonl"
+    judged = parse_params(broken("promotion", {"judge": "data/models/judge", "golden_labels": golden}))
+    assert judged.promotion.frozen_judge == "data/models/judge"
+    assert parse_params(broken("promotion.judge", "vader")).promotion.frozen_judge is None
+    with pytest.raises(ParamsError) as info:
+        parse_params(
+            broken("labelling.source", "file", data__preferences__source=golden, promotion__golden_labels=golden)
+        )
+    assert any(
+        line.startswith("data.preferences.source: is promotion.golden_labels") for line in info.value.problems
+    ), info.value.problems
 
 
 def test_unknown_keys_are_refused():

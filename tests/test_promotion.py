@@ -89,3 +89,38 @@ def test_a_proxy_gain_the_judge_refutes_is_reported_as_reward_hacking(gold, prox
     assert ("**Reward hacking**" in text) is hacking
     if hacking:
         assert not decision.promote and any("reward hacking" in r for r in decision.reasons)
+
+
+def test_a_frozen_judge_scores_with_its_own_reward_model_and_says_what_it_measured(tiny_base_dir, tmp_path):
+    """promotion.judge naming a reward model folder: its SHA256SUMS are checked, it scores (query,
+    response) pairs, and the decision's notes carry what its card measured on its golden labels."""
+    import torch
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from rlhf_pipeline.errors import DamagedArtifactError
+    from rlhf_pipeline.io import write_checksums
+    from rlhf_pipeline.modelcard import held_out_result
+    from rlhf_pipeline.models import load_tokenizer, save_tokenizer
+    from rlhf_pipeline.models_command import judge_accuracy, judge_scorer
+    from rlhf_pipeline.reward.adoption import reward_model_on_base
+    from rlhf_pipeline.reward.persistence import save_reward_model
+
+    tokenizer = load_tokenizer(tiny_base_dir)
+    model = reward_model_on_base(tiny_base_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
+    folder = tmp_path / "data/models/judge"
+    save_reward_model(model.eval(), folder)
+    save_tokenizer(tokenizer, folder)
+    measured = held_out_result("best-of-4 test accuracy", 0.71, "golden labels", "accuracy")
+    data = ModelCardData(model_name="judge", eval_results=[measured])
+    ModelCard(f"---\n{data.to_yaml()}\n---\n\n# Judge\n").save(folder / "README.md")
+    write_checksums(folder)
+
+    rule = PromotionParams(judge="data/models/judge", golden_labels="data/labels/golden.jsonl")
+    scores = judge_scorer(tmp_path, rule)(["a query", "another"], [" a reply", " a second reply"])
+    assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
+    said = judge_accuracy(tmp_path, rule)
+    assert said.startswith("frozen judge data/models/judge (golden labels: data/labels/golden.jsonl): ")
+    assert "best-of-4 test accuracy: 0.71" in said
+    (folder / "README.md").write_text("edited")
+    with pytest.raises(DamagedArtifactError, match="promotion.judge data/models/judge"):
+        judge_scorer(tmp_path, rule)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from rlhf_pipeline.params import Strict
+from rlhf_pipeline.params import Strict, refuse
 
 GateScore = Literal["gold", "proxy"]
+JUDGE_LABELERS = ("vader",)  # the programmatic judges (rlhf_pipeline.labelers); anything else names a folder
 
 
 class PromotionParams(Strict):
@@ -18,10 +19,19 @@ class PromotionParams(Strict):
         description="What the rule compares: gold (the judge labeler's score of each response text) or proxy "
         "(the challenger's reward model). gold falls back to proxy, saying so, when judge is null.",
     )
-    judge: Literal["vader"] | None = Field(  # the labelers of rlhf_pipeline.labelers
+    judge: str | None = Field(
         "vader",
-        description="The gold judge: a labeler that scores response texts apart from where the labels came from, "
-        "so a round of bad labels (noisy, adversarial) cannot vouch for itself. null: no gold (human-only tasks).",
+        min_length=1,
+        description="The gold judge, which scores response texts apart from where this round's labels came from, "
+        "so a round of bad labels (noisy, adversarial) cannot vouch for itself: a labeler (vader), or a frozen "
+        "judge: the folder of a reward model trained on golden_labels (in data/models/, e.g. "
+        "data/models/judge). null: no gold.",
+    )
+    golden_labels: str | None = Field(
+        None,
+        min_length=1,
+        description="The golden label set a frozen judge is trained and measured on, kept apart: no retrain run "
+        "and no `rlhf label import` writes to it, and data.preferences.source may not be it.",
     )
     tolerance_se: float = Field(
         2.0,
@@ -39,3 +49,23 @@ class PromotionParams(Strict):
     min_queries: int = Field(
         32, ge=2, le=10_000_000, description="Fewest paired held-out queries the comparison may rest on."
     )
+
+    @model_validator(mode="after")
+    def _judge_is_a_labeler_or_a_model_folder(self) -> PromotionParams:
+        judge = self.judge
+        if judge is not None and judge not in JUDGE_LABELERS and not judge.startswith("data/models/"):
+            refuse(
+                [
+                    (
+                        "judge",
+                        f"must be one of {list(JUDGE_LABELERS)}, null, or a reward model folder in data/models/",
+                        judge,
+                    )
+                ]
+            )
+        return self
+
+    @property
+    def frozen_judge(self) -> str | None:
+        """The judge's model folder, when the judge is a frozen reward model."""
+        return self.judge if self.judge is not None and self.judge not in JUDGE_LABELERS else None

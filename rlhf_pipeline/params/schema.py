@@ -63,6 +63,16 @@ class Params(Strict):
                     labels,
                 )
             )
+        golden = self.promotion.golden_labels
+        if golden is not None and labelling.source != SIMULATED_LABELS and labels == golden:
+            problems.append(
+                (
+                    "data.preferences.source",
+                    "is promotion.golden_labels, the golden set a frozen judge is trained and measured on: no retrain "
+                    "run may write to it; bring each round's labels into another file",
+                    labels,
+                )
+            )
         if labelling.source == LABEL_STUDIO and labelling.label_studio_project is None:
             problems.append(
                 ("labelling.label_studio_project", "must name the project to pull when source is label_studio", None)
