@@ -179,6 +179,7 @@ def test_summary_lists_at_most_three_examples():
     assert result.gx_json["success"] is False and len(result.gx_json["results"]) == result.expectations
 
 
+@pytest.mark.e2e
 def test_validate_preferences_stage(project, capsys):
     from rlhf_pipeline.io import read_json
 
@@ -214,6 +215,7 @@ def test_validate_preferences_stage(project, capsys):
     assert "unique across columns" in page and '<span class="status-danger">✘</span>' in page
 
 
+@pytest.mark.e2e
 def test_data_docs_are_gx_pages_readable_offline(tmp_path, capsys, chromium):
     """`rlhf validate-preferences FILE --docs DIR`: Great Expectations' own validation-result page
     for the file, with every verdict in the HTML; it fetches nothing (drawn in headless Chromium with
@@ -353,6 +355,7 @@ FILE_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(FILE_CASES))
+@pytest.mark.e2e
 def test_a_hostile_file_is_refused_by_the_cli_and_the_stage_alike(project, capsys, case):
     """Each file: exit 3 from `rlhf validate-preferences` and from the preferences stage (not 1, which
     the retrain flow would retry), one paragraph, no traceback."""

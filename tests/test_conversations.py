@@ -139,6 +139,7 @@ def test_the_contract_checks_the_replies_as_it_checks_pairwise_texts(chat_tokeni
     )
 
 
+@pytest.mark.e2e
 def test_preferences_stage_reads_conversational_jsonl(project, tiny_chat_base_dir):
     from datasets import load_from_disk
 
@@ -183,6 +184,7 @@ def test_chat_sampler_stops_at_the_template_s_end_of_turn(chat_tokenizer, tiny_t
         ResponseSampler.from_tokenizer(TaskParams(chat=True), tiny_tokenizer)
 
 
+@pytest.mark.e2e
 def test_queries_stage_in_chat_mode_renders_the_prompt_file(project, tiny_chat_base_dir):
     from datasets import load_from_disk
 
@@ -207,6 +209,7 @@ def test_queries_stage_in_chat_mode_renders_the_prompt_file(project, tiny_chat_b
         assert row["query"].startswith("<|im_start|>")
 
 
+@pytest.mark.e2e
 def test_chat_mode_without_prompts_or_template_is_refused(project, capsys, tiny_chat_base_dir):
     project.write_params(**{"task.chat": True})  # preferences are simulated: no prompts anywhere
     (project / "models" / "base").unlink()
@@ -215,6 +218,7 @@ def test_chat_mode_without_prompts_or_template_is_refused(project, capsys, tiny_
     assert "task.chat is on but there are no prompts" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_conversational_data_needs_chat_mode(project, tiny_chat_base_dir, capsys):
     (project / "models" / "base").unlink()
     (project / "models" / "base").symlink_to(tiny_chat_base_dir, target_is_directory=True)

@@ -87,6 +87,7 @@ def test_generated_is_deterministic_per_seed(tiny_model, tiny_tokenizer):
     assert run(6) != first
 
 
+@pytest.mark.e2e
 def test_corpus_stage_generated(project):
     project.write_params(**{"data.corpus.num_passages": 5, "data.corpus.batch_size": 2})
     assert run_stage_script("corpus") == 0
@@ -96,6 +97,7 @@ def test_corpus_stage_generated(project):
     assert corpus.column_names == ["text"] and 0 < len(corpus) <= 5
 
 
+@pytest.mark.e2e
 def test_corpus_stage_reports_missing_file(project, capsys):
     project.write_params(**{"data.corpus.source": "data/raw/missing.jsonl"})
     assert run_stage_script("corpus") == 1

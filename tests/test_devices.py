@@ -96,6 +96,7 @@ def test_cuda_without_a_gpu_is_exit_2_naming_the_key(monkeypatch):
     assert "compute.device is 'cuda'" in message and "auto" in message and "cpu" in message
 
 
+@pytest.mark.e2e
 def test_a_stage_asked_for_cuda_on_a_cpu_host_stops_with_exit_2_before_loading(project, capsys):
     if torch.cuda.is_available():
         pytest.skip("this host has a GPU: compute.device cuda is valid here")

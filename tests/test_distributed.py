@@ -93,9 +93,6 @@ def reward_runs(tiny_base_dir, tmp_path_factory):
 
 
 @pytest.mark.e2e
-@pytest.mark.e2e
-@pytest.mark.e2e
-@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_reward_training_on_two_processes_gives_the_one_process_weights(reward_runs, tiny_base_dir, kind):
     root, _ = reward_runs
@@ -141,6 +138,7 @@ def policy_runs(policy_project, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.e2e
 def test_ppo_on_two_processes_gives_the_one_process_policy_and_writes_once(policy_runs, kind):
     root, results = policy_runs
     weights_close(
@@ -288,6 +286,7 @@ def test_zero3_with_the_trunk_split_is_refused(monkeypatch):
         ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "Add --fsdp_version 2"),
     ],
 )
+@pytest.mark.e2e
 def test_the_stage_refuses_what_it_cannot_honour_before_training(policy_project, tmp_path, env, message):  # noqa: F811
     """The launcher's configuration arrives in the environment; the stage stops with exit code 2
     and its reason before loading a model, and writes nothing."""
@@ -380,6 +379,7 @@ def test_two_machines_of_one_process_train_the_one_process_policy(policy_runs, p
     ],
     ids=["silent", "killed"],
 )
+@pytest.mark.e2e
 def test_a_lost_node_stops_the_other_with_a_clear_error_and_both_resume(policy_runs, policy_project, sig, said):  # noqa: F811
     """Two machines of one process; machine 1 is stopped whole (launcher and training process) after
     the second checkpoint. Machine 0 exits non-zero within the params' timeout, saying what happened

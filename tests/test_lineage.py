@@ -286,6 +286,7 @@ def test_params_diff_after_editing_params(work, capsys):
     assert "DIRTY" in out
 
 
+@pytest.mark.e2e
 def test_a_stage_with_two_changed_params_files_lists_each_value_once(work, capsys):
     """Each changed value is one reason, under its own file: not every file's changes for every file."""
     Path("extra.yaml").write_text("k: 1\n")

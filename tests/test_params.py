@@ -233,6 +233,7 @@ def test_cli_missing_file(tmp_path):
     assert result.returncode == 2 and "not found" in result.stderr
 
 
+@pytest.mark.e2e
 def test_stage_validates_params_with_the_same_messages(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(broken("base_model.dropout", 2.0)))
     result = subprocess.run(

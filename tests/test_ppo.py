@@ -378,6 +378,7 @@ def run_stage(root: Path, out: Path):
     )
 
 
+@pytest.mark.e2e
 def test_stage_killed_with_sigkill_resumes_bit_identical(policy_project, tmp_path):
     whole = run_stage(policy_project, tmp_path / "whole")
     output, _ = whole.communicate(timeout=300)
@@ -565,6 +566,7 @@ def test_a_kill_between_the_two_renames_keeps_the_previous_checkpoint(tiny_base_
     assert sorted(p.name for p in (directory / "snapshots").iterdir()) == snapshots
 
 
+@pytest.mark.e2e
 def test_the_stages_train_and_evaluate_a_critic_free_lora_policy(policy_project, tmp_path):
     """train_policy with ppo.advantage grpo, 2 samples per query, a LoRA adapter and the k3 KL, then
     evaluate: the saved policy is a stock causal LM (merged, no value head), its card says how it was
@@ -641,6 +643,7 @@ def test_lora_alpha_and_process_split_are_refused_by_the_schema_and_the_launch(t
 
 
 @pytest.mark.parametrize("case", ["a target naming no module", "every block frozen with LoRA"])
+@pytest.mark.e2e
 def test_train_policy_refuses_before_loading_and_check_params_agrees(case, project, capsys, monkeypatch):
     """The stage: exit 2, one paragraph, before any model loads (no reward model is even needed);
     `rlhf check-params`: the same problem once models/base was built from base_model.source."""

@@ -293,6 +293,7 @@ def write_corpus(project, n=40):
     (project / "data" / "raw" / "corpus.txt").write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.e2e
 def test_preferences_stage_simulated(project):
     from datasets import load_from_disk
 
@@ -317,6 +318,7 @@ def test_preferences_stage_simulated(project):
     assert load_from_disk(str(project / "data" / "preferences"))["train"][:] == first
 
 
+@pytest.mark.e2e
 def test_preferences_stage_user_pairwise(project):
     from datasets import load_from_disk
 
@@ -335,6 +337,7 @@ def test_preferences_stage_user_pairwise(project):
     assert json.loads((project / "data" / "preferences" / "format.json").read_text())["format"] == PAIRWISE
 
 
+@pytest.mark.e2e
 def test_an_overlong_user_text_is_refused_before_tokenization(project, capsys, monkeypatch):
     """A 5 MB row: the stage refuses it by length (exit 3) without handing it to the tokenizer."""
     rows = [
@@ -367,6 +370,7 @@ def run_on_pairs(project, edit) -> int:
     return run_stage_script("preferences")
 
 
+@pytest.mark.e2e
 def test_the_stage_refuses_a_text_the_contract_refuses(project, capsys):
     """A bidirectional override inside a reply: the preferences stage refuses the file as
     `rlhf validate-preferences` does (exit 3, column and row named), and writes nothing."""
@@ -376,6 +380,7 @@ def test_the_stage_refuses_a_text_the_contract_refuses(project, capsys):
     assert not (project / "data" / "preferences").exists()
 
 
+@pytest.mark.e2e
 def test_replies_that_differ_only_after_the_cut_are_refused_with_the_file_rows(project, capsys):
     """task.response_length is 8 tokens here: a pair that differs only after them would train as two
     identical replies, so the stage refuses the file (exit 3), naming the file's rows, and writes nothing."""
@@ -394,6 +399,7 @@ def test_replies_that_differ_only_after_the_cut_are_refused_with_the_file_rows(p
     assert not (project / "data" / "preferences").exists()
 
 
+@pytest.mark.e2e
 def test_cut_prompts_and_replies_are_counted_and_reported(project, capsys):
     """Prompts longer than query_length keep their end, replies longer than response_length their
     start: the stage counts both (metrics, format.json) and the validation report repeats them."""
@@ -448,6 +454,7 @@ def test_human_labels_are_held_out_by_task_and_their_rounds_summarised():
     assert label_rounds(frame.drop(columns="round"), "labels.jsonl") is None
 
 
+@pytest.mark.e2e
 def test_a_round_column_holding_text_is_refused_by_the_stage(project, capsys):
     """A hand-edited label file whose `round` holds text: exit 3 naming the file, the column and the
     value (it used to be a traceback inside label_rounds), nothing written."""

@@ -104,6 +104,7 @@ CORPUS = [
 ]
 
 
+@pytest.mark.e2e
 def test_queries_stage(project, tiny_tokenizer):
     corpus_file = project / "data" / "raw" / "corpus.txt"
     corpus_file.parent.mkdir(parents=True, exist_ok=True)
@@ -136,6 +137,7 @@ def test_queries_stage(project, tiny_tokenizer):
     )
 
 
+@pytest.mark.e2e
 def test_too_few_held_out_queries_stop_the_queries_stage(project, capsys):
     """6 passages leave 2 held-out queries: below data.queries.min_test_queries (3) the stage stops
     with exit 2 (a noisy evaluation at the end is no answer) and writes nothing."""
@@ -156,6 +158,7 @@ def test_too_few_held_out_queries_stop_the_queries_stage(project, capsys):
     assert not (project / "data" / "queries").exists()
 
 
+@pytest.mark.e2e
 def test_queries_stage_refuses_when_nothing_survives(project, capsys):
     (project / "data" / "raw").mkdir(parents=True, exist_ok=True)
     (project / "data" / "raw" / "corpus.txt").write_text("no periods here\nnor here\n")
@@ -165,6 +168,7 @@ def test_queries_stage_refuses_when_nothing_survives(project, capsys):
     assert "data.queries.start_text" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_a_corpus_file_outside_data_raw_is_refused(project, tmp_path, capsys):
     """DVC tracks data/raw/ for the corpus stage: a file elsewhere would be read but never seen change."""
     outside = tmp_path.parent / f"{tmp_path.name}-corpus.txt"

@@ -359,6 +359,7 @@ def test_a_sequence_classifier_that_cannot_be_a_reward_model_is_refused(
         adopt_sequence_classifier(str(source), tiny_tokenizer)
 
 
+@pytest.mark.e2e
 def test_train_reward_stage_adopts_reward_pretrained_instead_of_training(project, tiny_base_dir, tiny_tokenizer, pad):
     from rlhf_pipeline.io import read_json
     from rlhf_pipeline.modelcard import read_card
@@ -378,6 +379,7 @@ def test_train_reward_stage_adopts_reward_pretrained_instead_of_training(project
     assert "data/models/ext_rm" in (project / "models" / "reward_unnormalized" / "README.md").read_text()
 
 
+@pytest.mark.e2e
 def test_train_reward_without_the_contract_s_verdict_says_which_stage_writes_it(project, capsys):
     """data/validation/summary.json missing (validate_preferences never ran): exit 1 naming the file
     and the stage, not a traceback; nothing written."""

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_stage_time_counts_from_process_start():
     """The reported stage time includes what happens before the stage body (interpreter start,
@@ -15,6 +17,7 @@ def test_stage_time_counts_from_process_start():
     assert 1.0 <= seconds < 60.0
 
 
+@pytest.mark.e2e
 def test_a_stage_run_by_a_python_without_the_project_exits_6_naming_what_is_missing(tmp_path):
     """`.venv/bin/dvc repro` with no venv active runs the system's `python`, which lacks the project:
     the stage stops at its first import (stages/_interpreter.py) with exit 6, the missing package

@@ -82,6 +82,7 @@ def test_full_disk_keeps_the_previous_output(small_disk):
     assert sorted(p.name for p in small_disk.iterdir()) == ["model"]
 
 
+@pytest.mark.e2e
 def test_stage_with_a_read_only_output_folder_exits_5(project, capsys, tmp_path):
     assert run_stage_script("corpus") == 0
     mount_tmpfs(project / "metrics", "size=64k,ro")

@@ -108,6 +108,16 @@ class BestOfNScorer(nn.Module):
         return self.model.score_best_of_n(queries, samples)
 
 
+def one_process_accelerator(cfg: RewardTrainParams):
+    """The accelerator of a call that passes none (tests, notebooks): this process, on the CPU."""
+    return distributed.make_accelerator(
+        torch.device("cpu"),
+        stage="train_reward",
+        collective_timeout_s=cfg.collective_timeout_s,
+        timeout_key="reward.train.collective_timeout_s",
+    )
+
+
 def train_reward_model(
     model: RewardModel,
     labels: Labels,
@@ -132,12 +142,7 @@ def train_reward_model(
 
     Returns one record per optimizer step (step, loss, accuracy, lr); ``log(record)`` is called too.
     """
-    accelerator = accelerator or distributed.make_accelerator(
-        torch.device("cpu"),
-        stage="train_reward",
-        collective_timeout_s=cfg.collective_timeout_s,
-        timeout_key="reward.train.collective_timeout_s",
-    )
+    accelerator = accelerator or one_process_accelerator(cfg)
     if cfg.batch_size % accelerator.num_processes:
         raise PipelineError(
             f"reward.train.batch_size ({cfg.batch_size}) must split evenly over the {accelerator.num_processes} "
