@@ -52,7 +52,9 @@ def e2e_command(args) -> str | None:
     """What ``args`` (a command line) starts that only e2e tests may start, or None."""
     tokens = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
     names = {Path(t).name for t in tokens}
-    if any(t.startswith("stages/") or "/stages/" in t for t in tokens if t.endswith(".py")):
+    stage_scripts = [t for t in tokens if t.endswith(".py") and (t.startswith("stages/") or "/stages/" in t)]
+    # a stage's script, or a driver handed the stages' folder
+    if stage_scripts or any(t.rstrip("/").endswith("/stages") for t in tokens):
         return "a pipeline stage"
     if "repro" in tokens:
         return "dvc repro"

@@ -96,7 +96,6 @@ def test_a_kernel_run_before_the_pin_is_named_as_the_entry_point_s_bug(clean_pin
         numerics.pin("portable", 1, {})
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["portable", "compatible"])
 def test_a_pin_without_a_thread_count_is_refused_naming_the_key(mode):
     with pytest.raises(ParamsError) as refused:
@@ -170,6 +169,7 @@ def run_as_host(template: Path, where: Path, host: dict[str, str]) -> tuple[dict
 
 
 @pytest.mark.parametrize("mode", ["portable", "native"])
+@pytest.mark.e2e
 def test_two_hosts_make_the_same_bytes_under_portable_and_their_own_under_native(mode, tmp_path, tiny_base_dir):
     template = tmp_path / "project"
     (template / "models").mkdir(parents=True)

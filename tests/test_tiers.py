@@ -26,6 +26,7 @@ from conftest import e2e_command, run_stage_script
         (["/usr/bin/chromium", "--headless"], "Chromium"),
         ([".label-studio/bin/label-studio", "start"], "Label Studio"),
         (["accelerate", "launch", "stages/train_policy.py"], "a pipeline stage"),
+        ([sys.executable, "-c", "driver", "/work/x/stages", "corpus"], "a pipeline stage"),
         (["git", "status"], None),
         ([sys.executable, "-m", "rlhf_pipeline.cli", "check-params"], None),
         (["dvc", "status", "/tmp/test_reproducible_run"], None),  # a path that merely holds the word
