@@ -18,7 +18,7 @@ from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline import paths
 from rlhf_pipeline.errors import DamagedArtifactError, PipelineError
 from rlhf_pipeline.gitrepo import file_at, git
-from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, write_checksums
+from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, verify_checksums, write_checksums
 from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.lineage.verify import tree_md5
 from rlhf_pipeline.modelcard import add_held_out_results, held_out_result, read_card
@@ -135,9 +135,7 @@ def judge_scorer(root: str | Path, rule: PromotionParams):
             f"promotion.judge {rule.frozen_judge}: no reward model folder with its {CHECKSUMS} there; train the judge "
             "on promotion.golden_labels and put its folder (models/reward of that run) there, then `dvc add` it."
         )
-    problems = checksum_problems(folder, read_checksums(folder / CHECKSUMS))
-    if problems:
-        raise DamagedArtifactError(f"promotion.judge {rule.frozen_judge}: {'; '.join(problems[:5])}")
+    verify_checksums(folder, f"restore the frozen judge (promotion.judge {rule.frozen_judge}) with `dvc checkout`")
     return reward_scorer(root, rule.frozen_judge)
 
 

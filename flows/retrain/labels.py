@@ -34,8 +34,6 @@ from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError
 from rlhf_pipeline.params.labelling import FILE_LABELS, LABEL_FILE_SUFFIXES, SIMULATED_LABELS
 from rlhf_pipeline.params.schema import Params, load_params
 
-PREFERENCE_SUFFIXES = LABEL_FILE_SUFFIXES
-
 
 class InvalidPreferences(RetrainError):
     """The incoming preference file failed validation; nothing was replaced."""
@@ -45,7 +43,7 @@ def _newest_preference_file(incoming: Path) -> Path:
     if incoming.is_file():
         return incoming
     if incoming.is_dir():
-        candidates = [p for p in incoming.iterdir() if p.is_file() and p.suffix in PREFERENCE_SUFFIXES]
+        candidates = [p for p in incoming.iterdir() if p.is_file() and p.suffix in LABEL_FILE_SUFFIXES]
         if candidates:
             return max(candidates, key=lambda p: (p.stat().st_mtime, p.name))
         raise RetrainError(f"no .jsonl or .parquet preference file in {incoming}", ParamsError.exit_code)
