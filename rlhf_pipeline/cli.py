@@ -231,8 +231,17 @@ def cmd_label(args) -> int:
     from rlhf_pipeline import labelling  # loads torch and transformers: only when this command runs
 
     if args.action == "config":
-        print(labelling.label_config(args.n), end="")
+        if args.side_by_side:
+            from rlhf_pipeline.side_by_side import label_config as side_by_side_config
+
+            print(side_by_side_config(), end="")
+        else:
+            print(labelling.label_config(args.n), end="")
         return 0
+    if args.action == "compare":
+        return _label_compare(args)
+    if args.action == "verdicts":
+        return _label_verdicts(args, labelling)
     if args.action == "export":
         params = load_params(args.params)
         numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
@@ -275,6 +284,54 @@ def cmd_label(args) -> int:
     with writing(args.output), atomic_file(args.output) as out:
         out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     print(json.dumps({"output": args.output, **report.summary(), **merged}, indent=2))
+    return 0
+
+
+def _label_compare(args) -> int:
+    """``rlhf label compare``: a blind side-by-side round of two models (rlhf_pipeline.side_by_side)."""
+    import json
+
+    from rlhf_pipeline import side_by_side  # loads torch and transformers: only when this command runs
+
+    params = load_params(args.params)
+    numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
+    num = args.num if args.num is not None else params.promotion.human.num_queries
+    seed = args.seed if args.seed is not None else params.promotion.human.seed
+    with sampling_model(args.challenger) as challenger, sampling_model(args.incumbent) as incumbent:
+        tasks, record = side_by_side.sample_round(challenger, incumbent, args.queries, params.task, num, seed)
+    with writing(args.output), atomic_file(args.output) as out:
+        json.dump(tasks, out, indent=1, ensure_ascii=False)
+    kept = record.save(".")
+    print(
+        f"{args.output}: {len(tasks)} side-by-side tasks, {record.challenger} against {record.incumbent} "
+        f"(seed {seed}); which model wrote Response A is kept in {kept}, not in the tasks. Labelling interface: "
+        "rlhf label config --side-by-side"
+    )
+    return 0
+
+
+def _label_verdicts(args, labelling) -> int:
+    """``rlhf label verdicts``: people's answers to side-by-side tasks into their rounds' files."""
+    import json
+
+    from rlhf_pipeline import side_by_side  # loads torch: only when this command runs
+
+    limits = load_params(args.params).labelling if Path(args.params).exists() else LabellingParams()
+    if args.from_server is not None:
+        if args.input is not None:
+            raise SettingsError("rlhf label verdicts takes INPUT or --from-server PROJECT, not both.")
+        handle, where = labelling.fetch_export(args.from_server, limits)
+    elif args.input is None:
+        raise SettingsError("rlhf label verdicts INPUT (Label Studio's JSON export), or --from-server PROJECT.")
+    else:
+        handle, where = labelling.open_export_file(args.input, limits), args.input
+    with handle:
+        tasks = (task for _, task in labelling.read_export(handle, where, limits))
+        rounds, report = side_by_side.read_verdicts(tasks, where, ".", limits.max_annotations_per_task)
+    for answered in rounds:
+        with writing(paths.SIDE_BY_SIDE):
+            answered.save(".")
+    print(json.dumps({"rounds": [r.name for r in rounds], **report.summary()}, indent=2))
     return 0
 
 
@@ -403,6 +460,24 @@ def _add_label_parser(sub) -> None:
     label = p.add_subparsers(dest="action", required=True)
     q = label.add_parser("config", help="print the Label Studio labelling interface (XML) for best-of-N")
     q.add_argument("--n", type=int, default=4, help="responses per task (4: OpenAI's best-of-4; 2: pairwise)")
+    q.add_argument("--side-by-side", action="store_true", help="the interface of `rlhf label compare`'s tasks")
+    q = label.add_parser(
+        "compare",
+        help="a blind side-by-side round: one response from each model per held-out query -> Label Studio tasks",
+    )
+    q.add_argument("challenger", help="a model folder or a registered version (policy@v2)")
+    q.add_argument("incumbent", help="a model folder or a registered version (policy#prod, models/base)")
+    q.add_argument("output", help="the tasks (JSON) to import into Label Studio")
+    q.add_argument("--queries", default=paths.QUERIES)
+    q.add_argument("--num", type=int, default=None, help="held-out queries (default: promotion.human.num_queries)")
+    q.add_argument("--seed", type=int, default=None, help="the sampling seed (default: promotion.human.seed)")
+    q.add_argument("--params", default="params.yaml")
+    q = label.add_parser(
+        "verdicts", help="people's answers to side-by-side tasks (an export file, or pulled) -> their round's file"
+    )
+    q.add_argument("input", nargs="?", default=None, help="Label Studio's JSON export (not with --from-server)")
+    q.add_argument("--from-server", type=int, default=None, metavar="PROJECT", help="pull project PROJECT's answers")
+    q.add_argument("--params", default="params.yaml")
     q = label.add_parser("export", help="sample N responses per query from a model; write Label Studio tasks (JSON)")
     q.add_argument("output")
     q.add_argument(

@@ -106,14 +106,10 @@ def export_tasks(
         raise PipelineError(f"{queries_dir} ({split}) has {len(part)} queries; {num_queries} were asked for.")
     tokenizer = load_tokenizer(str(model_dir))
     model = load_causal_lm(str(model_dir)).eval()
+    ids = part.select(range(num_queries))["query_ids"]
     vocabulary = model.get_input_embeddings().num_embeddings
-    highest = max(max(ids) for ids in part.select(range(num_queries))["query_ids"])
-    if highest >= vocabulary:  # queries another tokenizer made (another base model's project)
-        raise PipelineError(
-            f"{queries_dir} was tokenized for another model: its token ids reach {highest}, and {model_dir}'s "
-            f"vocabulary has {vocabulary}. Export from the base model whose tokenizer made the queries (or a "
-            "policy trained from it), or rerun `dvc repro queries` for this one; nothing was written."
-        )
+    if (problem := query_vocabulary_problem(queries_dir, ids, vocabulary, model_dir)) is not None:
+        raise PipelineError(problem)
     sampler = ResponseSampler.from_tokenizer(task, tokenizer)
     generator = torch.Generator().manual_seed(seed)
     model_sha = weights_sha256(model_dir)
@@ -139,6 +135,21 @@ def export_tasks(
             }
             tasks.append({"data": data})
     return tasks
+
+
+def query_vocabulary_problem(
+    queries_dir: str | Path, ids: list[list[int]], vocabulary: int, model_dir: str | Path
+) -> str | None:
+    """Why ``model_dir`` (``vocabulary`` embeddings) cannot sample from these queries: another tokenizer
+    made them (another base model's project); None when it can."""
+    highest = max(max(row) for row in ids)
+    if highest < vocabulary:
+        return None
+    return (
+        f"{queries_dir} was tokenized for another model: its token ids reach {highest}, and {model_dir}'s "
+        f"vocabulary has {vocabulary}. Sample from the base model whose tokenizer made the queries (or a "
+        "policy trained from it), or rerun `dvc repro queries` for this one; nothing was written."
+    )
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -221,23 +232,12 @@ def _download(base: str, project: int, token: str, limits: LabellingParams, wher
     """The export, spooled to a temporary file within the size bound (see :func:`fetch_export`)."""
     import httpx
 
-    refused = (
-        f"{where} refused the token in {TOKEN_VARIABLE} (HTTP {{}}): use a token from Label Studio's Account & "
-        "Settings page (a personal access token, or a legacy token where the organisation enables them); "
-        "nothing written."
-    )
+    refused = _refused(where)
     limit = limits.max_export_bytes
     try:
         # follow_redirects=False (httpx's default, stated): a redirect is refused below, never followed
         with httpx.Client(base_url=base, timeout=limits.server_timeout_s, follow_redirects=False) as client:
-            authorization = f"Token {token}"
-            if token.count(".") == 2:  # a personal access token: a JWT refresh token, exchanged for an access token
-                exchanged = client.post("/api/token/refresh", json={"refresh": token})
-                _check_status(exchanged, where, refused, token)
-                try:
-                    authorization = f"Bearer {exchanged.json()['access']}"
-                except (ValueError, KeyError, TypeError):
-                    raise DataContractError(f"{where}: the token exchange answered no access token.") from None
+            authorization = _authorization(client, token, where)
             request = client.build_request(
                 "GET",
                 f"/api/projects/{project}/export",
@@ -275,6 +275,57 @@ def _download(base: str, project: int, token: str, limits: LabellingParams, wher
         ) from None
     spool.seek(0)
     return io.TextIOWrapper(spool, encoding="utf-8", errors="replace")
+
+
+def _refused(where: str) -> str:
+    return (
+        f"{where} refused the token in {TOKEN_VARIABLE} (HTTP {{}}): use a token from Label Studio's Account & "
+        "Settings page (a personal access token, or a legacy token where the organisation enables them); "
+        "nothing written."
+    )
+
+
+def _authorization(client, token: str, where: str) -> str:
+    """The Authorization header for ``token``: a legacy token as it is, a personal access token (a JWT
+    refresh token) exchanged for an access token first."""
+    if token.count(".") != 2:
+        return f"Token {token}"
+    exchanged = client.post("/api/token/refresh", json={"refresh": token})
+    _check_status(exchanged, where, _refused(where), token)
+    try:
+        return f"Bearer {exchanged.json()['access']}"
+    except (ValueError, KeyError, TypeError):
+        raise DataContractError(f"{where}: the token exchange answered no access token.") from None
+
+
+def send_tasks(project: int, tasks: list[dict], limits: LabellingParams, environ: dict[str, str] | None = None) -> int:
+    """Import ``tasks`` into Label Studio project ``project`` (its address and token from the environment,
+    as :func:`fetch_export` reads them, with the same refusals); how many the server took."""
+    import httpx
+
+    environ = os.environ if environ is None else environ
+    missing = [name for name in (URL_VARIABLE, TOKEN_VARIABLE) if not environ.get(name)]
+    if missing:
+        raise SettingsError(
+            f"sending tasks to Label Studio project {project} needs {' and '.join(missing)} in the environment "
+            f"(the server's address and your API token; never read from params or files)."
+        )
+    base = server_address(environ, limits)
+    where, token = f"Label Studio project {project} at {base}", environ[TOKEN_VARIABLE]
+    try:
+        with httpx.Client(base_url=base, timeout=limits.server_timeout_s, follow_redirects=False) as client:
+            headers = {"Authorization": _authorization(client, token, where)}
+            response = client.post(f"/api/projects/{project}/import", json=tasks, headers=headers)
+            if response.status_code != 201:  # Label Studio answers an import with 201 Created
+                _check_status(response, where, _refused(where), token)
+            try:
+                return int(response.json().get("task_count", len(tasks)))
+            except (ValueError, TypeError, AttributeError):
+                return len(tasks)
+    except httpx.HTTPError as error:
+        raise PipelineError(
+            f"{where}: the server did not answer ({type(error).__name__}: {error}); no task was sent."
+        ) from None
 
 
 def _too_large(where: str, limits: LabellingParams) -> DataContractError:
@@ -348,7 +399,7 @@ class ImportReport:
         }
 
 
-def _annotator(annotation: dict, where: str) -> str:
+def annotation_author(annotation: dict, where: str) -> str:
     who = annotation.get("completed_by")
     if isinstance(who, dict):  # some exports expand the user
         who = who.get("email") or who.get("id")
@@ -360,7 +411,7 @@ def _annotator(annotation: dict, where: str) -> str:
     return str(who)
 
 
-def _choice(annotation: dict, where: str) -> list[str] | None:
+def annotation_choice(annotation: dict, where: str) -> list[str] | None:
     """The values chosen in ``annotation``'s result for :data:`CHOICE` (None: no choice made)."""
     result = annotation.get("result") or []
     if not isinstance(result, list):
@@ -461,7 +512,7 @@ def rows_from_export(
             if best is None:
                 continue
             choices_by_task.setdefault(data["task_id"], []).append(best)
-            report.rows.append(_row(data, n, best, _annotator(annotation, label)))
+            report.rows.append(_row(data, n, best, annotation_author(annotation, label)))
     report.agreement, report.tasks_with_several = pairwise_agreement(choices_by_task)
     if min_agreement is not None and report.agreement is not None and report.agreement < min_agreement:
         worst = [t for t, c in choices_by_task.items() if len(set(c)) > 1][:5]
@@ -476,12 +527,12 @@ def rows_from_export(
 def _label(annotation: dict, data: dict, n: int, task_label: str, seen: set[str], report: ImportReport) -> int | None:
     """The response ``annotation`` chose (None for a cancelled or empty one, counted in ``report``);
     refuses a choice outside the ``n`` responses and a second answer by one annotator (``seen``)."""
-    who = _annotator(annotation, task_label)
+    who = annotation_author(annotation, task_label)
     where = f"{task_label}, annotation {plain(str(annotation.get('id')), 40)} by annotator {plain(who, 80)}"
     if annotation.get("was_cancelled"):
         report.cancelled += 1
         return None
-    chosen = _choice(annotation, where)
+    chosen = annotation_choice(annotation, where)
     if not chosen:
         report.skipped += 1
         return None

@@ -17,20 +17,15 @@ from typing import Any
 from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline import paths
 from rlhf_pipeline.errors import DamagedArtifactError, PipelineError
-from rlhf_pipeline.gitrepo import file_at, git
+from rlhf_pipeline.gitrepo import commit_staged, file_at, git
 from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, verify_checksums, write_checksums
 from rlhf_pipeline.labelers import get_labeler
+from rlhf_pipeline.labelling import fetch_export, read_export, send_tasks
 from rlhf_pipeline.lineage.verify import tree_md5
 from rlhf_pipeline.modelcard import add_held_out_results, held_out_result, read_card
 from rlhf_pipeline.params.promotion import PromotionParams
-from rlhf_pipeline.params.schema import load_params
-from rlhf_pipeline.promotion import (
-    Side,
-    compare,
-    decide,
-    read_responses,
-    render,
-)
+from rlhf_pipeline.params.schema import Params, load_params
+from rlhf_pipeline.promotion import Side, Tally, compare, decide, human_shortfall, read_responses, render
 from rlhf_pipeline.registry import (
     PROD,
     Version,
@@ -44,6 +39,8 @@ from rlhf_pipeline.registry import (
     version_of,
     versions,
 )
+from rlhf_pipeline.side_by_side import load_round, read_verdicts, round_path, sample_round
+from rlhf_pipeline.side_by_side import tally as side_by_side_tally
 
 POLICY, REWARD_MODEL = "policy", "reward-model"
 SCORE_BATCH = 64
@@ -176,12 +173,14 @@ def incumbent_side(root: str | Path, challenger_rows: list[dict]) -> tuple[Side,
 def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dict[str, Any]:
     """Register HEAD's policy (and reward model) and decide whether it takes ``prod``."""
     root = Path(root).resolve()
-    rule = load_params(root / params_path).promotion
+    params = load_params(root / params_path)
+    rule = params.promotion
     if POLICY not in declared_artifacts(root):
         return {"decision": None, "outcome": "skipped: dvc.yaml declares no 'policy' artifact", "markdown": ""}
     require_recorded_run(root)
     existing, _, _ = version_of(root, POLICY)
-    if existing is not None:
+    waiting = existing is not None and rule.score == "human" and PROD not in existing.stages
+    if existing is not None and not waiting:
         outcome = f"no new version: {existing.tag} already has the policy HEAD records"
         return {"decision": None, "registered": existing.tag, "outcome": outcome, "markdown": ""}
     # judged before it is registered: a comparison that cannot be made leaves no undecided version
@@ -209,6 +208,11 @@ def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dic
         else None
     )
     comparison.challenger = challenger.tag
+    registered = challenger.tag + (f", {reward.tag}" if reward is not None else "")
+    if rule.score == "human":
+        comparison.human, waits = human_verdicts(root, params, challenger, prod)
+        if waits is not None:
+            return {"decision": None, "registered": registered, "outcome": waits, "markdown": "", "waiting": True}
     decision = decide(comparison, rule)
     if decision.promote:
         assign(root, POLICY, challenger.version, PROD, message=f"promotion gate: {challenger.tag} passed")
@@ -217,13 +221,82 @@ def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dic
         outcome = f"{challenger.tag} assigned prod" + (f" (with {reward.tag})" if reward is not None else "")
     else:
         outcome = f"prod stays {prod.tag if prod else 'unassigned'}; {challenger.tag} is registered, not promoted"
-    registered = challenger.tag + (f", {reward.tag}" if reward is not None else "")
     return {
         "decision": decision.as_dict(),
         "registered": registered,
         "outcome": outcome,
         "markdown": render(decision, registered, outcome),
     }
+
+
+def human_verdicts(
+    root: Path, params: Params, challenger: Version, prod: Version | None
+) -> tuple[Tally | None, str | None]:
+    """``promotion.score: human``: (people's verdicts on ``challenger`` against prod, why the gate waits
+    or None). With ``promotion.human.label_studio_project``, a challenger with no round yet has its
+    side-by-side tasks sent to that project, and a round's answers are pulled from it (the address and
+    token from the environment) before they are counted; without one, the round goes through files
+    (``rlhf label compare``, ``rlhf label verdicts``). The round file is committed as it stands."""
+    rule, incumbent = params.promotion, prod.tag if prod is not None else paths.BASE_MODEL
+    path, wanted = round_path(root, challenger.tag, incumbent), rule.human
+    project = wanted.label_studio_project
+    if not path.is_file():
+        if project is None:
+            return None, (
+                f"{challenger.tag} is registered and waits for people's side-by-side verdicts against {incumbent}: "
+                f"`rlhf label compare {challenger.tag} {prod.tag if prod else paths.BASE_MODEL} tasks.json`, import "
+                "tasks.json into a Label Studio project whose interface is `rlhf label config --side-by-side`, then "
+                "`rlhf label verdicts EXPORT.json` with its export, and run `rlhf models gate` again"
+            )
+        sent = send_round(root, params, challenger, prod)
+        return None, (
+            f"{challenger.tag} is registered and waits for people's side-by-side verdicts against {incumbent}: "
+            f"{sent} tasks sent to Label Studio project {project}; the next run (or `rlhf models gate`) pulls the "
+            "answers and decides"
+        )
+    if project is not None:
+        handle, where = fetch_export(project, params.labelling)
+        with handle:
+            rounds, _ = read_verdicts((task for _, task in read_export(handle, where, params.labelling)), where, root)
+        for answered in rounds:
+            answered.save(root)
+    commit_round(root, path)
+    tally = side_by_side_tally(load_round(path).verdicts, wanted.tie_weight, wanted.confidence)
+    short = human_shortfall(tally, rule)
+    if short is not None:
+        return tally, f"{challenger.tag} is registered and waits: {short}, against {incumbent}"
+    return tally, None
+
+
+def send_round(root: Path, params: Params, challenger: Version, prod: Version | None) -> int:
+    """Sample a side-by-side round of ``challenger`` against ``prod`` (or the base model) on the held-out
+    queries (``promotion.human``), send its tasks to its Label Studio project, and keep (commit) its
+    round file."""
+    wanted = params.promotion.human
+    with tempfile.TemporaryDirectory(prefix=".side-by-side-", dir=root) as scratch:
+        mine = fetch(root, POLICY, challenger.version, None, Path(scratch) / "challenger", with_results=False)
+        if prod is not None:
+            theirs = fetch(root, POLICY, prod.version, None, Path(scratch) / "incumbent", with_results=False)
+            incumbent = (theirs["out"], prod.tag)
+        else:
+            verify_checksums(root / paths.BASE_MODEL, "restore it with `dvc checkout base_model`")
+            incumbent = (str(root / paths.BASE_MODEL), paths.BASE_MODEL)
+        tasks, record = sample_round(
+            (mine["out"], challenger.tag), incumbent, root / paths.QUERIES, params.task, wanted.num_queries, wanted.seed
+        )
+    sent = send_tasks(wanted.label_studio_project, tasks, params.labelling)
+    commit_round(root, record.save(root))
+    return sent
+
+
+def commit_round(root: Path, path: Path) -> None:
+    """Commit a side-by-side round file as it stands (the order key, the verdicts): a decision people
+    made is audited like the version it decides on. Nothing to commit: nothing done."""
+    relative = str(path.relative_to(root))
+    if not (git(str(root), "status", "--porcelain", "--", relative) or "").strip():
+        return
+    git(str(root), "add", "--", relative)
+    commit_staged(root, [relative], f"side-by-side round {path.stem}")
 
 
 def fetch(

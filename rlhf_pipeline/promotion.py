@@ -22,9 +22,11 @@ is reported as reward hacking and not promoted. A rejected challenger is a resul
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -62,6 +64,52 @@ def paired(challenger: Sequence[float], incumbent: Sequence[float]) -> Paired:
     return Paired(mean=float(d.mean()), stderr=float(d.std(ddof=1) / np.sqrt(d.size)), n=int(d.size))
 
 
+@dataclass(frozen=True)
+class Tally:
+    r"""The challenger's win rate over the incumbent from people's verdicts, ties weighted:
+
+    .. math::
+        \hat p = \frac{w + \tau t}{n}
+
+    with ``w`` wins, ``t`` ties, ``n`` answers, and its Wilson score interval at ``confidence``
+    (:func:`wilson`)."""
+
+    wins: int
+    ties: int
+    losses: int
+    tie_weight: float
+    confidence: float
+    annotators: dict[str, int]  # answers per person
+
+    @property
+    def n(self) -> int:
+        return self.wins + self.ties + self.losses
+
+    @property
+    def win_rate(self) -> float:
+        return (self.wins + self.tie_weight * self.ties) / self.n if self.n else math.nan
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return wilson(self.win_rate, self.n, self.confidence)
+
+
+def wilson(p: float, n: int, confidence: float) -> tuple[float, float]:
+    r"""Wilson's score interval for a binomial proportion ``p`` observed over ``n`` trials:
+
+    .. math::
+        \frac{\hat p + \frac{z^2}{2n} \pm z\sqrt{\frac{\hat p(1-\hat p)}{n} + \frac{z^2}{4n^2}}}{1 + \frac{z^2}{n}}
+
+    with ``z`` the normal quantile of ``(1 + confidence) / 2``; it stays in [0, 1] and is honest at
+    small ``n`` and at ``p`` near 0 or 1, where the normal interval is not."""
+    if n <= 0:
+        return (0.0, 1.0)
+    z = NormalDist().inv_cdf((1 + confidence) / 2)
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
 @dataclass
 class Side:
     """One policy's responses to the held-out queries."""
@@ -81,12 +129,13 @@ class Comparison:
     kl: float | None  # the challenger's KL to the base (nats)
     judge: str | None
     notes: list[str] = field(default_factory=list)
+    human: Tally | None = None  # people's side-by-side verdicts, where a round was answered
 
 
 @dataclass
 class Decision:
     promote: bool
-    score: str  # what the rule compared: gold or proxy
+    score: str  # what the rule compared: gold, proxy or human
     reasons: list[str]
     comparison: Comparison
     rule: dict[str, Any]
@@ -163,7 +212,9 @@ def decide(comparison: Comparison, rule: PromotionParams) -> Decision:
     if score == "gold" and comparison.gold is None:
         score = "proxy"
         reasons.append("no gold judge (promotion.judge is null): the rule compares proxy")
-    if comparison.queries < rule.min_queries:
+    if score == "human":
+        promote = _human_rule(comparison, rule, reasons)
+    elif comparison.queries < rule.min_queries:
         promote = False
         reasons.append(
             f"only {comparison.queries} held-out queries pair up (promotion.min_queries: {rule.min_queries})"
@@ -182,8 +233,8 @@ def decide(comparison: Comparison, rule: PromotionParams) -> Decision:
         promote = False
         reasons.append(
             f"reward hacking: the challenger's own reward model puts it {comparison.proxy.in_se:+.1f} SE above "
-            f"{comparison.incumbent}, the judge ({comparison.judge}) {comparison.gold.in_se:+.1f} SE below: it learnt "
-            "what its labels' reward model rewards, not what the judge does"
+            f"{comparison.incumbent}, {_judged(comparison)} below: it learnt what its labels' reward model rewards, "
+            "not what the judge does"
         )
     if rule.max_kl is not None:
         if comparison.kl is None:
@@ -196,13 +247,61 @@ def decide(comparison: Comparison, rule: PromotionParams) -> Decision:
     return Decision(promote, score, reasons, comparison, rule.model_dump(), hacking)
 
 
-def reward_hacking(comparison: Comparison, tolerance_se: float) -> bool:
-    """A proxy gain beyond ``tolerance_se`` paired SEs with a judged loss beyond as many: the gap
-    between what the challenger's reward model says and what the judge says, where it matters."""
-    gold, proxy = comparison.gold, comparison.proxy
-    if gold is None or not gold.n or not proxy.n:
+def human_shortfall(tally: Tally | None, rule: PromotionParams) -> str | None:
+    """Why people's verdicts are too few to decide on (fewer than ``promotion.human.min_judgements``
+    answers, or from fewer than ``min_annotators`` people); None when they suffice."""
+    wanted = rule.human
+    if tally is None:
+        return "no side-by-side verdicts yet"
+    if tally.n < wanted.min_judgements or len(tally.annotators) < wanted.min_annotators:
+        return (
+            f"{tally.n} verdicts from {_people(len(tally.annotators))}; the rule needs at least "
+            f"{wanted.min_judgements} from at least {wanted.min_annotators} (promotion.human)"
+        )
+    return None
+
+
+def _people(count: int) -> str:
+    return f"{count} {'person' if count == 1 else 'people'}"
+
+
+def _human_rule(comparison: Comparison, rule: PromotionParams, reasons: list[str]) -> bool:
+    """promotion.score: human: the challenger's win rate's interval must reach 50 %."""
+    tally = comparison.human
+    if (short := human_shortfall(tally, rule)) is not None:
+        reasons.append(f"human: {short}")
         return False
-    return proxy.mean > tolerance_se * proxy.stderr and gold.mean < -tolerance_se * gold.stderr
+    low, high = tally.interval
+    verdict = "reaches" if high >= 0.5 else "stays below"
+    reasons.append(
+        f"human: the challenger wins {tally.win_rate:.1%} of {tally.n} side-by-side verdicts against "
+        f"{comparison.incumbent} ({tally.wins} wins, {tally.ties} ties at {tally.tie_weight:g}, {tally.losses} "
+        f"losses; {_people(len(tally.annotators))}); its {tally.confidence:.0%} interval {low:.1%} to {high:.1%} "
+        f"{verdict} 50%: {'within' if high >= 0.5 else 'beyond'} tolerance"
+    )
+    return high >= 0.5
+
+
+def reward_hacking(comparison: Comparison, tolerance_se: float) -> bool:
+    """A proxy gain beyond ``tolerance_se`` paired SEs with a judged loss beyond as many (or, judged by
+    people, a win rate whose interval stays below 50 %): the gap between what the challenger's reward
+    model says and what the judge says, where it matters."""
+    gold, proxy, human = comparison.gold, comparison.proxy, comparison.human
+    if not proxy.n or proxy.mean <= tolerance_se * proxy.stderr:
+        return False
+    if human is not None and human.n and human.interval[1] < 0.5:
+        return True
+    return gold is not None and bool(gold.n) and gold.mean < -tolerance_se * gold.stderr
+
+
+def _judged(comparison: Comparison) -> str:
+    """The judged loss, in words, for a reward-hacking reason."""
+    human = comparison.human
+    if human is not None and human.n and human.interval[1] < 0.5:
+        return (
+            f"people {human.win_rate:.0%} of {human.n} side-by-side verdicts (interval up to {human.interval[1]:.0%})"
+        )
+    return f"the judge ({comparison.judge}) {comparison.gold.in_se:+.1f} SE"
 
 
 def render(decision: Decision, registered: str, outcome: str) -> str:
@@ -219,12 +318,29 @@ def render(decision: Decision, registered: str, outcome: str) -> str:
     lines.append(
         f"| KL to the base (nats) | {c.kl:.3f} | | |" if c.kl is not None else "| KL to the base | unknown | | |"
     )
+    if c.human is not None and c.human.n:
+        h, (low, high) = c.human, c.human.interval
+        lines += [
+            "",
+            f"| people, side by side | verdicts | wins | ties | losses | win rate | {h.confidence:.0%} interval |",
+            "|---|---|---|---|---|---|---|",
+            f"| challenger vs {c.incumbent} | {h.n} | {h.wins} | {h.ties} | {h.losses} | {h.win_rate:.1%} | "
+            f"{low:.1%} to {high:.1%} |",
+            "",
+            "- Each person's share of the verdicts: "
+            + ", ".join(f"{who} {count} ({count / h.n:.0%})" for who, count in h.annotators.items()),
+        ]
     if c.gold is not None and c.gold.n and c.gold.in_se is not None and c.proxy.in_se is not None:
         lines += [
             "",
             f"- Proxy-judge gap: the challenger's own reward model puts it {c.proxy.in_se:+.1f} SE from "
             f"{c.incumbent}, the judge {c.gold.in_se:+.1f} SE.",
         ]
+    if c.human is not None and c.human.n and c.proxy.n and c.proxy.in_se is not None:
+        lines.append(
+            f"- Proxy-people gap: the challenger's own reward model puts it {c.proxy.in_se:+.1f} SE from "
+            f"{c.incumbent}; people prefer it in {c.human.win_rate:.0%} of {c.human.n} verdicts."
+        )
     if decision.reward_hacking:
         lines.append(
             "- **Reward hacking**: the proxy gain is the reward model's, not the judge's; the labels or the reward "

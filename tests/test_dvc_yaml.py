@@ -412,7 +412,8 @@ def test_the_pipeline_s_paths_are_dvc_yaml_s():
     top_metrics = set(yaml.safe_load((REPO / "dvc.yaml").read_text()).get("metrics", []))
     named = {k: v for k, v in vars(paths).items() if k.isupper() and isinstance(v, str)}
     user_folders = {paths.LOCAL_MODELS, paths.RAW_DATA, paths.LABELS}
-    for lock in ("DVC_LOCK", "DVC_LOCK_COPY", "REQUIREMENTS_LOCK"):  # DVC's record and the packages' lock
+    # DVC's record, the packages' lock, and the gate's side-by-side rounds (git's, not a stage's)
+    for lock in ("DVC_LOCK", "DVC_LOCK_COPY", "REQUIREMENTS_LOCK", "SIDE_BY_SIDE"):
         named.pop(lock)
     missing = [
         f"{name} = {path}"
@@ -441,7 +442,7 @@ LIBRARY_FLOORS = {
     3: "reward/training reward/adoption ppo/policy ppo/trainer evaluation evaluation_report",
     # audit and commands: lineage, the registry and its gate, labelling with people, the CLI
     4: "lineage/record lineage/verify lineage/facts lineage/event lineage/render lineage/diff registry promotion "
-    "models_command labelling cli",
+    "models_command labelling side_by_side cli",
 }
 
 

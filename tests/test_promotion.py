@@ -7,7 +7,18 @@ from __future__ import annotations
 import pytest
 
 from rlhf_pipeline.params.promotion import PromotionParams
-from rlhf_pipeline.promotion import Comparison, Paired, Side, compare, decide, paired, render
+from rlhf_pipeline.promotion import (
+    Comparison,
+    Paired,
+    Side,
+    Tally,
+    compare,
+    decide,
+    human_shortfall,
+    paired,
+    render,
+    wilson,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,3 +135,70 @@ def test_a_frozen_judge_scores_with_its_own_reward_model_and_says_what_it_measur
     (folder / "README.md").write_text("edited")
     with pytest.raises(DamagedArtifactError, match="promotion.judge data/models/judge"):
         judge_scorer(tmp_path, rule)
+
+
+# --------------------------------------------------------------------------------------------
+# promotion.score: human: people's side-by-side verdicts
+def test_the_wilson_interval_matches_its_textbook_values():
+    low, high = wilson(0.5, 100, 0.95)  # z = 1.96: 0.5 ± 0.0962 / 1.0384
+    assert low == pytest.approx(0.4038, abs=1e-4) and high == pytest.approx(0.5962, abs=1e-4)
+    low, high = wilson(0.0, 10, 0.95)  # no win in 10: the interval still reaches up, never below 0
+    assert low == pytest.approx(0.0, abs=1e-12) and high == pytest.approx(0.2775, abs=1e-4)
+    assert wilson(0.7, 0, 0.95) == (0.0, 1.0)
+
+
+def _human(wins: int, ties: int, losses: int, people: int = 2) -> Comparison:
+    comparison = _comparison(0.0)
+    comparison.gold = None
+    n = wins + ties + losses
+    shares = {f"person{i}": n // people + (i < n % people) for i in range(people)}
+    comparison.human = Tally(wins, ties, losses, 0.5, 0.95, shares)
+    return comparison
+
+
+@pytest.mark.parametrize(
+    ("wins", "ties", "losses", "promote"),
+    [
+        (40, 4, 20, True),  # 65.6 % of 64
+        (26, 4, 34, True),  # 43.8 %: the interval (32 % to 56 %) still reaches 50 %
+        (18, 4, 42, False),  # 31.3 %: the interval (21 % to 43 %) stays below 50 %
+    ],
+)
+def test_the_human_rule_promotes_when_the_win_rate_s_interval_reaches_half(wins, ties, losses, promote):
+    decision = decide(_human(wins, ties, losses), PromotionParams(score="human", judge=None))
+    assert decision.score == "human" and decision.promote is promote, decision.reasons
+    (reason,) = [r for r in decision.reasons if r.startswith("human:")]
+    assert f"{wins} wins, {ties} ties at 0.5, {losses} losses; 2 people" in reason
+
+
+def test_ties_count_as_the_params_say():
+    half = Tally(10, 20, 10, 0.5, 0.95, {"a": 40})
+    none = Tally(10, 20, 10, 0.0, 0.95, {"a": 40})
+    assert half.win_rate == pytest.approx(0.5) and none.win_rate == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(
+    ("wins", "people", "rule", "short"),
+    [
+        (30, 2, {"min_judgements": 64}, "30 verdicts from 2 people; the rule needs at least 64 from at least 2 (promotion.human)"),
+        (64, 1, {"min_annotators": 2}, "64 verdicts from 1 person; the rule needs at least 64 from at least 2 (promotion.human)"),
+    ],
+)
+def test_too_few_verdicts_or_people_decide_nothing(wins, people, rule, short):
+    params = PromotionParams(score="human", human=rule)
+    comparison = _human(wins, 0, 0, people)
+    assert human_shortfall(comparison.human, params) == short
+    assert not decide(comparison, params).promote
+    assert human_shortfall(None, params) == "no side-by-side verdicts yet"
+
+
+def test_people_refuting_the_proxy_is_reward_hacking_and_the_page_shows_counts_interval_and_shares():
+    comparison = _human(12, 2, 50, people=3)
+    comparison.proxy = Paired(1.5, 0.1, 64)  # its own reward model: +15 SE
+    decision = decide(comparison, PromotionParams(score="human", judge=None))
+    assert not decision.promote and decision.reward_hacking
+    page = render(decision, "policy@v2.0.0", "prod stays policy@v1.0.0")
+    assert "| challenger vs policy@v1.0.0 | 64 | 12 | 2 | 50 | 20.3% | 12.3% to 31.7% |" in page
+    assert "person0 22 (34%), person1 21 (33%), person2 21 (33%)" in page
+    assert "Proxy-people gap: the challenger's own reward model puts it +15.0 SE" in page
+    assert "**Reward hacking**" in page

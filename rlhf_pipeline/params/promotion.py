@@ -7,17 +7,44 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_pipeline.params import Strict, refuse
+from rlhf_pipeline.params import Seed, Strict, refuse
 
-GateScore = Literal["gold", "proxy"]
+GateScore = Literal["gold", "proxy", "human"]
 JUDGE_LABELERS = ("vader",)  # the programmatic judges (rlhf_pipeline.labelers); anything else names a folder
+
+
+class HumanGateParams(Strict):
+    """``promotion.human``: the side-by-side round people answer when ``promotion.score`` is human."""
+
+    num_queries: int = Field(
+        64, ge=2, le=100_000, description="Held-out queries in a side-by-side round (one task each)."
+    )
+    seed: Seed = Field(0, description="The sampling seed of both models' responses (recorded in each task).")
+    min_judgements: int = Field(
+        64, ge=1, le=10_000_000, description="Fewest answers (ties included) the gate decides on; fewer: it waits."
+    )
+    min_annotators: int = Field(2, ge=1, le=10_000, description="Fewest different people among those answers.")
+    tie_weight: float = Field(
+        0.5, ge=0.0, le=1.0, description="What a tie counts as in the challenger's win rate (0.5: half a win)."
+    )
+    confidence: float = Field(
+        0.95, gt=0.5, lt=1.0, description="The binomial (Wilson) interval's confidence around the win rate."
+    )
+    label_studio_project: int | None = Field(
+        None,
+        gt=0,
+        description="The Label Studio project the gate sends a waiting challenger's side-by-side tasks to, and "
+        "pulls the answers from ($LABEL_STUDIO_URL, $LABEL_STUDIO_API_KEY); null: the round goes through files "
+        "(rlhf label compare, rlhf label verdicts).",
+    )
 
 
 class PromotionParams(Strict):
     score: GateScore = Field(
         "gold",
-        description="What the rule compares: gold (the judge labeler's score of each response text) or proxy "
-        "(the challenger's reward model). gold falls back to proxy, saying so, when judge is null.",
+        description="What the rule compares: gold (the judge labeler's score of each response text), proxy "
+        "(the challenger's reward model) or human (people's side-by-side verdicts, promotion.human). gold falls "
+        "back to proxy, saying so, when judge is null.",
     )
     judge: str | None = Field(
         "vader",
@@ -49,6 +76,7 @@ class PromotionParams(Strict):
     min_queries: int = Field(
         32, ge=2, le=10_000_000, description="Fewest paired held-out queries the comparison may rest on."
     )
+    human: HumanGateParams = HumanGateParams()
 
     @model_validator(mode="after")
     def _judge_is_a_labeler_or_a_model_folder(self) -> PromotionParams:

@@ -1,0 +1,353 @@
+"""Side-by-side human evaluation of two policies: both answer the same held-out queries, people say
+which answer is better without being told whose it is, and the promotion gate reads their verdicts
+(``promotion.score: human``), as OpenAI judged its policies and as Chatbot Arena ranks models.
+
+- :func:`label_config` is the labelling interface: the query, Response A and Response B, and one
+  required choice: A, B or tie.
+- :func:`sample_round` samples one response from each model on the first held-out queries (the same
+  queries, the same seed for both) and returns the Label Studio tasks and the :class:`Round` that keeps
+  what the tasks do not say: which model wrote A, drawn at random for each task. A task carries the
+  two versions (in name order), their weights' SHA-256, the query, its index and the seed, and nothing
+  that tells which model wrote which response.
+- :func:`read_verdicts` reads Label Studio's export of those tasks back (one answer per task and
+  annotator, as the best-of-N import checks it) into each task's round as verdicts: challenger,
+  incumbent or tie, by annotator.
+- :func:`tally` counts a round's verdicts for the gate (:class:`rlhf_pipeline.promotion.Tally`: the
+  challenger's win rate, a tie counting ``tie_weight`` of a win, its Wilson interval, each person's share).
+
+A round lives in ``side_by_side/<challenger>_vs_<incumbent>.json`` (:func:`round_path`): the order key
+written when the tasks are, the verdicts added by each import; the gate commits it with its decision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from xml.sax.saxutils import quoteattr
+
+import torch
+
+from rlhf_pipeline import paths
+from rlhf_pipeline.errors import DataContractError, PipelineError, plain, quoted
+from rlhf_pipeline.io import atomic_file
+from rlhf_pipeline.labelling import (
+    annotation_author,
+    annotation_choice,
+    pairwise_agreement,
+    query_vocabulary_problem,
+    weights_sha256,
+)
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer
+from rlhf_pipeline.params.task import TaskParams
+from rlhf_pipeline.preferences.simulated import MAX_RESAMPLES, sample_clean_candidates, sample_problem
+from rlhf_pipeline.preferences.text_rules import text_problem
+from rlhf_pipeline.promotion import Tally
+from rlhf_pipeline.sampling import ResponseSampler
+
+CHALLENGER, INCUMBENT, TIE = "challenger", "incumbent", "tie"
+CHOICES = {"A": "a", "B": "b", "tie": TIE}  # what the page shows -> the value an annotation exports
+TASK_FIELDS = ("task_id", "comparison", "query", "response_a", "response_b", "versions", "sha256", "split")
+INTEGER_FIELDS = {"query_index": 2**31, "seed": 2**32}
+
+
+def label_config() -> str:
+    """Label Studio's interface for a side-by-side task: the query, the two responses, one required
+    choice whose exported value is ``a``, ``b`` or ``tie``."""
+    lines = [
+        "<View>",
+        '  <Header value="Query"/>',
+        '  <Text name="query" value="$query"/>',
+        '  <Header value="Which response continues it better? Choose tie when neither is."/>',
+        '  <Header value="Response A" size="5"/>',
+        '  <Text name="response_a" value="$response_a"/>',
+        '  <Header value="Response B" size="5"/>',
+        '  <Text name="response_b" value="$response_b"/>',
+        '  <Choices name="best" toName="query" choice="single" required="true" showInLine="true">',
+    ]
+    lines += [f"    <Choice value={quoteattr(shown)} alias={quoteattr(value)}/>" for shown, value in CHOICES.items()]
+    lines += ["  </Choices>", "</View>", ""]
+    return "\n".join(lines)
+
+
+def comparison_name(challenger: str, incumbent: str) -> str:
+    """``policy@v2.0.0_vs_policy@v1.0.0``: a round's name (a folder's slashes become dashes)."""
+    return f"{challenger}_vs_{incumbent}".replace("/", "-")
+
+
+def round_path(root: str | Path, challenger: str, incumbent: str) -> Path:
+    return Path(root, paths.SIDE_BY_SIDE, f"{comparison_name(challenger, incumbent)}.json")
+
+
+@dataclass
+class Round:
+    """One side-by-side comparison: the two models, and per task the order the page showed them in."""
+
+    challenger: str  # a registered version's tag, or a folder
+    challenger_sha256: str
+    incumbent: str
+    incumbent_sha256: str
+    seed: int
+    split: str
+    created: str
+    order: dict[str, str]  # task_id -> which model wrote Response A (challenger | incumbent)
+    queries: dict[str, int]  # task_id -> the query's index in the split
+    verdicts: list[dict] = field(default_factory=list)  # {task_id, annotator, winner}
+
+    @property
+    def name(self) -> str:
+        return comparison_name(self.challenger, self.incumbent)
+
+    def save(self, root: str | Path) -> Path:
+        path = round_path(root, self.challenger, self.incumbent)
+        with atomic_file(path) as out:
+            json.dump(asdict(self), out, indent=1, sort_keys=True)
+            out.write("\n")
+        return path
+
+
+def load_round(path: str | Path) -> Round:
+    """A round file, refused (exit 3) when it is not one this module wrote."""
+    try:
+        payload = json.loads(Path(path).read_text())
+        return Round(**payload)
+    except (OSError, ValueError, TypeError) as error:
+        raise DataContractError(
+            f"{path}: not a side-by-side round ({type(error).__name__}: {plain(str(error), 200)}); it is written by "
+            "`rlhf label compare` or the gate. Restore it from git (`git checkout -- {path}`)."
+        ) from None
+
+
+def task_id(name: str, shas: list[str], split: str, query_index: int, seed: int) -> str:
+    key = json.dumps([name, sorted(shas), split, query_index, seed])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def _responses(model_dir: str, queries: list[list[int]], task: TaskParams, seed: int, batch_size: int):
+    """One response per query from ``model_dir`` (None where it still breaks the contract after
+    :data:`MAX_RESAMPLES` draws), with the same seed as the other side."""
+    tokenizer = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir).eval()
+    sampler = ResponseSampler.from_tokenizer(task, tokenizer)
+    generator = torch.Generator().manual_seed(seed)
+    out: list[str | None] = []
+    for start in range(0, len(queries), batch_size):
+        batch = queries[start : start + batch_size]
+        texts = sample_clean_candidates(model, tokenizer, sampler, batch, 1, generator, MAX_RESAMPLES)[0]
+        out += [samples[0] if sample_problem(samples) is None else None for samples in texts]
+    return out
+
+
+def sample_round(
+    challenger: tuple[str, str],
+    incumbent: tuple[str, str],
+    queries_dir: str | Path,
+    task: TaskParams,
+    num_queries: int,
+    seed: int,
+    split: str = "test",
+    batch_size: int = 16,
+) -> tuple[list[dict], Round]:
+    """(Label Studio tasks, the round) for ``challenger`` and ``incumbent``, each ``(model folder,
+    name)``, on the first ``num_queries`` queries of ``split``. A query either side cannot answer within
+    the contract's text rule is left out. Which response is A is drawn per task with :mod:`secrets`
+    (no seed an annotator could replay) and kept in the round only."""
+    from datasets import load_from_disk
+
+    part = load_from_disk(str(queries_dir))[split]
+    if not 1 <= num_queries <= len(part):
+        raise PipelineError(
+            f"{queries_dir} ({split}) has {len(part)} queries; {num_queries} were asked for (from 1 to {len(part)})."
+        )
+    ids = [part[i]["query_ids"] for i in range(num_queries)]
+    shas, answers = {}, {}
+    for folder, name in (challenger, incumbent):
+        vocabulary = load_causal_lm(folder).get_input_embeddings().num_embeddings
+        if (problem := query_vocabulary_problem(queries_dir, ids, vocabulary, folder)) is not None:
+            raise PipelineError(problem)
+        shas[name] = weights_sha256(folder)
+        answers[name] = _responses(folder, ids, task, seed, batch_size)
+    c_name, i_name = challenger[1], incumbent[1]
+    created = datetime.now(UTC).isoformat(timespec="seconds")
+    versions = sorted([c_name, i_name])
+    record = Round(c_name, shas[c_name], i_name, shas[i_name], seed, split, created, {}, {})
+    tasks = []
+    for index, (mine, theirs) in enumerate(zip(answers[c_name], answers[i_name])):
+        if mine is None or theirs is None:
+            continue
+        tid = task_id(record.name, [shas[c_name], shas[i_name]], split, index, seed)
+        a_is = CHALLENGER if secrets.randbelow(2) else INCUMBENT
+        a, b = (mine, theirs) if a_is == CHALLENGER else (theirs, mine)
+        record.order[tid], record.queries[tid] = a_is, index
+        data = {
+            "task_id": tid,
+            "comparison": record.name,
+            "query": part[index]["query"],
+            "response_a": a,
+            "response_b": b,
+            "versions": versions,
+            "sha256": [shas[v] for v in versions],
+            "split": split,
+            "query_index": index,
+            "seed": seed,
+        }
+        tasks.append({"data": data})
+    if not tasks:
+        raise PipelineError(f"no held-out query of {queries_dir} gave both models a response within the contract.")
+    return tasks, record
+
+
+@dataclass
+class VerdictReport:
+    """What an import of side-by-side answers read (per round: the verdicts added)."""
+
+    added: Counter = field(default_factory=Counter)  # round name -> new verdicts
+    already_there: int = 0
+    annotations: int = 0
+    cancelled: int = 0
+    skipped: int = 0
+    agreement: float | None = None
+    tasks_with_several: int = 0
+
+    def summary(self) -> dict:
+        return {
+            "added": dict(self.added),
+            "already_there": self.already_there,
+            "annotations": self.annotations,
+            "cancelled": self.cancelled,
+            "skipped": self.skipped,
+            "agreement": self.agreement,
+            "tasks_with_several_annotations": self.tasks_with_several,
+        }
+
+
+def _task_data(item, position: int, where: str, rounds: dict[str, Round]) -> tuple[dict, str, Round]:
+    """(data, label, its round) of one exported side-by-side task, checked field by field."""
+    if not isinstance(item, dict) or not isinstance(item.get("data"), dict):
+        raise DataContractError(
+            f"{where}: task {position} has no data object: it was not made by `rlhf label compare`."
+        )
+    data, label = item["data"], f"{where}: task {plain(str(item.get('id', position)), 40)}"
+    missing = [k for k in (*TASK_FIELDS, *INTEGER_FIELDS) if k not in data]
+    if missing:
+        raise DataContractError(
+            f"{label} lacks {', '.join(missing)} in its data: it is not a side-by-side task of `rlhf label compare` "
+            "(a best-of-N task goes to `rlhf label import`). Nothing was written."
+        )
+    problems = []
+    for name, bound in INTEGER_FIELDS.items():
+        value = data[name]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
+            problems.append(f"{name} is {quoted(str(value), 40)}, not a whole number from 0 to {bound - 1:,}")
+    for name in ("query", "response_a", "response_b"):
+        value = data[name]
+        problem = text_problem(value) if isinstance(value, str) else "not a text"
+        if problem is not None:
+            problems.append(f"{name} fails the contract's text rule ({problem})")
+    record = rounds.get(data["comparison"]) if isinstance(data["comparison"], str) else None
+    if record is None:
+        problems.append(
+            f"its comparison {quoted(str(data['comparison']), 120)} has no round file in {paths.SIDE_BY_SIDE}/ "
+            "(the order of its two responses is kept there, written when the tasks were)"
+        )
+    elif data["task_id"] not in record.order:
+        problems.append(f"its task_id is not one of {record.name}'s tasks")
+    elif (
+        sorted(data["sha256"] if isinstance(data["sha256"], list) else [])
+        != sorted([record.challenger_sha256, record.incumbent_sha256])
+        or record.queries[data["task_id"]] != data["query_index"]
+    ):
+        problems.append(f"its models' SHA-256 or its query index differ from what {record.name}'s round recorded")
+    if problems:
+        raise DataContractError(
+            f"{label}: {'; '.join(problems[:4])}. Side-by-side tasks come from `rlhf label compare`; one edited by "
+            "hand or by another tool is refused. Nothing was written."
+        )
+    return data, label, record
+
+
+def read_verdicts(
+    tasks: Iterable, where: str, root: str | Path, max_annotations: int = 100
+) -> tuple[list[Round], VerdictReport]:
+    """The rounds of ``root``'s ``side_by_side/`` that ``tasks`` (Label Studio's export) answer, with
+    the new verdicts merged in (one per task and annotator; the same answer imported again adds nothing,
+    a different one is refused as an edited export). Nothing is written: the caller saves the rounds."""
+    rounds = {r.name: r for r in (load_round(p) for p in sorted(Path(root, paths.SIDE_BY_SIDE).glob("*.json")))}
+    kept = {r.name: {(v["task_id"], v["annotator"]): v["winner"] for v in r.verdicts} for r in rounds.values()}
+    report, touched, choices_by_task = VerdictReport(), {}, {}
+    for position, item in enumerate(tasks):
+        data, label, record = _task_data(item, position, where, rounds)
+        annotations = item.get("annotations") or []
+        if not isinstance(annotations, list) or len(annotations) > max_annotations:
+            raise DataContractError(
+                f"{label}: its annotations are not a list of at most labelling.max_annotations_per_task = "
+                f"{max_annotations}. Nothing was written."
+            )
+        seen: set[str] = set()
+        for annotation in annotations:
+            report.annotations += 1
+            if not isinstance(annotation, dict):
+                raise DataContractError(f"{label}: an annotation is not an object. Nothing was written.")
+            who = annotation_author(annotation, label)
+            at = f"{label} (task_id {data['task_id']}), annotation by annotator {plain(who, 80)}"
+            if annotation.get("was_cancelled"):
+                report.cancelled += 1
+                continue
+            chosen = annotation_choice(annotation, at)
+            if not chosen:
+                report.skipped += 1
+                continue
+            if len(chosen) != 1 or chosen[0] not in CHOICES.values():
+                raise DataContractError(
+                    f"{at}: the choice {plain(str(chosen), 80)} is not a, b or tie; the project's labelling interface "
+                    "must be the one `rlhf label config --side-by-side` writes. Nothing was written."
+                )
+            if who in seen:
+                raise DataContractError(
+                    f"{at}: this annotator answered the task twice; keep one of the two annotations in Label Studio "
+                    "and export again. Nothing was written."
+                )
+            seen.add(who)
+            winner = TIE if chosen[0] == TIE else _whose(chosen[0], record.order[data["task_id"]])
+            choices_by_task.setdefault(data["task_id"], []).append(winner)
+            key = (data["task_id"], who)
+            previous = kept[record.name].get(key)
+            if previous is not None:
+                if previous != winner:
+                    raise DataContractError(
+                        f"{at}: already recorded as {previous} in {record.name}'s round, and this export says "
+                        f"{winner}. One of the two exports was changed after the answers were given; nothing was "
+                        "written."
+                    )
+                report.already_there += 1
+                continue
+            kept[record.name][key] = winner
+            record.verdicts.append({"task_id": data["task_id"], "annotator": who, "winner": winner})
+            report.added[record.name] += 1
+            touched[record.name] = record
+    report.agreement, report.tasks_with_several = pairwise_agreement(choices_by_task)
+    return list(touched.values()), report
+
+
+def _whose(choice: str, a_is: str) -> str:
+    """Which model the choice ``a`` or ``b`` names, given who wrote Response A."""
+    other = INCUMBENT if a_is == CHALLENGER else CHALLENGER
+    return a_is if choice == "a" else other
+
+
+def tally(verdicts: Iterable[dict], tie_weight: float, confidence: float) -> Tally:
+    """The round's verdicts counted for the gate (:class:`rlhf_pipeline.promotion.Tally`)."""
+    counts: Counter = Counter()
+    people: Counter = Counter()
+    for verdict in verdicts:
+        counts[verdict["winner"]] += 1
+        people[verdict["annotator"]] += 1
+    return Tally(
+        counts[CHALLENGER], counts[TIE], counts[INCUMBENT], tie_weight, confidence, dict(sorted(people.items()))
+    )
