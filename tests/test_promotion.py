@@ -180,8 +180,18 @@ def test_ties_count_as_the_params_say():
 @pytest.mark.parametrize(
     ("wins", "people", "rule", "short"),
     [
-        (30, 2, {"min_judgements": 64}, "30 verdicts from 2 people; the rule needs at least 64 from at least 2 (promotion.human)"),
-        (64, 1, {"min_annotators": 2}, "64 verdicts from 1 person; the rule needs at least 64 from at least 2 (promotion.human)"),
+        (
+            30,
+            2,
+            {"min_judgements": 64},
+            "30 verdicts from 2 people; the rule needs at least 64 from at least 2 (promotion.human)",
+        ),
+        (
+            64,
+            1,
+            {"min_annotators": 2},
+            "64 verdicts from 1 person; the rule needs at least 64 from at least 2 (promotion.human)",
+        ),
     ],
 )
 def test_too_few_verdicts_or_people_decide_nothing(wins, people, rule, short):

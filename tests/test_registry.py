@@ -163,6 +163,74 @@ def test_gate_both_ways_register_every_version_and_roll_back(versioned, tmp_path
     assert "ppo.lr: 0.0001 -> 0.0003" in rlhf(root, "lineage", "--diff", "policy@v1", "policy@v2").stdout
 
 
+def people_answer(root: Path, answers: dict[str, str]) -> None:
+    """Each person (annotator id -> "challenger" | "incumbent" | "tie") answers every side-by-side task
+    of the project's one round, as Label Studio exports it; then `rlhf label verdicts`."""
+    (path,) = (root / "side_by_side").glob("*.json")
+    order = json.loads(path.read_text())["order"]
+    tasks = json.loads((root / "tasks.json").read_text())
+
+    def choice(prefers: str, a_is: str) -> str:
+        return "tie" if prefers == "tie" else ("a" if prefers == a_is else "b")
+
+    def annotation(who: str, prefers: str, task_id: str) -> dict:
+        value = {"choices": [choice(prefers, order[task_id])]}
+        return {"completed_by": who, "result": [{"from_name": "best", "type": "choices", "value": value}]}
+
+    export = [
+        {
+            "id": n,
+            "data": t["data"],
+            "annotations": [annotation(w, p, t["data"]["task_id"]) for w, p in answers.items()],
+        }
+        for n, t in enumerate(tasks)
+    ]
+    (root / "export.json").write_text(json.dumps(export))
+    rlhf(root, "label", "verdicts", "export.json")
+
+
+def test_the_human_gate_waits_for_people_then_decides_both_ways(versioned, tmp_path):
+    root = tmp_path / "project"
+    shutil.copytree(versioned, root, symlinks=True)
+    human = {"num_queries": 6, "min_judgements": 10, "min_annotators": 2}
+    set_promotion(root, score="human", judge=None, max_kl=None, min_queries=2, human=human)
+    sh(["git", "commit", "-qam", "the gate asks people"], root)
+
+    # no round yet: the challenger is registered and waits, and the gate says how to run the round
+    waiting = gate(root)
+    assert waiting["decision"] is None and waiting["waiting"] and prod_of(root) is None
+    assert waiting["registered"] == "policy@v1.0.0, reward-model@v1.0.0"
+    assert "rlhf label compare policy@v1.0.0 models/base tasks.json" in waiting["outcome"]
+    made = rlhf(root, "label", "compare", "policy@v1", "models/base", "tasks.json")
+    assert "kept in side_by_side/policy@v1.0.0_vs_models-base.json" in made.stdout
+    tasks = json.loads((root / "tasks.json").read_text())
+    assert len(tasks) >= 5 and all(t["data"]["versions"] == ["models/base", "policy@v1.0.0"] for t in tasks)
+    other = tmp_path / "other"
+    shutil.copytree(root, other, symlinks=True)
+
+    # one person's answers are too few: it still waits, and the round (order and verdicts) is committed
+    people_answer(root, {"1": "challenger"})
+    assert f"{len(tasks)} verdicts from 1 person; the rule needs at least 10 from at least 2" in gate(root)["outcome"]
+    assert "side_by_side/policy@v1.0.0_vs_models-base.json" in sh(["git", "show", "--stat", "HEAD"], root).stdout
+    assert prod_of(root) is None
+    # a second person agrees: the challenger wins every verdict, and takes prod
+    people_answer(root, {"1": "challenger", "2": "challenger"})
+    decided = gate(root)
+    assert decided["decision"]["promote"] is True and decided["decision"]["score"] == "human"
+    assert prod_of(root) == "policy@v1.0.0"
+    n = 2 * len(tasks)
+    assert f"| challenger vs base model | {n} | {n} | 0 | 0 | 100.0% |" in decided["markdown"]
+    assert f"- Each person's share of the verdicts: 1 {len(tasks)} (50%), 2 {len(tasks)} (50%)" in decided["markdown"]
+    assert "no new version" in gate(root)["outcome"]  # decided: prod has it
+
+    # the other way: both people prefer the base model's responses; the version stays registered, not prod
+    people_answer(other, {"1": "incumbent", "2": "incumbent"})
+    refused = gate(other)
+    assert refused["decision"]["promote"] is False and prod_of(other) is None
+    assert "prod stays unassigned; policy@v1.0.0 is registered, not promoted" in refused["outcome"]
+    assert "stays below 50%: beyond tolerance" in refused["markdown"]
+
+
 def test_lineage_warns_when_the_running_environment_is_not_the_one_that_made_the_artifact(versioned, tmp_path):
     root = tmp_path / "project"
     shutil.copytree(versioned, root, symlinks=True)
