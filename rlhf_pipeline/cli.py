@@ -232,9 +232,9 @@ def cmd_label(args) -> int:
 
     if args.action == "config":
         if args.side_by_side:
-            from rlhf_pipeline.side_by_side import label_config as side_by_side_config
+            from rlhf_pipeline import side_by_side  # loads torch and datasets: only when this command runs
 
-            print(side_by_side_config(), end="")
+            print(side_by_side.label_config(), end="")
         else:
             print(labelling.label_config(args.n), end="")
         return 0

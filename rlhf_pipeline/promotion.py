@@ -255,8 +255,8 @@ def human_shortfall(tally: Tally | None, rule: PromotionParams) -> str | None:
         return "no side-by-side verdicts yet"
     if tally.n < wanted.min_judgements or len(tally.annotators) < wanted.min_annotators:
         return (
-            f"{tally.n} verdicts from {_people(len(tally.annotators))}; the rule needs at least "
-            f"{wanted.min_judgements} from at least {wanted.min_annotators} (promotion.human)"
+            f"{tally.n} verdict{'' if tally.n == 1 else 's'} from {_people(len(tally.annotators))}; the rule needs "
+            f"at least {wanted.min_judgements} from at least {wanted.min_annotators} (promotion.human)"
         )
     return None
 

@@ -165,21 +165,25 @@ def stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def label_in_browser(chromium: str, server: LabelStudio, project: int, person: Annotator, response: int) -> bytes:
-    """``person`` opens the project's labelling stream in a real browser, ticks Response ``response``
-    (1-based, as the page shows it) with a mouse click and submits; returns a screenshot of the page
-    with the response ticked, taken before the submit."""
+def label_in_browser(chromium: str, server: LabelStudio, project: int, person: Annotator, choice: str) -> bytes:
+    """``person`` opens the project's labelling stream in a real browser, ticks the choice whose text
+    starts with ``choice`` (as the page shows it: "Response 3", "A") with a mouse click and submits;
+    returns a screenshot of the page with the choice ticked, taken before the submit."""
     with HeadlessChromium(chromium, reachable=("127.0.0.1",)) as browser:
         page = browser.open(f"{server.url}/projects/{project}/data?labeling=1", cookies=person.cookies)
         shown = page.wait_for(f"{CHOICE_BOXES}.length", "v > 0", timeout_s=90)
         if not shown:
             raise AssertionError("the labelling page showed no choices within 90 s")
-        page.click(f"Array.from({CHOICE_BOXES}).find(e => e.innerText.startsWith('Response {response}'))")
+        texts = page.evaluate(f"Array.from({CHOICE_BOXES}, e => e.innerText)")
+        index = next((i for i, text in enumerate(texts) if text.strip().startswith(choice)), None)
+        if index is None:
+            raise AssertionError(f"the page shows no choice {choice!r}: {texts}")
+        page.click(f"{CHOICE_BOXES}[{index}]")
         ticked = page.wait_for(
             "Array.from(document.querySelectorAll('input[type=checkbox]'), e => e.checked)", "v.some(Boolean)", 10
         )
-        if ticked != [i == response - 1 for i in range(shown)]:
-            raise AssertionError(f"after the click on Response {response} the boxes read {ticked}")
+        if ticked != [i == index for i in range(shown)]:
+            raise AssertionError(f"after the click on {choice} the boxes read {ticked}")
         screenshot = page.screenshot()
         page.click("document.querySelector('button[aria-label=\"Submit current annotation\"]')")
         deadline = time.monotonic() + 30
@@ -204,7 +208,7 @@ if __name__ == "__main__":  # python tests/label_studio_server.py TASKS.json OUT
             project = server.create_project("best of 4", config, annotators_per_task=1)
             server.import_tasks(project, json.loads(Path(sys.argv[1]).read_text()))
             person = server.sign_up("labeller@example.com", secrets.token_urlsafe(12))
-            Path(sys.argv[2]).write_bytes(label_in_browser(executable, server, project, person, response=2))
+            Path(sys.argv[2]).write_bytes(label_in_browser(executable, server, project, person, "Response 2"))
         finally:
             stop(server.process)
     print(f"{sys.argv[2]}: Label Studio's labelling page, Response 2 ticked")

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from label_studio_server import LABEL_STUDIO, NOT_INSTALLED, label_in_browser, start_label_studio, stop
 from system_packages import unavailable
+from test_pipeline_e2e import sh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at the repo root
 
@@ -64,7 +65,7 @@ def test_a_round_through_label_studio_retrains_the_tiny_pipeline(
     second = server.sign_up("second.annotator@example.com", "a-long-password-1")
 
     # the second person answers one task in the real page: ticks Response 3 (index 2) and submits
-    shot = label_in_browser(chromium, server, project, second, response=3)
+    shot = label_in_browser(chromium, server, project, second, "Response 3")
     assert shot.startswith(b"\x89PNG")
     by_browser = server.annotations_by(project, second)
     assert len(by_browser) == 1, by_browser
@@ -159,3 +160,90 @@ def test_a_refused_token_or_a_missing_project_is_one_paragraph_and_writes_nothin
         assert pulled.returncode == code and message in pulled.stderr, pulled.stderr
         assert "Traceback" not in pulled.stderr and token not in pulled.stderr + pulled.stdout
         assert not (tmp_path / "labels.jsonl").exists()
+
+
+def test_people_judge_a_challenger_side_by_side_through_label_studio_both_ways(
+    label_studio, chromium, tiny_run, tmp_path
+):
+    """promotion.score: human with the real server: the gate sends a waiting challenger's blind tasks to
+    the project, two people answer (one task in the real page, the rest through the API), the gate pulls
+    their answers and decides; a second project answered the other way keeps the version out of prod."""
+    server = label_studio
+    second = server.sign_up("judge.two@example.com", "a-long-password-2")
+    config = (REPO / "labelling" / "side_by_side.xml").read_text()
+    projects = [server.create_project(f"side by side {way}", config, annotators_per_task=2) for way in "ab"]
+    roots = [tmp_path / "promoted", tmp_path / "refused"]
+    shutil.copytree(tiny_run[0], roots[0], symlinks=True)
+    env = {URL_VARIABLE: server.url, TOKEN_VARIABLE: server.personal_access_token(second)}
+
+    def set_project(root: Path, project: int) -> None:
+        params = yaml.safe_load((root / "params.yaml").read_text())
+        human = {"num_queries": 6, "min_judgements": 10, "min_annotators": 2, "label_studio_project": project}
+        params["promotion"] = {**params["promotion"], "score": "human", "judge": None, "max_kl": None,
+                               "min_queries": 2, "human": human}  # fmt: skip
+        (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    def gate(root: Path) -> dict:
+        ran = rlhf("models", "gate", "--json", cwd=root, **env)
+        assert ran.returncode == 0, ran.stderr
+        return json.loads(ran.stdout)
+
+    set_project(roots[0], projects[0])
+    sent = gate(roots[0])
+    assert sent["waiting"] and f"tasks sent to Label Studio project {projects[0]}" in sent["outcome"]
+    (round_file,) = (roots[0] / "side_by_side").glob("*.json")
+    assert round_file.name == "policy@v1.0.0_vs_models-base.json"
+    assert "side_by_side/" in subprocess.run(["git", "show", "--stat", "HEAD"], cwd=roots[0], capture_output=True,
+                                             text=True).stdout  # fmt: skip
+    order = json.loads(round_file.read_text())["order"]
+    exported = tasks_in(server, projects[0])
+    assert len(exported) == len(order) >= 5
+    assert all("challenger" not in json.dumps(t["data"]) and "incumbent" not in json.dumps(t["data"]) for t in exported)
+    # the other way: the same round, its tasks in a second project
+    shutil.copytree(roots[0], roots[1], symlinks=True)
+    set_project(roots[1], projects[1])
+    server.import_tasks(projects[1], [{"data": t["data"]} for t in exported])
+
+    def answer(project: int, prefers: str, clicked: int | None = None) -> None:
+        """Both people prefer ``prefers``'s response on every task (the second person's ``clicked`` task
+        was answered in the page already)."""
+        for task_id, task in {t["data"]["task_id"]: t["id"] for t in tasks_in(server, project)}.items():
+            mine = "a" if (order[task_id] == "challenger") == (prefers == "challenger") else "b"
+            server.annotate(task, mine, server.admin)
+            if task != clicked:
+                server.annotate(task, mine, second)
+
+    # the second person answers one task in the real page (A); one answer is too few: the gate pulls it, waits
+    assert label_in_browser(chromium, server, projects[0], second, "A").startswith(b"\x89PNG")
+    ((clicked, annotation),) = server.annotations_by(projects[0], second)
+    assert annotation["result"][0]["value"] == {"choices": ["a"]}
+    waits = gate(roots[0])
+    assert (
+        waits["waiting"] and "1 verdict from 1 person; the rule needs at least 10 from at least 2" in waits["outcome"]
+    )
+    assert prod_of(roots[0]) is None
+
+    # the rest through the API: both prefer the challenger; the gate pulls, decides, promotes
+    answer(projects[0], "challenger", clicked)
+    promoted = gate(roots[0])
+    assert promoted["decision"]["promote"] is True, promoted["markdown"]
+    assert prod_of(roots[0]) == "policy@v1.0.0"
+    verdicts = json.loads(round_file.read_text())["verdicts"]
+    assert len(verdicts) == 2 * len(order)
+    assert sum(v["annotator"] == str(second.id) for v in verdicts) == len(order)
+    assert f"| challenger vs base model | {2 * len(order)} |" in promoted["markdown"]
+
+    # the other project: both prefer the base model's responses; the version stays out of prod
+    answer(projects[1], "incumbent")
+    refused = gate(roots[1])
+    assert refused["decision"]["promote"] is False and "stays below 50%" in refused["markdown"]
+    assert "prod stays unassigned" in refused["outcome"] and prod_of(roots[1]) is None
+
+
+def tasks_in(server, project: int) -> list[dict]:
+    """Every task of ``project``, answered or not (the export holds only the answered ones)."""
+    return server.api("GET", "/api/tasks/", params={"project": project, "page_size": 1000}).json()["tasks"]
+
+
+def prod_of(root: Path) -> str | None:
+    return sh(["gto", "show", "policy#prod", "--ref"], root, check=False).stdout.strip() or None
