@@ -163,11 +163,12 @@ def test_a_refused_token_or_a_missing_project_is_one_paragraph_and_writes_nothin
 
 
 def test_people_judge_a_challenger_side_by_side_through_label_studio_both_ways(
-    label_studio, chromium, tiny_run, tmp_path
+    label_studio, chromium, tiny_run, prefect_server, tmp_path, monkeypatch
 ):
-    """promotion.score: human with the real server: the gate sends a waiting challenger's blind tasks to
-    the project, two people answer (one task in the real page, the rest through the API), the gate pulls
-    their answers and decides; a second project answered the other way keeps the version out of prod."""
+    """promotion.score: human with the real server: a retrain run registers the challenger, sends its
+    blind tasks to the project and ends; two people answer (one task in the real page, the rest through
+    the API); the next run pulls their answers and decides. A second project answered the other way
+    keeps the version out of prod (there through `rlhf models gate`, the command a person runs)."""
     server = label_studio
     second = server.sign_up("judge.two@example.com", "a-long-password-2")
     config = (REPO / "labelling" / "side_by_side.xml").read_text()
@@ -188,9 +189,18 @@ def test_people_judge_a_challenger_side_by_side_through_label_studio_both_ways(
         assert ran.returncode == 0, ran.stderr
         return json.loads(ran.stdout)
 
+    def run_flow(root: Path) -> str:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        state = retrain(repo=str(root), push=False, return_state=True, retry_delay_seconds=0.1)
+        assert state.is_completed(), state.message
+        report = state.result()
+        assert not [s for s in report["stages"] if s["result"] == "ran"]  # nothing stale: the gate alone
+        return report["promotion"]
+
     set_project(roots[0], projects[0])
-    sent = gate(roots[0])
-    assert sent["waiting"] and f"tasks sent to Label Studio project {projects[0]}" in sent["outcome"]
+    sent = run_flow(roots[0])
+    assert f"tasks sent to Label Studio project {projects[0]}" in sent and prod_of(roots[0]) is None
     (round_file,) = (roots[0] / "side_by_side").glob("*.json")
     assert round_file.name == "policy@v1.0.0_vs_models-base.json"
     assert "side_by_side/" in subprocess.run(["git", "show", "--stat", "HEAD"], cwd=roots[0], capture_output=True,
@@ -223,15 +233,15 @@ def test_people_judge_a_challenger_side_by_side_through_label_studio_both_ways(
     )
     assert prod_of(roots[0]) is None
 
-    # the rest through the API: both prefer the challenger; the gate pulls, decides, promotes
+    # the rest through the API: both prefer the challenger; the next run pulls, decides, promotes
     answer(projects[0], "challenger", clicked)
-    promoted = gate(roots[0])
-    assert promoted["decision"]["promote"] is True, promoted["markdown"]
+    assert run_flow(roots[0]) == "policy@v1.0.0 assigned prod (with reward-model@v1.0.0)"
     assert prod_of(roots[0]) == "policy@v1.0.0"
+    promoted = gate(roots[0])  # decided: the command now finds nothing new, and prints the decision again
+    assert promoted["decision"] is None and "no new version" in promoted["outcome"]
     verdicts = json.loads(round_file.read_text())["verdicts"]
     assert len(verdicts) == 2 * len(order)
     assert sum(v["annotator"] == str(second.id) for v in verdicts) == len(order)
-    assert f"| challenger vs base model | {2 * len(order)} |" in promoted["markdown"]
 
     # the other project: both prefer the base model's responses; the version stays out of prod
     answer(projects[1], "incumbent")
