@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from rlhf_pipeline.labelers import get_labeler
 from rlhf_pipeline.labelling import fetch_export, read_export, send_tasks
 from rlhf_pipeline.lineage.verify import tree_md5
 from rlhf_pipeline.modelcard import add_held_out_results, held_out_result, read_card
-from rlhf_pipeline.params.promotion import PromotionParams
+from rlhf_pipeline.params.promotion import REGISTERED_JUDGE, PromotionParams
 from rlhf_pipeline.params.schema import Params, load_params
 from rlhf_pipeline.promotion import Side, Tally, compare, decide, human_shortfall, read_responses, render
 from rlhf_pipeline.registry import (
@@ -118,29 +120,46 @@ def reward_scorer(root: str | Path, folder: str = paths.REWARD):
     return score
 
 
-def judge_scorer(root: str | Path, rule: PromotionParams):
-    """The gold judge as a scorer: a labeler, or a frozen judge's reward model (checked against its
-    SHA256SUMS first, as every model folder is); None without one."""
-    if rule.judge is None:
-        return None
+@contextmanager
+def frozen_judge_folder(root: Path, rule: PromotionParams) -> Iterator[Path | None]:
+    """The frozen judge's reward-model folder for the time the gate scores (None for a labeler or no
+    judge): a folder of the project as it is, or a registered version (``reward-model@v1``) fetched and
+    checked into a scratch folder, as `rlhf models get` does; its SHA256SUMS are checked either way."""
     if rule.frozen_judge is None:
-        labeler = get_labeler(rule.judge)
-        return lambda queries, responses: labeler.score(responses)
-    folder = Path(root, rule.frozen_judge)
+        yield None
+        return
+    if REGISTERED_JUDGE.fullmatch(rule.frozen_judge):
+        name, version = rule.frozen_judge.split("@")
+        with tempfile.TemporaryDirectory(prefix=".judge-", dir=root) as scratch:
+            fetch(root, name, version, None, Path(scratch) / "judge", with_results=False)
+            yield Path(scratch) / "judge"
+        return
+    folder = root / rule.frozen_judge
     if not (folder / CHECKSUMS).is_file():
         raise PipelineError(
             f"promotion.judge {rule.frozen_judge}: no reward model folder with its {CHECKSUMS} there; train the judge "
             "on promotion.golden_labels and put its folder (models/reward of that run) there, then `dvc add` it."
         )
     verify_checksums(folder, f"restore the frozen judge (promotion.judge {rule.frozen_judge}) with `dvc checkout`")
-    return reward_scorer(root, rule.frozen_judge)
+    yield folder
 
 
-def judge_accuracy(root: str | Path, rule: PromotionParams) -> str | None:
-    """What the frozen judge's card says it measured on its own held-out (golden) labels, for the decision."""
-    if rule.frozen_judge is None:
+def judge_scorer(root: str | Path, rule: PromotionParams, folder: Path | None = None):
+    """The gold judge as a scorer: a labeler, or the frozen judge's reward model in ``folder`` (from
+    :func:`frozen_judge_folder`); None without one."""
+    if rule.judge is None:
         return None
-    results = read_card(Path(root, rule.frozen_judge)).get("model-index") or []
+    if rule.frozen_judge is None:
+        labeler = get_labeler(rule.judge)
+        return lambda queries, responses: labeler.score(responses)
+    return reward_scorer(root, str(folder))
+
+
+def judge_accuracy(rule: PromotionParams, folder: Path | None) -> str | None:
+    """What the frozen judge's card (in ``folder``) says it measured on its own held-out (golden) labels."""
+    if rule.frozen_judge is None or folder is None:
+        return None
+    results = read_card(folder).get("model-index") or []
     measured = [
         f"{metric.get('name')}: {metric.get('value')}"
         for entry in results
@@ -191,16 +210,17 @@ def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dic
     incumbent, prod = incumbent_side(root, rows)
     evaluated = root / paths.EVALUATION_METRICS
     metrics = json.loads(evaluated.read_text()) if evaluated.is_file() else {}
-    comparison = compare(
-        Side("HEAD's policy", [r["query"] for r in rows], [r["policy_response"] for r in rows]),
-        incumbent,
-        proxy=reward_scorer(root),
-        judge=judge_scorer(root, rule),
-        judge_name=rule.judge,
-        kl=metrics.get(keys.KL),
-    )
-    if (accuracy := judge_accuracy(root, rule)) is not None:
-        comparison.notes.append(accuracy)
+    with frozen_judge_folder(root, rule) as judge_folder:
+        comparison = compare(
+            Side("HEAD's policy", [r["query"] for r in rows], [r["policy_response"] for r in rows]),
+            incumbent,
+            proxy=reward_scorer(root),
+            judge=judge_scorer(root, rule, judge_folder),
+            judge_name=rule.judge,
+            kl=metrics.get(keys.KL),
+        )
+        if (accuracy := judge_accuracy(rule, judge_folder)) is not None:
+            comparison.notes.append(accuracy)
     challenger, _ = register(root, POLICY, message="retrain: a new policy")
     reward = (
         register(root, REWARD_MODEL, message="retrain: a new reward model")[0]

@@ -154,7 +154,11 @@ def broken(path: str, value, **also):
         ),
         ("labelling.source", "labelstudio", "labelling.source: Input should be 'simulated', 'file' or 'label_studio'"),
         # a frozen judge is a labeler or a model folder; the golden set no round may write to
-        ("promotion.judge", "gpt-4", "promotion.judge: must be one of ['vader'], null, or a reward model folder"),
+        (
+            "promotion.judge",
+            "gpt-4",
+            "promotion.judge: must be one of ['vader'], null, a reward model folder in data/models/, or a version",
+        ),
     ],
 )
 def test_each_rule_is_refused_with_its_key_path(path, value, expected):
@@ -170,6 +174,11 @@ def test_a_frozen_judge_is_a_model_folder_and_its_golden_set_no_round_s_target()
     judged = parse_params(broken("promotion", {"judge": "data/models/judge", "golden_labels": golden}))
     assert judged.promotion.frozen_judge == "data/models/judge"
     assert parse_params(broken("promotion.judge", "vader")).promotion.frozen_judge is None
+    # a registered version, pinned; a stage moves, so it is no frozen judge
+    assert parse_params(broken("promotion.judge", "reward-model@v1")).promotion.frozen_judge == "reward-model@v1"
+    for moving in ("reward-model#prod", "reward-model@latest", "models/reward"):
+        with pytest.raises(ParamsError, match="or a version NAME@vN"):
+            parse_params(broken("promotion.judge", moving))
     with pytest.raises(ParamsError) as info:
         parse_params(
             broken("labelling.source", "file", data__preferences__source=golden, promotion__golden_labels=golden)

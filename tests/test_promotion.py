@@ -112,7 +112,7 @@ def test_a_frozen_judge_scores_with_its_own_reward_model_and_says_what_it_measur
     from rlhf_pipeline.io import write_checksums
     from rlhf_pipeline.modelcard import held_out_result
     from rlhf_pipeline.models import load_tokenizer, save_tokenizer
-    from rlhf_pipeline.models_command import judge_accuracy, judge_scorer
+    from rlhf_pipeline.models_command import frozen_judge_folder, judge_accuracy, judge_scorer
     from rlhf_pipeline.reward.adoption import reward_model_on_base
     from rlhf_pipeline.reward.persistence import save_reward_model
 
@@ -127,14 +127,16 @@ def test_a_frozen_judge_scores_with_its_own_reward_model_and_says_what_it_measur
     write_checksums(folder)
 
     rule = PromotionParams(judge="data/models/judge", golden_labels="data/labels/golden.jsonl")
-    scores = judge_scorer(tmp_path, rule)(["a query", "another"], [" a reply", " a second reply"])
+    with frozen_judge_folder(tmp_path, rule) as checked:
+        scores = judge_scorer(tmp_path, rule, checked)(["a query", "another"], [" a reply", " a second reply"])
+        said = judge_accuracy(rule, checked)
     assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
-    said = judge_accuracy(tmp_path, rule)
     assert said.startswith("frozen judge data/models/judge (golden labels: data/labels/golden.jsonl): ")
     assert "best-of-4 test accuracy: 0.71" in said
     (folder / "README.md").write_text("edited")
     with pytest.raises(DamagedArtifactError, match="promotion.judge data/models/judge"):
-        judge_scorer(tmp_path, rule)
+        with frozen_judge_folder(tmp_path, rule):
+            pass
 
 
 # --------------------------------------------------------------------------------------------

@@ -79,12 +79,15 @@ def test_gate_both_ways_register_every_version_and_roll_back(versioned, tmp_path
     assert "policy@v1.0.0 is now prod" in rlhf(root, "models", "assign", "policy", "v1").stdout
     assert prod_of(root) == "policy@v1.0.0"
 
-    # a second round, judged against prod (v1) on the same held-out queries
+    # a second round, judged against prod (v1) on the same held-out queries, by a frozen judge: the
+    # reward model registered with v1, fetched and checked at its version, whatever the workspace holds
     retrain(root, lr=3.0e-4)
-    set_promotion(root, max_kl=None, tolerance_se=100.0, min_queries=2)
+    set_promotion(root, max_kl=None, tolerance_se=100.0, min_queries=2, judge="reward-model@v1")
     sh(["git", "commit", "-qam", "rule"], root)
     second = gate(root)
     decision = second["decision"]
+    assert decision["comparison"]["gold"] is not None and decision["comparison"]["judge"] == "reward-model@v1"
+    assert "- frozen judge reward-model@v1: " in second["markdown"] and not list(root.glob(".judge-*"))
     assert second["registered"] == "policy@v2.0.0, reward-model@v1.0.0"  # the reward model did not change
     assert decision["promote"] is True and decision["comparison"]["incumbent"] == "policy@v1.0.0"
     assert decision["comparison"]["queries"] == len(rows)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -10,7 +11,9 @@ from pydantic import Field, model_validator
 from rlhf_pipeline.params import Seed, Strict, refuse
 
 GateScore = Literal["gold", "proxy", "human"]
-JUDGE_LABELERS = ("vader",)  # the programmatic judges (rlhf_pipeline.labelers); anything else names a folder
+JUDGE_LABELERS = ("vader",)  # the programmatic judges (rlhf_pipeline.labelers); anything else names a frozen judge
+# a frozen judge by its registered version: pinned (NAME@vN), never a stage, which moves
+REGISTERED_JUDGE = re.compile(r"[a-z0-9][a-z0-9-]*@v?\d+(?:\.\d+){0,2}")
 
 
 class HumanGateParams(Strict):
@@ -51,8 +54,8 @@ class PromotionParams(Strict):
         min_length=1,
         description="The gold judge, which scores response texts apart from where this round's labels came from, "
         "so a round of bad labels (noisy, adversarial) cannot vouch for itself: a labeler (vader), or a frozen "
-        "judge: the folder of a reward model trained on golden_labels (in data/models/, e.g. "
-        "data/models/judge). null: no gold.",
+        "judge: a reward model trained on golden_labels, as a folder in data/models/ (e.g. data/models/judge) or "
+        "a registered version (reward-model@v1: pinned, fetched and checked when the gate runs). null: no gold.",
     )
     golden_labels: str | None = Field(
         None,
@@ -81,16 +84,14 @@ class PromotionParams(Strict):
     @model_validator(mode="after")
     def _judge_is_a_labeler_or_a_model_folder(self) -> PromotionParams:
         judge = self.judge
-        if judge is not None and judge not in JUDGE_LABELERS and not judge.startswith("data/models/"):
-            refuse(
-                [
-                    (
-                        "judge",
-                        f"must be one of {list(JUDGE_LABELERS)}, null, or a reward model folder in data/models/",
-                        judge,
-                    )
-                ]
-            )
+        if (
+            judge is not None
+            and judge not in JUDGE_LABELERS
+            and not judge.startswith("data/models/")
+            and not REGISTERED_JUDGE.fullmatch(judge)
+        ):
+            wanted = f"one of {list(JUDGE_LABELERS)}, null, a reward model folder in data/models/, or a version NAME@vN"
+            refuse([("judge", f"must be {wanted}", judge)])
         return self
 
     @property
