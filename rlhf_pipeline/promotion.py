@@ -233,7 +233,7 @@ def decide(comparison: Comparison, rule: PromotionParams) -> Decision:
         promote = False
         reasons.append(
             f"reward hacking: the challenger's own reward model puts it {comparison.proxy.in_se:+.1f} SE above "
-            f"{comparison.incumbent}, {_judged(comparison)} below: it learnt what its labels' reward model rewards, "
+            f"{comparison.incumbent}, {_judged(comparison)}: it learnt what its labels' reward model rewards, "
             "not what the judge does"
         )
     if rule.max_kl is not None:
@@ -299,9 +299,10 @@ def _judged(comparison: Comparison) -> str:
     human = comparison.human
     if human is not None and human.n and human.interval[1] < 0.5:
         return (
-            f"people {human.win_rate:.0%} of {human.n} side-by-side verdicts (interval up to {human.interval[1]:.0%})"
+            f"while people prefer it in {human.win_rate:.0%} of {human.n} side-by-side verdicts (its interval reaches "
+            f"{human.interval[1]:.0%}, below 50%)"
         )
-    return f"the judge ({comparison.judge}) {comparison.gold.in_se:+.1f} SE"
+    return f"the judge ({comparison.judge}) {comparison.gold.in_se:+.1f} SE below"
 
 
 def render(decision: Decision, registered: str, outcome: str) -> str:

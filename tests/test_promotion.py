@@ -214,3 +214,4 @@ def test_people_refuting_the_proxy_is_reward_hacking_and_the_page_shows_counts_i
     assert "person0 22 (34%), person1 21 (33%), person2 21 (33%)" in page
     assert "Proxy-people gap: the challenger's own reward model puts it +15.0 SE" in page
     assert "**Reward hacking**" in page
+    assert "while people prefer it in 20% of 64 side-by-side verdicts (its interval reaches 32%, below 50%)" in page
