@@ -329,7 +329,7 @@ def _label_verdicts(args, labelling) -> int:
         tasks = (task for _, task in labelling.read_export(handle, where, limits))
         rounds, report = side_by_side.read_verdicts(tasks, where, ".", limits.max_annotations_per_task)
     for answered in rounds:
-        with writing(paths.SIDE_BY_SIDE):
+        with writing(side_by_side.ROUNDS):
             answered.save(".")
     print(json.dumps({"rounds": [r.name for r in rounds], **report.summary()}, indent=2))
     return 0

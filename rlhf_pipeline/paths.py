@@ -36,10 +36,6 @@ LOCAL_MODELS = "data/models"  # a local base_model.source (or a reward model) li
 RAW_DATA = "data/raw"  # a user corpus (data.corpus.source)
 LABELS = "data/labels"  # user labels and prompt files (queries, preferences)
 
-# the promotion gate's side-by-side rounds: which model wrote each task's Response A, and people's
-# verdicts (written by `rlhf label compare` and `rlhf label verdicts`; the gate commits them)
-SIDE_BY_SIDE = "side_by_side"
-
 # the two lock files, which lock different things
 DVC_LOCK = "dvc.lock"  # DVC's record of each stage's inputs and outputs (the audit trail)
 # the retrain flow's copy of the last dvc.lock DVC could read, taken before each stage (DVC rewrites

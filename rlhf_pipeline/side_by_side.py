@@ -33,7 +33,6 @@ from xml.sax.saxutils import quoteattr
 
 import torch
 
-from rlhf_pipeline import paths
 from rlhf_pipeline.errors import DataContractError, PipelineError, plain, quoted
 from rlhf_pipeline.io import atomic_file
 from rlhf_pipeline.labelling import (
@@ -50,6 +49,9 @@ from rlhf_pipeline.preferences.text_rules import text_problem
 from rlhf_pipeline.promotion import Tally
 from rlhf_pipeline.sampling import ResponseSampler
 
+# the rounds' folder, in the project's root: the gate's, not a stage's (no stage reads or writes it, so it
+# is not in rlhf_pipeline/paths.py, whose every edit makes every stage stale)
+ROUNDS = "side_by_side"
 CHALLENGER, INCUMBENT, TIE = "challenger", "incumbent", "tie"
 CHOICES = {"A": "a", "B": "b", "tie": TIE}  # what the page shows -> the value an annotation exports
 TASK_FIELDS = ("task_id", "comparison", "query", "response_a", "response_b", "versions", "sha256", "split")
@@ -81,7 +83,7 @@ def comparison_name(challenger: str, incumbent: str) -> str:
 
 
 def round_path(root: str | Path, challenger: str, incumbent: str) -> Path:
-    return Path(root, paths.SIDE_BY_SIDE, f"{comparison_name(challenger, incumbent)}.json")
+    return Path(root, ROUNDS, f"{comparison_name(challenger, incumbent)}.json")
 
 
 @dataclass
@@ -253,7 +255,7 @@ def _task_data(item, position: int, where: str, rounds: dict[str, Round]) -> tup
     record = rounds.get(data["comparison"]) if isinstance(data["comparison"], str) else None
     if record is None:
         problems.append(
-            f"its comparison {quoted(str(data['comparison']), 120)} has no round file in {paths.SIDE_BY_SIDE}/ "
+            f"its comparison {quoted(str(data['comparison']), 120)} has no round file in {ROUNDS}/ "
             "(the order of its two responses is kept there, written when the tasks were)"
         )
     elif data["task_id"] not in record.order:
@@ -278,7 +280,7 @@ def read_verdicts(
     """The rounds of ``root``'s ``side_by_side/`` that ``tasks`` (Label Studio's export) answer, with
     the new verdicts merged in (one per task and annotator; the same answer imported again adds nothing,
     a different one is refused as an edited export). Nothing is written: the caller saves the rounds."""
-    rounds = {r.name: r for r in (load_round(p) for p in sorted(Path(root, paths.SIDE_BY_SIDE).glob("*.json")))}
+    rounds = {r.name: r for r in (load_round(p) for p in sorted(Path(root, ROUNDS).glob("*.json")))}
     kept = {r.name: {(v["task_id"], v["annotator"]): v["winner"] for v in r.verdicts} for r in rounds.values()}
     report, touched, choices_by_task = VerdictReport(), {}, {}
     for position, item in enumerate(tasks):

@@ -412,8 +412,7 @@ def test_the_pipeline_s_paths_are_dvc_yaml_s():
     top_metrics = set(yaml.safe_load((REPO / "dvc.yaml").read_text()).get("metrics", []))
     named = {k: v for k, v in vars(paths).items() if k.isupper() and isinstance(v, str)}
     user_folders = {paths.LOCAL_MODELS, paths.RAW_DATA, paths.LABELS}
-    # DVC's record, the packages' lock, and the gate's side-by-side rounds (git's, not a stage's)
-    for lock in ("DVC_LOCK", "DVC_LOCK_COPY", "REQUIREMENTS_LOCK", "SIDE_BY_SIDE"):
+    for lock in ("DVC_LOCK", "DVC_LOCK_COPY", "REQUIREMENTS_LOCK"):  # DVC's record and the packages' lock
         named.pop(lock)
     missing = [
         f"{name} = {path}"
