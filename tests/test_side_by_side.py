@@ -131,6 +131,12 @@ def test_a_round_is_blind_recorded_and_read_back_as_verdicts(two_models, tmp_pat
         read_verdicts(changed, "export.json", tmp_path)
 
 
+@pytest.fixture(scope="module")
+def small_round(two_models):
+    queries, challenger, incumbent = two_models
+    return sample_round((str(challenger), "c"), (str(incumbent), "i"), queries, TASK, 4, 0)
+
+
 @pytest.mark.parametrize(
     ("edit", "words"),
     [
@@ -142,9 +148,8 @@ def test_a_round_is_blind_recorded_and_read_back_as_verdicts(two_models, tmp_pat
         (lambda t: t["data"].update(response_a="\x00"), "response_a fails the contract's text rule"),
     ],
 )
-def test_an_answer_or_task_that_cannot_be_a_verdict_is_refused_naming_it(two_models, tmp_path, edit, words):
-    queries, challenger, incumbent = two_models
-    tasks, round_ = sample_round((str(challenger), "c"), (str(incumbent), "i"), queries, TASK, 4, 0)
+def test_an_answer_or_task_that_cannot_be_a_verdict_is_refused_naming_it(small_round, tmp_path, edit, words):
+    tasks, round_ = json.loads(json.dumps(small_round[0])), small_round[1]
     round_.save(tmp_path)
     export = answered(tasks, round_, lambda a_is_c: [("ann1", "a")])
     edit(export[-1])
