@@ -41,7 +41,9 @@ What a run does, in order:
 6. Where the project declares a policy artifact: commits the run's record (dvc.lock, metrics/,
    evaluation/, the .dvc files; a registry version is a commit), then the promotion gate
    (``rlhf models gate``) registers the new policy and assigns it prod only if ``promotion.*``
-   holds; its decision is a markdown artifact.
+   holds; its decision is a markdown artifact. With ``promotion.score: human`` the gate may wait:
+   the run sends the challenger's side-by-side round to Label Studio and ends, and a later run pulls
+   the answers and decides (rlhf_pipeline/side_by_side.py).
 7. Re-reads every output against dvc.lock and the DVC cache, then ``dvc push`` (to ``remote`` if
    given, else the default remote, else ``localremote``), then a markdown summary artifact (stages,
    metrics against HEAD and against the previous run, lineage of the policy) and a table artifact
