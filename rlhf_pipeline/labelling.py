@@ -181,7 +181,26 @@ def server_address(environ: dict[str, str], limits: LabellingParams) -> str:
     return base
 
 
-def fetch_export(project: int, limits: LabellingParams, environ: dict[str, str] | None = None):
+def server_credentials(environ: dict[str, str], limits: LabellingParams, doing: str) -> tuple[str, str]:
+    """(the server's address, the API token), from the environment as Label Studio's own SDK reads them,
+    for ``doing`` (named in the message when one is missing); the address as :func:`server_address` allows."""
+    missing = [name for name in (URL_VARIABLE, TOKEN_VARIABLE) if not environ.get(name)]
+    if missing:
+        raise SettingsError(
+            f"{doing} reads the server's address and your API token from the environment; "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set. Export {URL_VARIABLE}="
+            f"http://HOST:PORT and {TOKEN_VARIABLE}=<the token on Label Studio's Account & Settings page>; they are "
+            "never read from params or files, so they stay out of git."
+        )
+    return server_address(environ, limits), environ[TOKEN_VARIABLE]
+
+
+def fetch_export(
+    project: int,
+    limits: LabellingParams,
+    environ: dict[str, str] | None = None,
+    doing: str = "rlhf label import --from-server",
+):
     """(project ``project``'s annotated tasks as Label Studio's JSON export, a name for messages): a
     text file positioned at its start, pulled from the server at ``$LABEL_STUDIO_URL`` with the API
     token ``$LABEL_STUDIO_API_KEY`` (read it with :func:`read_export`).
@@ -193,18 +212,8 @@ def fetch_export(project: int, limits: LabellingParams, environ: dict[str, str] 
     ``limits.allow_plain_http``), and never sent on across a redirect: one is refused. The answer is
     read within ``limits.server_timeout_s`` (the whole exchange, a server that trickles included) and
     up to ``limits.max_export_mb``."""
-    environ = os.environ if environ is None else environ
-    missing = [name for name in (URL_VARIABLE, TOKEN_VARIABLE) if not environ.get(name)]
-    if missing:
-        raise SettingsError(
-            f"rlhf label import --from-server reads the server's address and your API token from the environment; "
-            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set. Export {URL_VARIABLE}="
-            f"http://HOST:PORT and {TOKEN_VARIABLE}=<the token on Label Studio's Account & Settings page>; they are "
-            "never read from params or files, so they stay out of git."
-        )
-    base = server_address(environ, limits)
+    base, token = server_credentials(os.environ if environ is None else environ, limits, doing)
     where = f"Label Studio project {project} at {base}"
-    token = environ[TOKEN_VARIABLE]
     outcome: dict = {}
     stop = threading.Event()
 
@@ -304,14 +313,8 @@ def send_tasks(project: int, tasks: list[dict], limits: LabellingParams, environ
     import httpx
 
     environ = os.environ if environ is None else environ
-    missing = [name for name in (URL_VARIABLE, TOKEN_VARIABLE) if not environ.get(name)]
-    if missing:
-        raise SettingsError(
-            f"sending tasks to Label Studio project {project} needs {' and '.join(missing)} in the environment "
-            f"(the server's address and your API token; never read from params or files)."
-        )
-    base = server_address(environ, limits)
-    where, token = f"Label Studio project {project} at {base}", environ[TOKEN_VARIABLE]
+    base, token = server_credentials(environ, limits, f"sending tasks to Label Studio project {project}")
+    where = f"Label Studio project {project} at {base}"
     try:
         with httpx.Client(base_url=base, timeout=limits.server_timeout_s, follow_redirects=False) as client:
             headers = {"Authorization": _authorization(client, token, where)}

@@ -275,7 +275,7 @@ def human_verdicts(
             "answers and decides"
         )
     if project is not None:
-        handle, where = fetch_export(project, params.labelling)
+        handle, where = fetch_export(project, params.labelling, doing="the gate's pull of promotion.human's round")
         with handle:
             rounds, _ = read_verdicts((task for _, task in read_export(handle, where, params.labelling)), where, root)
         for answered in rounds:
