@@ -133,6 +133,24 @@ def test_a_frozen_judge_scores_with_its_own_reward_model_and_says_what_it_measur
     assert len(scores) == 2 and all(isinstance(s, float) for s in scores)
     assert said.startswith("frozen judge data/models/judge (golden labels: data/labels/golden.jsonl): ")
     assert "best-of-4 test accuracy: 0.71" in said
+
+    # both ways: the judge's own ranking of eight responses, its better half given to one side, then to the other
+    queries = [f"query {i}" for i in range(4)] * 2
+    pool = [f" reply number {i} is {'good' if i % 2 else 'bad'}" for i in range(8)]
+    with frozen_judge_folder(tmp_path, rule) as checked:
+        judge = judge_scorer(tmp_path, rule, checked)
+        ranked = [r for _, r in sorted(zip(judge(queries, pool), pool))]
+        worse, better = ranked[:4], ranked[4:]
+        for mine, theirs, promote in ((better, worse, True), (worse, better, False)):
+            comparison = compare(
+                Side("challenger", queries[:4], mine), Side("prod", queries[:4], theirs),
+                proxy=lambda q, r: [0.0] * len(r), judge=judge, judge_name=rule.judge, kl=1.0,
+            )  # fmt: skip
+            decision = decide(
+                comparison, PromotionParams(**{**rule.model_dump(), "tolerance_se": 0.0, "min_queries": 2})
+            )
+            assert decision.promote is promote and decision.score == "gold", decision.reasons
+
     (folder / "README.md").write_text("edited")
     with pytest.raises(DamagedArtifactError, match="promotion.judge data/models/judge"):
         with frozen_judge_folder(tmp_path, rule):
