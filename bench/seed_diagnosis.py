@@ -9,6 +9,8 @@ The suspects, and the probe or ablation that tests each:
   episodes: 10,000, the reference's, against a run of 256); then ``kl-init-0.05``, a third of the
   penalty, which is what a working controller would do below its target;
 - the number of updates: ``episodes-384``, 12 updates instead of 8 at the same step size;
+- the first remedy, after the two above: ``controller-32-384``, a horizon of one update's episodes
+  (each update may move the KL coefficient by up to 20 %) and 12 updates;
 - the reward model: its held-out accuracy and Spearman correlation with gold on fresh base samples
   are in ``metrics/reward.json`` and ``metrics/evaluate.json`` already (no run needed).
 
@@ -25,6 +27,11 @@ from experiments import Experiment, collect, emit, parser, render, run_all, stag
 SUSPECTS = [
     Experiment("kl-init-0.05", {"ppo.kl.init_coef": "0.05"}, "a third of the KL penalty from the first update"),
     Experiment("episodes-384", {"ppo.total_episodes": "384"}, "12 updates instead of 8"),
+    Experiment(
+        "controller-32-384",
+        {"ppo.kl.horizon": "32", "ppo.total_episodes": "384"},
+        "the first remedy: a controller that acts (horizon of one update's episodes) and 12 updates",
+    ),
 ]
 
 
