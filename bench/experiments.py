@@ -72,8 +72,9 @@ def stage_times(log: str) -> dict[str, int]:
 def exp_rows() -> list[dict]:
     from dvc.api import exp_show  # (not `import dvc.api`: that name would shadow dvc() here)
 
-    # experiments of the last few commits too: a study queued before a commit is still this study
-    return exp_show(repo=str(REPO), num=5)
+    # experiments of earlier commits too: a study queued before later commits is still this study (with
+    # only the last 5, a study resumed after 5 commits queued its finished experiments again)
+    return exp_show(repo=str(REPO), num=50)
 
 
 def existing_experiments() -> dict[str, dict]:
