@@ -131,11 +131,16 @@ def task_id(name: str, shas: list[str], split: str, query_index: int, seed: int)
 
 
 @torch.no_grad()
-def _responses(model_dir: str, queries: list[list[int]], task: TaskParams, seed: int, batch_size: int):
+def _responses(
+    model_dir: str, queries_dir: str | Path, queries: list[list[int]], task: TaskParams, seed: int, batch_size: int
+):
     """One response per query from ``model_dir`` (None where it still breaks the contract after
     :data:`MAX_RESAMPLES` draws), with the same seed as the other side."""
     tokenizer = load_tokenizer(model_dir)
     model = load_causal_lm(model_dir).eval()
+    vocabulary = model.get_input_embeddings().num_embeddings
+    if (problem := query_vocabulary_problem(queries_dir, queries, vocabulary, model_dir)) is not None:
+        raise PipelineError(problem)
     sampler = ResponseSampler.from_tokenizer(task, tokenizer)
     generator = torch.Generator().manual_seed(seed)
     out: list[str | None] = []
@@ -167,15 +172,14 @@ def sample_round(
         raise PipelineError(
             f"{queries_dir} ({split}) has {len(part)} queries; {num_queries} were asked for (from 1 to {len(part)})."
         )
+    c_name, i_name = challenger[1], incumbent[1]
+    if c_name == i_name:
+        raise PipelineError(f"rlhf label compare: both sides are {c_name}; compare two different models.")
     ids = [part[i]["query_ids"] for i in range(num_queries)]
     shas, answers = {}, {}
     for folder, name in (challenger, incumbent):
-        vocabulary = load_causal_lm(folder).get_input_embeddings().num_embeddings
-        if (problem := query_vocabulary_problem(queries_dir, ids, vocabulary, folder)) is not None:
-            raise PipelineError(problem)
         shas[name] = weights_sha256(folder)
-        answers[name] = _responses(folder, ids, task, seed, batch_size)
-    c_name, i_name = challenger[1], incumbent[1]
+        answers[name] = _responses(folder, queries_dir, ids, task, seed, batch_size)
     created = datetime.now(UTC).isoformat(timespec="seconds")
     versions = sorted([c_name, i_name])
     record = Round(c_name, shas[c_name], i_name, shas[i_name], seed, split, created, {}, {})

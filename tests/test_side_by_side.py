@@ -16,7 +16,7 @@ import torch
 from datasets import Dataset, DatasetDict
 from test_preferences import tiny_queries
 
-from rlhf_pipeline.errors import DataContractError
+from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import write_checksums
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
@@ -185,3 +185,15 @@ def test_the_commands_write_the_tasks_the_round_and_the_verdicts(two_models, tmp
     ]
     missing = subprocess.run([*rlhf, "verdicts"], cwd=tmp_path, capture_output=True, text=True)
     assert missing.returncode == 2 and "--from-server PROJECT" in missing.stderr
+
+
+def test_a_model_is_not_compared_with_itself_nor_sampled_from_queries_another_tokenizer_made(two_models, tmp_path):
+    queries, challenger, _ = two_models
+    with pytest.raises(PipelineError, match="both sides are policy@v2.0.0"):
+        sample_round((str(challenger), "policy@v2.0.0"), (str(challenger), "policy@v2.0.0"), queries, TASK, 2, 0)
+    from datasets import load_from_disk
+
+    shifted = load_from_disk(str(queries)).map(lambda row: {"query_ids": [i + 300_000 for i in row["query_ids"]]})
+    shifted.save_to_disk(tmp_path / "q")
+    with pytest.raises(PipelineError, match="was tokenized for another model"):
+        sample_round((str(challenger), "c"), (str(challenger), "i"), tmp_path / "q", TASK, 2, 0)
