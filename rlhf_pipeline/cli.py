@@ -317,20 +317,13 @@ def _label_verdicts(args, labelling) -> int:
     from rlhf_pipeline import side_by_side  # loads torch: only when this command runs
 
     limits = load_params(args.params).labelling if Path(args.params).exists() else LabellingParams()
-    if args.from_server is not None:
-        if args.input is not None:
-            raise SettingsError("rlhf label verdicts takes INPUT or --from-server PROJECT, not both.")
-        handle, where = labelling.fetch_export(args.from_server, limits)
-    elif args.input is None:
-        raise SettingsError("rlhf label verdicts INPUT (Label Studio's JSON export), or --from-server PROJECT.")
-    else:
-        handle, where = labelling.open_export_file(args.input, limits), args.input
-    with handle:
-        tasks = (task for _, task in labelling.read_export(handle, where, limits))
-        rounds, report = side_by_side.read_verdicts(tasks, where, ".", limits.max_annotations_per_task)
-    for answered in rounds:
-        with writing(side_by_side.ROUNDS):
-            answered.save(".")
+    if (args.input is None) == (args.from_server is None):
+        raise SettingsError(
+            "rlhf label verdicts takes INPUT (Label Studio's JSON export) or --from-server PROJECT: one of the two."
+        )
+    handle, where = _open_export(labelling, args.input, args.from_server, limits)
+    with handle, writing(side_by_side.ROUNDS):
+        rounds, report = side_by_side.import_verdicts(handle, where, ".", limits)
     print(json.dumps({"rounds": [r.name for r in rounds], **report.summary()}, indent=2))
     return 0
 
@@ -361,20 +354,28 @@ def sampling_model(model: str) -> Iterator[tuple[str, str]]:
 
 
 def _label_export(args, labelling, limits) -> tuple:
-    """(Label Studio's JSON export as an open text file, where it came from): the file ``INPUT``, or
-    ``--from-server PROJECT`` (the server's answer, spooled), each within ``limits``' bounds."""
+    """(Label Studio's JSON export as an open text file, where it came from) for `rlhf label import`: the
+    file ``INPUT``, or ``--from-server PROJECT``; sets ``args.output``."""
     if args.from_server is not None:
         if len(args.paths) != 1:
             raise SettingsError("rlhf label import --from-server PROJECT takes one path: OUTPUT (the .jsonl to write).")
         args.output = args.paths[0]
-        return labelling.fetch_export(args.from_server, limits)
+        return _open_export(labelling, None, args.from_server, limits)
     if len(args.paths) != 2:
         raise SettingsError(
             "rlhf label import takes INPUT OUTPUT (Label Studio's JSON export, the .jsonl to write), "
             "or --from-server PROJECT OUTPUT."
         )
     args.input, args.output = args.paths
-    return labelling.open_export_file(args.input, limits), args.input
+    return _open_export(labelling, args.input, None, limits)
+
+
+def _open_export(labelling, path: str | None, project: int | None, limits) -> tuple:
+    """(Label Studio's JSON export as an open text file, where it came from): project ``project`` pulled
+    from the server (spooled), else the file ``path``, each within ``limits``' bounds."""
+    if project is not None:
+        return labelling.fetch_export(project, limits)
+    return labelling.open_export_file(path, limits), path
 
 
 def cmd_plots_page(args) -> int:

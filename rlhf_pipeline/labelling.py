@@ -497,25 +497,21 @@ def rows_from_export(
     choices_by_task: dict[str, list[int]] = {}
     for position, item in enumerate(tasks):
         data, n, label = task_data(item, position, where)
-        annotations = item.get("annotations") or []
-        if not isinstance(annotations, list):
-            raise DataContractError(f"{label}: its annotations are not a list. Nothing was written.")
-        if len(annotations) > max_annotations:
-            raise DataContractError(
-                f"{label}: {len(annotations):,} annotations; at most labelling.max_annotations_per_task = "
-                f"{max_annotations} are read. Nothing was written."
-            )
         seen: set[str] = set()
         report.tasks += 1
-        for annotation in annotations:
+        responses = {str(k) for k in range(n)}
+        for annotation in task_annotations(item, label, max_annotations):
             report.annotations += 1
-            if not isinstance(annotation, dict):
-                raise DataContractError(f"{label}: an annotation is not an object. Nothing was written.")
-            best = _label(annotation, data, n, f"{label} (task_id {data['task_id']})", seen, report)
-            if best is None:
+            answered = answered_choice(
+                annotation, f"{label} (task_id {data['task_id']})", responses,
+                f"one of the {n} responses (0 to {n - 1})", "rlhf label config", seen, report,
+            )  # fmt: skip
+            if answered is None:
                 continue
+            who, best = answered[0], int(answered[1])
+            report.annotators[who] += 1
             choices_by_task.setdefault(data["task_id"], []).append(best)
-            report.rows.append(_row(data, n, best, annotation_author(annotation, label)))
+            report.rows.append(_row(data, n, best, who))
     report.agreement, report.tasks_with_several = pairwise_agreement(choices_by_task)
     if min_agreement is not None and report.agreement is not None and report.agreement < min_agreement:
         worst = [t for t, c in choices_by_task.items() if len(set(c)) > 1][:5]
@@ -527,9 +523,29 @@ def rows_from_export(
     return report
 
 
-def _label(annotation: dict, data: dict, n: int, task_label: str, seen: set[str], report: ImportReport) -> int | None:
-    """The response ``annotation`` chose (None for a cancelled or empty one, counted in ``report``);
-    refuses a choice outside the ``n`` responses and a second answer by one annotator (``seen``)."""
+def task_annotations(item: dict, label: str, max_annotations: int) -> list[dict]:
+    """The annotations of one exported task (``label`` names it): refused (exit 3) when they are not a
+    list of objects, or more than ``labelling.max_annotations_per_task``."""
+    annotations = item.get("annotations") or []
+    if not isinstance(annotations, list):
+        raise DataContractError(f"{label}: its annotations are not a list. Nothing was written.")
+    if len(annotations) > max_annotations:
+        raise DataContractError(
+            f"{label}: {len(annotations):,} annotations; at most labelling.max_annotations_per_task = "
+            f"{max_annotations} are read. Nothing was written."
+        )
+    if not all(isinstance(annotation, dict) for annotation in annotations):
+        raise DataContractError(f"{label}: an annotation is not an object. Nothing was written.")
+    return annotations
+
+
+def answered_choice(
+    annotation: dict, task_label: str, allowed: set[str], what: str, config: str, seen: set[str], report
+) -> tuple[str, str] | None:
+    """(annotator, the value chosen) of one annotation of a task; None for a cancelled or empty one
+    (counted in ``report.cancelled``, ``report.skipped``). Refuses a choice not in ``allowed`` (``what``
+    says which, ``config`` names the command that writes the interface) and a second answer by one
+    annotator (``seen``, the task's annotators so far)."""
     who = annotation_author(annotation, task_label)
     where = f"{task_label}, annotation {plain(str(annotation.get('id')), 40)} by annotator {plain(who, 80)}"
     if annotation.get("was_cancelled"):
@@ -539,10 +555,10 @@ def _label(annotation: dict, data: dict, n: int, task_label: str, seen: set[str]
     if not chosen:
         report.skipped += 1
         return None
-    if len(chosen) != 1 or chosen[0] not in {str(k) for k in range(n)}:
+    if len(chosen) != 1 or chosen[0] not in allowed:
         raise DataContractError(
-            f"{where}: the choice {plain(str(chosen), 80)} is not one of the {n} responses (0 to {n - 1}); the "
-            "project's labelling interface must be the one `rlhf label config` writes. Nothing was written."
+            f"{where}: the choice {plain(str(chosen), 80)} is not {what}; the project's labelling interface must be "
+            f"the one `{config}` writes. Nothing was written."
         )
     if who in seen:
         raise DataContractError(
@@ -550,8 +566,7 @@ def _label(annotation: dict, data: dict, n: int, task_label: str, seen: set[str]
             "(delete the other) and export again. Nothing was written."
         )
     seen.add(who)
-    report.annotators[who] += 1
-    return int(chosen[0])
+    return who, chosen[0]
 
 
 def _row(data: dict, n: int, best: int, annotator: str) -> dict:

@@ -22,7 +22,7 @@ from rlhf_pipeline.errors import DamagedArtifactError, PipelineError
 from rlhf_pipeline.gitrepo import commit_staged, file_at, git
 from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, verify_checksums, write_checksums
 from rlhf_pipeline.labelers import get_labeler
-from rlhf_pipeline.labelling import fetch_export, read_export, send_tasks
+from rlhf_pipeline.labelling import fetch_export, send_tasks
 from rlhf_pipeline.lineage.verify import tree_md5
 from rlhf_pipeline.modelcard import add_held_out_results, held_out_result, read_card
 from rlhf_pipeline.params.promotion import REGISTERED_JUDGE, PromotionParams
@@ -41,7 +41,7 @@ from rlhf_pipeline.registry import (
     version_of,
     versions,
 )
-from rlhf_pipeline.side_by_side import load_round, read_verdicts, round_path, sample_round
+from rlhf_pipeline.side_by_side import import_verdicts, load_round, round_path, sample_round
 from rlhf_pipeline.side_by_side import tally as side_by_side_tally
 
 POLICY, REWARD_MODEL = "policy", "reward-model"
@@ -264,7 +264,7 @@ def human_verdicts(
         if project is None:
             return None, (
                 f"{challenger.tag} is registered and waits for people's side-by-side verdicts against {incumbent}: "
-                f"`rlhf label compare {challenger.tag} {prod.tag if prod else paths.BASE_MODEL} tasks.json`, import "
+                f"`rlhf label compare {challenger.tag} {incumbent} tasks.json`, import "
                 "tasks.json into a Label Studio project whose interface is `rlhf label config --side-by-side`, then "
                 "`rlhf label verdicts EXPORT.json` with its export, and run `rlhf models gate` again"
             )
@@ -277,9 +277,7 @@ def human_verdicts(
     if project is not None:
         handle, where = fetch_export(project, params.labelling, doing="the gate's pull of promotion.human's round")
         with handle:
-            rounds, _ = read_verdicts((task for _, task in read_export(handle, where, params.labelling)), where, root)
-        for answered in rounds:
-            answered.save(root)
+            import_verdicts(handle, where, root, params.labelling)
     commit_round(root, path)
     tally = side_by_side_tally(load_round(path).verdicts, wanted.tie_weight, wanted.confidence)
     short = human_shortfall(tally, rule)

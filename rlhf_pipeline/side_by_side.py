@@ -36,13 +36,15 @@ import torch
 from rlhf_pipeline.errors import DataContractError, PipelineError, plain, quoted
 from rlhf_pipeline.io import atomic_file
 from rlhf_pipeline.labelling import (
-    annotation_author,
-    annotation_choice,
+    answered_choice,
     pairwise_agreement,
     query_vocabulary_problem,
+    read_export,
+    task_annotations,
     weights_sha256,
 )
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
+from rlhf_pipeline.params.labelling import LabellingParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.preferences.simulated import MAX_RESAMPLES, sample_clean_candidates, sample_problem
 from rlhf_pipeline.preferences.text_rules import text_problem
@@ -121,7 +123,7 @@ def load_round(path: str | Path) -> Round:
     except (OSError, ValueError, TypeError) as error:
         raise DataContractError(
             f"{path}: not a side-by-side round ({type(error).__name__}: {plain(str(error), 200)}); it is written by "
-            "`rlhf label compare` or the gate. Restore it from git (`git checkout -- {path}`)."
+            f"`rlhf label compare` or the gate. Restore it from git (`git checkout -- {path}`)."
         ) from None
 
 
@@ -289,47 +291,26 @@ def read_verdicts(
     report, touched, choices_by_task = VerdictReport(), {}, {}
     for position, item in enumerate(tasks):
         data, label, record = _task_data(item, position, where, rounds)
-        annotations = item.get("annotations") or []
-        if not isinstance(annotations, list) or len(annotations) > max_annotations:
-            raise DataContractError(
-                f"{label}: its annotations are not a list of at most labelling.max_annotations_per_task = "
-                f"{max_annotations}. Nothing was written."
-            )
         seen: set[str] = set()
-        for annotation in annotations:
+        at = f"{label} (task_id {data['task_id']})"
+        for annotation in task_annotations(item, label, max_annotations):
             report.annotations += 1
-            if not isinstance(annotation, dict):
-                raise DataContractError(f"{label}: an annotation is not an object. Nothing was written.")
-            who = annotation_author(annotation, label)
-            at = f"{label} (task_id {data['task_id']}), annotation by annotator {plain(who, 80)}"
-            if annotation.get("was_cancelled"):
-                report.cancelled += 1
+            answered = answered_choice(
+                annotation, at, set(CHOICES.values()), "a, b or tie", "rlhf label config --side-by-side", seen, report
+            )
+            if answered is None:
                 continue
-            chosen = annotation_choice(annotation, at)
-            if not chosen:
-                report.skipped += 1
-                continue
-            if len(chosen) != 1 or chosen[0] not in CHOICES.values():
-                raise DataContractError(
-                    f"{at}: the choice {plain(str(chosen), 80)} is not a, b or tie; the project's labelling interface "
-                    "must be the one `rlhf label config --side-by-side` writes. Nothing was written."
-                )
-            if who in seen:
-                raise DataContractError(
-                    f"{at}: this annotator answered the task twice; keep one of the two annotations in Label Studio "
-                    "and export again. Nothing was written."
-                )
-            seen.add(who)
-            winner = TIE if chosen[0] == TIE else _whose(chosen[0], record.order[data["task_id"]])
+            who, chosen = answered
+            winner = TIE if chosen == TIE else _whose(chosen, record.order[data["task_id"]])
             choices_by_task.setdefault(data["task_id"], []).append(winner)
             key = (data["task_id"], who)
             previous = kept[record.name].get(key)
             if previous is not None:
                 if previous != winner:
                     raise DataContractError(
-                        f"{at}: already recorded as {previous} in {record.name}'s round, and this export says "
-                        f"{winner}. One of the two exports was changed after the answers were given; nothing was "
-                        "written."
+                        f"{at}, annotation by annotator {plain(who, 80)}: already recorded as {previous} in "
+                        f"{record.name}'s round, and this export says {winner}. One of the two exports was changed "
+                        "after the answers were given; nothing was written."
                     )
                 report.already_there += 1
                 continue
@@ -339,6 +320,16 @@ def read_verdicts(
             touched[record.name] = record
     report.agreement, report.tasks_with_several = pairwise_agreement(choices_by_task)
     return list(touched.values()), report
+
+
+def import_verdicts(handle, where: str, root: str | Path, limits: LabellingParams) -> tuple[list[Round], VerdictReport]:
+    """Label Studio's export (an open text file, from a file or the server) read into the rounds it
+    answers (:func:`read_verdicts`), each round saved; nothing is saved when any task is refused."""
+    tasks = (task for _, task in read_export(handle, where, limits))
+    rounds, report = read_verdicts(tasks, where, root, limits.max_annotations_per_task)
+    for answered in rounds:
+        answered.save(root)
+    return rounds, report
 
 
 def _whose(choice: str, a_is: str) -> str:
