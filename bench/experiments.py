@@ -16,6 +16,7 @@ log (``--baseline-log``, the default run's ``dvc repro`` output) for the ones it
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_pipeline import metric_keys as keys
+from rlhf_pipeline.gitrepo import file_at, git
 
 REPO = Path(__file__).resolve().parents[1]
 STAGE_TIME = re.compile(r"^stage (\w+): done in (\d+) s", re.MULTILINE)
@@ -153,6 +155,30 @@ def render(
                 ", ".join(e.reran) or "none",
             )
         )
+    return "\n".join(lines)
+
+
+def experiment_file(name: str, path: str) -> str:
+    """A file of experiment ``name``'s result commit (its ref under refs/exps), as text."""
+    refs = (git(REPO, "for-each-ref", "--format=%(refname)", "refs/exps") or "").split()
+    ref = next((r for r in refs if r.rsplit("/", 1)[-1] == name), None)
+    text = file_at(REPO, ref, path) if ref else None
+    if text is None:
+        raise SystemExit(f"experiment {name!r}: no result commit under refs/exps with {path}")
+    return text
+
+
+def curve_text(points: list[dict]) -> str:
+    """``KL → gold`` at each checkpoint of an over-optimisation curve (gold in base σ), base point left out."""
+    return ", ".join(f"{p['kl']:.2f} → {p['gold_std_units']:.2f}" for p in points if p["update"] > 0)
+
+
+def curves(experiments: list[Experiment], curve_file: str = "evaluation/overoptimization.json") -> str:
+    """Gold against KL checkpoint by checkpoint: the workspace's run, then each experiment's."""
+    lines = ["| run | KL → gold (base σ), checkpoint by checkpoint |", "|---|---|"]
+    lines.append(f"| default | {curve_text(json.loads((REPO / curve_file).read_text()))} |")
+    for e in experiments:
+        lines.append(f"| {e.name} | {curve_text(json.loads(experiment_file(e.name, curve_file)))} |")
     return "\n".join(lines)
 
 

@@ -263,6 +263,12 @@ def shared_lower_blocks(model: nn.Module, other: nn.Module) -> int:
     return count
 
 
+def response_logits(model: nn.Module, hidden: Tensor, temperature: float, pad_token_id: int) -> Tensor:
+    """(B, R, V) fp32 logits at ``temperature`` of the response positions' final hidden states (B, R, H):
+    ``model``'s LM head, the pad token never drawn."""
+    return never_pad(model.get_output_embeddings()(hidden).float(), pad_token_id) / temperature
+
+
 @dataclass
 class ResponseOutputs:
     logprobs: Tensor  # (B, R) of the response tokens, 0 at pad positions
@@ -286,7 +292,7 @@ def response_outputs(
     given the ``trunk`` entering it, with the LM head on the response positions only. PPO's
     training forward, its reference pass and the evaluation's KL all go through it."""
     hidden = hidden_from(model, query_responses, attention_mask, start_layer, trunk)[:, query_length - 1 : -1]
-    logits = never_pad(model.get_output_embeddings()(hidden).float(), pad_token_id) / temperature
+    logits = response_logits(model, hidden, temperature, pad_token_id)
     labels = query_responses[:, query_length:]
     if entropy:
         logprobs, entropies = logprobs_and_entropy(logits, labels)

@@ -125,7 +125,7 @@ def train(params: Params, plan: DevicePlan, accelerator, tokenizer, queries: tor
         )
         history = trainer.train(progress=is_main)
     policy = whole_model(accelerator, policy, lambda: build_policy(BASE, cfg, "cpu", REWARD))
-    return policy, history, trainer.timings, gold
+    return policy, history, trainer.timings, gold, trainer.stopped
 
 
 def main(params: Params) -> None:
@@ -153,11 +153,15 @@ def main(params: Params) -> None:
     require_context(BASE, queries.shape[1], params.task.response_length)
     # a process that dies or hangs stops the others with a clear error; the checkpoints keep the work
     with lost_processes_reported(accelerator, "train_policy", RESUME):
-        policy, history, timings, gold = train(params, plan, accelerator, tokenizer, queries, uses_reward_model)
+        policy, history, timings, gold, stopped = train(
+            params, plan, accelerator, tokenizer, queries, uses_reward_model
+        )
     if not is_main:
         return
 
     metrics = {"device": plan.describe(), **history_summary(history, with_gold=gold is not None)}
+    if stopped is not None:  # ppo.kl.budget ended the run: where, and the kept policy's KL
+        metrics["kl_budget"] = stopped
     # how long the updates this process ran took: a measurement of the machine, in SPEED only,
     # which no stage declares (dvc.yaml's top-level metrics), so no output and no dvc.lock hash
     # holds a timing and a rerun writes the same bytes; none when it resumed at the last update

@@ -549,3 +549,42 @@ def test_non_finite_tensors_is_exact_where_a_sum_would_mislead():
     }
     assert fn.non_finite_tensors(named) == ["opposite_infinities", "half"]
     assert fn.non_finite_tensors({"overflowing": big}) == []
+
+
+def test_kl_trend_is_the_least_squares_line_at_the_last_point():
+    # exactly linear: the line itself; one point: that point and slope 0
+    assert kl.kl_trend([0.0, 1.0, 2.0, 3.0, 4.0], window=3) == pytest.approx((4.0, 1.0))
+    assert kl.kl_trend([2.5], window=4) == (2.5, 0.0)
+    # noisy: numpy's least-squares fit of the last four points, evaluated at the last one
+    points = [1.64, 1.53, 1.66, 3.28, 3.50, 5.16, 4.02]
+    slope, intercept = np.polyfit(np.arange(4), points[-4:], 1)
+    assert kl.kl_trend(points, window=4) == pytest.approx((intercept + 3 * slope, slope))
+    with pytest.raises(ValueError):
+        kl.kl_trend([], window=4)
+
+
+def test_kl_budget_spent_when_the_next_update_would_pass_it():
+    # level 4.0 + growth 1.0 = 5.0: within a budget of 5, past one of 4.9; no budget: never
+    assert not kl.kl_budget_spent([2.0, 3.0, 4.0], budget=5.0, window=3)
+    assert kl.kl_budget_spent([2.0, 3.0, 4.0], budget=4.9, window=3)
+    assert not kl.kl_budget_spent([2.0, 3.0, 40.0], budget=None, window=3)
+    # a falling trend adds no growth: the level alone counts
+    assert not kl.kl_budget_spent([5.0, 4.5, 4.0], budget=4.3, window=3)
+    assert kl.kl_budget_spent([5.0, 4.5, 4.0], budget=3.9, window=3)
+
+
+def test_exact_kl_by_hand_and_its_mean_is_k1s_expectation():
+    # one position, two tokens: p = (0.75, 0.25), q = (0.5, 0.5)
+    logits = torch.log(torch.tensor([[[0.75, 0.25]]]))
+    ref = torch.zeros(1, 1, 2)
+    expected = 0.75 * math.log(0.75 / 0.5) + 0.25 * math.log(0.25 / 0.5)
+    assert kl.exact_kl(logits, ref).item() == pytest.approx(expected)
+    # masked positions add nothing; identical distributions give 0
+    two = torch.cat([logits, logits], 1)
+    assert kl.exact_kl(two, torch.zeros(1, 2, 2), torch.tensor([[True, False]])).item() == pytest.approx(expected)
+    assert kl.exact_kl(two, two).abs().max().item() < 1e-7
+    # k1 of tokens drawn from p averages to the exact value (one position, many draws)
+    p, q = torch.tensor([0.75, 0.25]), torch.tensor([0.5, 0.5])
+    draws = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
+    k1 = kl.kl_penalty(p.log()[draws], q.log()[draws])
+    assert k1.mean().item() == pytest.approx(expected, abs=0.01)

@@ -28,6 +28,7 @@ from rlhf_pipeline.params.schema import Params
 from rlhf_pipeline.ppo import advantages
 from rlhf_pipeline.ppo.advantages import CRITIC_FREE_ESTIMATORS
 from rlhf_pipeline.ppo.checkpoint import Checkpointer, snapshot_name, snapshot_update
+from rlhf_pipeline.ppo.kl import kl_trend
 from rlhf_pipeline.ppo.policy import PolicyWithValue, build_policy
 from rlhf_pipeline.ppo.trainer import PPOTrainer
 from rlhf_pipeline.reward.adoption import reward_model_on_base
@@ -198,6 +199,38 @@ def test_resume_after_crash_is_bit_identical(tiny_base_dir, reward_model, querie
     }
     assert files["crashed"].keys() == files["uninterrupted"].keys()
     assert [name for name in files["crashed"] if files["crashed"][name] != files["uninterrupted"][name]] == []
+
+
+def test_the_kl_budget_ends_the_run_at_the_policy_before_it_would_pass(tiny_base_dir, reward_model, queries, tmp_path):
+    """ppo.kl.budget: the run ends after the rollout whose KL trend would pass the budget, with that
+    rollout's policy (the unbounded run's after the same updates), and a resumed run stops there too."""
+    unbounded = make_trainer(
+        tiny_base_dir,
+        reward_model,
+        queries,
+        make_params(total_episodes=96, checkpoint_every=1, lr=1.0e-4, kl={"budget": 1.0e6, "budget_window": 2}),
+        tmp_path / "unbounded",
+    )
+    history = unbounded.train(progress=False)
+    kls = [record["objective/kl_exact"] for record in history]
+    assert len(history) == 6 and unbounded.stopped is None and kls[0] == pytest.approx(0.0, abs=1e-5)
+    assert all(kl >= -1e-6 for kl in kls) and kls[-1] > 0.01
+    # a budget every forecast before update `stop` keeps within, and the forecast at `stop` passes
+    forecasts = [sum(max(v, 0.0) if i else v for i, v in enumerate(kl_trend(kls[: u + 1], 2))) for u in range(6)]
+    stop = next(u for u in range(2, 6) if forecasts[u] > max(forecasts[:u]))
+    budget = max(forecasts[:stop])
+    params = make_params(total_episodes=96, checkpoint_every=4, lr=1.0e-4, kl={"budget": budget, "budget_window": 2})
+    bounded = make_trainer(tiny_base_dir, reward_model, queries, params, tmp_path / "bounded")
+    assert len(bounded.train(progress=False)) == stop
+    assert bounded.stopped["before_update"] == stop + 1
+    kept = load_file(tmp_path / f"unbounded/snapshots/{snapshot_name(stop)}")
+    for name, weight in load_file(tmp_path / f"bounded/snapshots/{snapshot_name(stop)}").items():
+        assert torch.equal(weight, kept[name]), name
+    assert json.loads((tmp_path / "bounded/state/meta.json").read_text())["update"] == stop
+    # a resume from the kept checkpoint draws the same rollout and stops before training on it
+    resumed = make_trainer(tiny_base_dir, reward_model, queries, params, tmp_path / "bounded")
+    assert len(resumed.train(progress=False)) == stop and resumed.start_update == stop
+    assert resumed.stopped == bounded.stopped
 
 
 def test_critic_free_estimators_build_no_value_head_and_sample_query_groups(tiny_base_dir, reward_model, queries):

@@ -44,6 +44,21 @@ class KLParams(Strict):
         description="Episodes over which the adaptive controller closes its (clipped at +-20%) proportional error "
         f"(reference 10000: {OAI_POLICY}#L28, the controller at #L115-L125).",
     )
+    budget: float | None = Field(
+        None,
+        gt=0.0,
+        description="End the run before an update that would take the policy past this KL (nats): after each "
+        "rollout, a least-squares line through the last budget_window rollouts' mean KL gives the current "
+        "policy's KL and the growth per update; when the two add up to more than the budget, the current "
+        "policy is the result (rlhf_pipeline.ppo.kl.kl_budget_spent). null: every update runs (the reference).",
+    )
+    budget_window: int = Field(
+        4,
+        ge=1,
+        le=MAX_SMALL,
+        description="Rollouts the budget's line is fitted to: one rollout's mean KL over a few dozen episodes "
+        "is noisy (a per-response KL's standard deviation is several nats), the line averages that out.",
+    )
     estimator: Literal["k1", "k3"] = Field(
         "k1",
         description=f"Per-token KL estimator: k1 = log pi - log rho, the reference ({OAI_POLICY}#L150, "

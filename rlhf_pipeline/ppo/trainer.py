@@ -16,6 +16,9 @@ The loop in :meth:`PPOTrainer.train` reads top to bottom:
    optimizer step each (:func:`rlhf_pipeline.training.accumulate_and_step`), LR annealed to 0;
    then the adaptive KL controller; logging; an atomic checkpoint every ``checkpoint_every``.
 
+With ``ppo.kl.budget`` the loop ends after a rollout whose KL trend says the next update would pass
+the budget (:meth:`PPOTrainer.budget_spent`): that rollout's policy is the result.
+
 Speed without changing the maths:
 - old logprobs/values come from the sampling forward, not a second policy forward;
 - the LM head is applied to response positions only;
@@ -51,12 +54,20 @@ from rlhf_pipeline.params.ppo import PPOParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.ppo.advantages import estimate
 from rlhf_pipeline.ppo.checkpoint import Checkpointer, rng_state, set_rng_state
-from rlhf_pipeline.ppo.kl import AdaptiveKLController, FixedKLController, compute_rewards, kl_penalty
+from rlhf_pipeline.ppo.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    compute_rewards,
+    exact_kl,
+    kl_budget_spent,
+    kl_penalty,
+    kl_trend,
+)
 from rlhf_pipeline.ppo.losses import policy_loss, value_loss
 from rlhf_pipeline.ppo.policy import PolicyWithValue
 from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.reward.normalization import task_scores
-from rlhf_pipeline.sampling import ResponseSampler, response_outputs, supports_trunk_split
+from rlhf_pipeline.sampling import ResponseSampler, response_logits, response_outputs, supports_trunk_split
 from rlhf_pipeline.training import accumulate_and_step, mean_of, quarters, set_lr
 
 
@@ -186,6 +197,7 @@ class PPOTrainer:
         self.history: list[dict] = []  # one record per update: checkpointed and logged
         self.timings: list[dict] = []  # seconds per phase of each update this process ran: metrics only
         self.start_update = 0
+        self.stopped: dict | None = None  # where ppo.kl.budget ended the run, if it did
 
     def _split_over_processes(self, accelerator) -> None:
         """Several processes (`accelerate launch`): each samples, scores and trains on its share of
@@ -228,24 +240,41 @@ class PPOTrainer:
             rows.extend(order[offset : offset + take].tolist())
         return self.queries[rows[distributed.share(self.accelerator, len(rows))]].to(self.device)
 
-    def reference_logprobs(self, query_responses: Tensor, trunk: Tensor | None) -> Tensor:
+    def response_outputs(self, model: nn.Module, query_responses: Tensor, trunk: Tensor | None):
+        """``model``'s outputs at the response positions: from the trunk when the split applies."""
+        return response_outputs(
+            model,
+            query_responses,
+            query_responses != self.pad_id,
+            self.query_length,
+            self.task.temperature,
+            self.pad_id,
+            self.freeze if self.use_trunk else 0,
+            trunk,
+        )
+
+    def reference_logprobs(
+        self, query_responses: Tensor, trunk: Tensor | None, policy_hidden: Tensor | None = None, mask=None
+    ) -> tuple[Tensor, Tensor | None]:
         """(B, R) logprobs of the responses under the reference policy: the frozen base model, or
-        the policy with its LoRA adapter off (one copy of the weights)."""
+        the policy with its LoRA adapter off (one copy of the weights); and, given the policy's final
+        hidden states at the response positions, each response's exact KL (the budget's measure)."""
         reference = self.ref_model if self.ref_model is not None else self.policy.lm
         self._offload(self.ref_model, True)
         with self._ctx(), self.policy.adapter_disabled() if self.ref_model is None else nullcontext():
-            out = response_outputs(
-                reference,
-                query_responses,
-                query_responses != self.pad_id,
-                self.query_length,
-                self.task.temperature,
-                self.pad_id,
-                self.freeze if self.use_trunk else 0,
-                trunk,
-            )
+            out = self.response_outputs(reference, query_responses, trunk)
+            kl = None
+            if policy_hidden is not None:
+                # a few rows at a time: two (rows, R, V) distributions, not the batch's
+                logits = partial(response_logits, temperature=self.task.temperature, pad_token_id=self.pad_id)
+                kl = torch.cat(
+                    [
+                        exact_kl(logits(self.policy.lm, mine), logits(reference, theirs), rows)
+                        for mine, theirs, rows in zip(policy_hidden.split(8), out.hidden.split(8), mask.split(8))
+                    ]
+                )
         self._offload(self.ref_model, False)
-        return out.logprobs
+        return out.logprobs, kl
 
     def scores(self, queries: Tensor, truncated: Tensor, valid: Tensor) -> tuple[Tensor, Tensor | None]:
         """(B,) the task's score of each response, and (B,) its gold score when a labeler is at hand."""
@@ -290,14 +319,22 @@ class PPOTrainer:
             values = sampled.values
             if self.policy.critic and not self.policy.shared:
                 values = self.policy.values_of(query_responses, query_responses != self.pad_id, self.query_length)
-        trunk = sampled.hidden[self.freeze] if self.use_trunk else None
-        ref_logprobs = self.reference_logprobs(query_responses, trunk)
+            trunk = sampled.hidden[self.freeze] if self.use_trunk else None
+            # ppo.kl.budget measures the policy's KL exactly: its full distributions at each response token
+            policy_hidden = (
+                self.response_outputs(self.policy.lm, query_responses, trunk).hidden
+                if self.cfg.kl.budget is not None
+                else None
+            )
+        ref_logprobs, exact = self.reference_logprobs(query_responses, trunk, policy_hidden, sampled.mask)
         t2 = time.perf_counter()
         scores, gold = self.scores(queries, truncated, valid)
         timings = {"time/generation": t1 - t0, "time/reference": t2 - t1, "time/scoring": time.perf_counter() - t2}
         # every process's share, in batch order: the rest of the update sees the whole batch
         whole = partial(distributed.gather_rows, self.accelerator)
         stats = {} if gold is None else {"objective/gold": whole(gold.to(self.device)).mean().item()}
+        if exact is not None:
+            stats["objective/kl_exact"] = whole(exact).mean().item()
         return Rollout(
             queries=whole(queries),
             responses=whole(sampled.responses),
@@ -488,6 +525,26 @@ class PPOTrainer:
             raise NonFiniteError(f"Non-finite statistics at update {update}: {record}. {self.last_good()}")
         return record
 
+    def budget_spent(self, ro: Rollout, update: int) -> bool:
+        """Whether ``ppo.kl.budget`` ends the run before training on this rollout (the current policy is
+        then the result; its checkpoint is written, so a resumed run stops here too, on the same rollout)."""
+        kl = self.cfg.kl
+        if kl.budget is None:
+            return False
+        kls = [record["objective/kl_exact"] for record in self.history] + [ro.stats["objective/kl_exact"]]
+        if not kl_budget_spent(kls, kl.budget, kl.budget_window):
+            return False
+        level, growth = kl_trend(kls, kl.budget_window)
+        self.stopped = {"before_update": update + 1, "kl": level, "growth": growth}
+        if self.checkpointer is not None and update > self.start_update and update % self.cfg.checkpoint_every:
+            self.save_checkpoint(update)
+        if self.accelerator.is_main_process:
+            tqdm.write(
+                f"train_policy: KL {level:.2f} and {max(growth, 0.0):.2f} more per update would pass ppo.kl.budget "
+                f"{kl.budget}: the policy after update {update} of {self.num_updates} is the result"
+            )
+        return True
+
     def train(self, progress: bool = True) -> list[dict]:
         self.resume_if_possible()
         if self.log is not None:
@@ -502,6 +559,8 @@ class PPOTrainer:
             for update in range(self.start_update, self.num_updates):
                 started = time.perf_counter()
                 ro = self.rollout(update)
+                if self.budget_spent(ro, update):
+                    break
                 adv = self.advantages(ro)
                 t_train = time.perf_counter()
                 opt_stats = self.optimize(ro, adv, update)
