@@ -18,8 +18,10 @@ from experiments import METRICS, Experiment, collect, emit, parser, render, run_
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--seeds", type=int, nargs="+", default=[2, 3], help="seeds other than params.yaml's")
+    p.add_argument("--label", default="", help="appended to each experiment's name (seed-2-LABEL): a new study")
     args = p.parse_args()
-    runs = [Experiment(f"seed-{seed}", {"seed": str(seed)}) for seed in args.seeds]
+    suffix = f"-{args.label}" if args.label else ""
+    runs = [Experiment(f"seed-{seed}{suffix}", {"seed": str(seed)}) for seed in args.seeds]
     if not args.no_run:
         run_all(runs)
     baseline_times = stage_times(args.baseline_log.read_text())

@@ -241,6 +241,16 @@ def full_state(module: torch.nn.Module, trainable_only: bool = False) -> dict[st
     return {k: v.contiguous() for k, v in state.items() if names is None or k in names}
 
 
+def full_state_copy(module: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """A copy of ``module``'s whole (unsharded) state on CPU, on every process (each gathers it), which
+    :func:`load_full_state` puts back later, whatever training did to the weights in between."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    names = {n for n, p in module.named_parameters() if p.requires_grad} if trainable_only else None
+    state = get_model_state_dict(module, options=_options())
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items() if names is None or k in names}
+
+
 def load_full_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a whole state (e.g. :func:`full_state`'s, on every process) into ``module``, sharded or not."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict

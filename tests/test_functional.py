@@ -563,14 +563,19 @@ def test_kl_trend_is_the_least_squares_line_at_the_last_point():
         kl.kl_trend([], window=4)
 
 
-def test_kl_budget_spent_when_the_next_update_would_pass_it():
-    # level 4.0 + growth 1.0 = 5.0: within a budget of 5, past one of 4.9; no budget: never
-    assert not kl.kl_budget_spent([2.0, 3.0, 4.0], budget=5.0, window=3)
-    assert kl.kl_budget_spent([2.0, 3.0, 4.0], budget=4.9, window=3)
-    assert not kl.kl_budget_spent([2.0, 3.0, 40.0], budget=None, window=3)
-    # a falling trend adds no growth: the level alone counts
-    assert not kl.kl_budget_spent([5.0, 4.5, 4.0], budget=4.3, window=3)
-    assert kl.kl_budget_spent([5.0, 4.5, 4.0], budget=3.9, window=3)
+def test_kl_forecast_adds_one_update_of_growth_to_the_level():
+    # level 4.0 + growth 1.0; a falling trend adds no growth: the level alone
+    assert kl.kl_forecast([2.0, 3.0, 4.0], window=3) == pytest.approx(5.0)
+    assert kl.kl_forecast([5.0, 4.5, 4.0], window=3) == pytest.approx(4.0)
+
+
+def test_the_budget_verdict_rolls_back_over_the_budget_and_watches_close_to_it():
+    # the precise reading replaces the rollout's last one in the forecast
+    rollouts = [2.0, 3.0, 6.0]  # the last rollout read high: the cheap forecast passed 5.0
+    assert kl.kl_budget_verdict(rollouts, checked=5.2, budget=5.0, window=3) == "roll back"
+    assert kl.kl_budget_verdict(rollouts, checked=4.5, budget=5.0, window=3) == "watch"  # 4.42 + 1.25 > 5
+    assert kl.kl_budget_verdict(rollouts, checked=3.5, budget=5.0, window=3) == "train"  # 3.58 + 0.75 <= 5
+    assert kl.kl_budget_verdict(rollouts, checked=5.0, budget=5.0, window=3) == "watch"  # at the budget: kept
 
 
 def test_exact_kl_by_hand_and_its_mean_is_k1s_expectation():

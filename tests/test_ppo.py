@@ -28,7 +28,6 @@ from rlhf_pipeline.params.schema import Params
 from rlhf_pipeline.ppo import advantages
 from rlhf_pipeline.ppo.advantages import CRITIC_FREE_ESTIMATORS
 from rlhf_pipeline.ppo.checkpoint import Checkpointer, snapshot_name, snapshot_update
-from rlhf_pipeline.ppo.kl import kl_trend
 from rlhf_pipeline.ppo.policy import PolicyWithValue, build_policy
 from rlhf_pipeline.ppo.trainer import PPOTrainer
 from rlhf_pipeline.reward.adoption import reward_model_on_base
@@ -201,39 +200,75 @@ def test_resume_after_crash_is_bit_identical(tiny_base_dir, reward_model, querie
     assert [name for name in files["crashed"] if files["crashed"][name] != files["uninterrupted"][name]] == []
 
 
-def test_the_kl_budget_ends_the_run_at_the_policy_before_it_would_pass(tiny_base_dir, reward_model, queries, tmp_path):
-    """ppo.kl.budget: the run ends after the rollout whose KL trend would pass the budget, with that
-    rollout's policy (the unbounded run's after the same updates), and a resumed run stops there too."""
+def test_the_kl_budget_rolls_back_the_first_policy_read_over_it(tiny_base_dir, reward_model, queries, tmp_path):
+    """ppo.kl.budget: the first policy whose (here: rollout's) KL reads over the budget is rolled back to the
+    one before it (the unbounded run's after the same updates), which ends the run; its snapshot goes, and
+    a resumed run ends there too."""
+    kl_params = {"budget_window": 2, "budget_check_responses": 0}
     unbounded = make_trainer(
         tiny_base_dir,
         reward_model,
         queries,
-        make_params(total_episodes=96, checkpoint_every=1, lr=1.0e-4, kl={"budget": 1.0e6, "budget_window": 2}),
+        make_params(total_episodes=96, checkpoint_every=1, lr=1.0e-4, kl={"budget": 1.0e6, **kl_params}),
         tmp_path / "unbounded",
     )
     history = unbounded.train(progress=False)
-    kls = [record["objective/kl_exact"] for record in history]
+    kls = [record["objective/kl_exact"] for record in history]  # kls[u]: the policy after u updates
     assert len(history) == 6 and unbounded.stopped is None and kls[0] == pytest.approx(0.0, abs=1e-5)
     assert all(kl >= -1e-6 for kl in kls) and kls[-1] > 0.01
-    # a budget every forecast before update `stop` keeps within, and the forecast at `stop` passes
-    forecasts = []
-    for u in range(6):
-        level, growth = kl_trend(kls[: u + 1], 2)
-        forecasts.append(level + max(growth, 0.0))  # what kl_budget_spent compares with the budget
-    stop = next(u for u in range(2, 6) if forecasts[u] > max(forecasts[:u]))
-    budget = max(forecasts[:stop])
-    params = make_params(total_episodes=96, checkpoint_every=4, lr=1.0e-4, kl={"budget": budget, "budget_window": 2})
+    assert not any("objective/kl_checked" in record for record in history)  # never close to 1e6: never read
+    # a budget the policies before `over` keep within and the policy after `over` updates passes: with a
+    # window of 2 the forecast is at least the last reading, so that rollout is read (with 0 more
+    # responses, the reading is the rollout's) and rolled back
+    over = next(u for u in range(2, 6) if kls[u] > max(kls[:u]))
+    budget = (max(kls[:over]) + kls[over]) / 2
+    params = make_params(total_episodes=96, checkpoint_every=4, lr=1.0e-4, kl={"budget": budget, **kl_params})
     bounded = make_trainer(tiny_base_dir, reward_model, queries, params, tmp_path / "bounded")
-    assert len(bounded.train(progress=False)) == stop
-    assert bounded.stopped["before_update"] == stop + 1
-    kept = load_file(tmp_path / f"unbounded/snapshots/{snapshot_name(stop)}")
-    for name, weight in load_file(tmp_path / f"bounded/snapshots/{snapshot_name(stop)}").items():
+    assert len(bounded.train(progress=False)) == over - 1
+    assert bounded.stopped == {
+        "updates": over - 1,
+        "kl": pytest.approx(kls[over - 1]),
+        "rolled_back_kl": pytest.approx(kls[over]),
+        "budget": budget,
+    }
+    kept = load_file(tmp_path / f"unbounded/snapshots/{snapshot_name(over - 1)}")
+    for name, weight in load_file(tmp_path / f"bounded/snapshots/{snapshot_name(over - 1)}").items():
         assert torch.equal(weight, kept[name]), name
-    assert json.loads((tmp_path / "bounded/state/meta.json").read_text())["update"] == stop
-    # a resume from the kept checkpoint draws the same rollout and stops before training on it
+    trained = {name: p for name, p in bounded.policy.lm.named_parameters() if p.requires_grad}
+    assert trained and all(torch.equal(p, kept[f"lm.{name}"]) for name, p in trained.items())
+    # no snapshot of a later policy is left, and every one left is in SHA256SUMS
+    snapshots = sorted(snapshot_update(p) for p in (tmp_path / "bounded/snapshots").glob("update_*.safetensors"))
+    assert snapshots[-1] == over - 1 and checkpoint_module.snapshot_problem(tmp_path / "bounded/snapshots") is None
+    sums = (tmp_path / "bounded/snapshots/SHA256SUMS").read_text()
+    assert all(snapshot_name(u) in sums for u in snapshots) and sums.count("update_") == len(snapshots)
+    assert json.loads((tmp_path / "bounded/state/meta.json").read_text())["update"] == over - 1
+    # a resume from the last checkpoint ends there, with the kept policy, training nothing
     resumed = make_trainer(tiny_base_dir, reward_model, queries, params, tmp_path / "bounded")
-    assert len(resumed.train(progress=False)) == stop and resumed.start_update == stop
-    assert resumed.stopped == bounded.stopped
+    assert len(resumed.train(progress=False)) == over - 1 and resumed.stopped == bounded.stopped
+    assert all(torch.equal(p, kept[f"lm.{n}"]) for n, p in resumed.policy.lm.named_parameters() if p.requires_grad)
+
+
+def test_the_budget_reading_is_the_mean_over_more_responses_and_leaves_training_as_it_was(
+    tiny_base_dir, reward_model, queries
+):
+    """The precise reading samples its own responses with a generator of its own: the same value twice,
+    training's random streams untouched; 0 more responses: the rollout's own mean; the unchanged policy
+    (the reference itself): 0."""
+    params = make_params(kl={"budget": 5.0, "budget_check_responses": 24})
+    trainer = make_trainer(tiny_base_dir, reward_model, queries, params)
+    ro = trainer.rollout(0)
+    assert trainer.checked_kl(ro, 0) == pytest.approx(0.0, abs=1e-5)
+    trainer.optimize(ro, trainer.advantages(ro), 0)
+    ro = trainer.rollout(1)
+    state = torch.get_rng_state()
+    first, second = trainer.checked_kl(ro, 1), trainer.checked_kl(ro, 1)
+    assert first == second and first > 1e-4 and first != pytest.approx(ro.stats["objective/kl_exact"])
+    assert torch.equal(torch.get_rng_state(), state)
+    none_more = make_trainer(
+        tiny_base_dir, reward_model, queries, make_params(kl={"budget": 5.0, "budget_check_responses": 0})
+    )
+    ro = none_more.rollout(0)
+    assert none_more.checked_kl(ro, 0) == ro.stats["objective/kl_exact"]
 
 
 def test_critic_free_estimators_build_no_value_head_and_sample_query_groups(tiny_base_dir, reward_model, queries):

@@ -47,10 +47,12 @@ class KLParams(Strict):
     budget: float | None = Field(
         None,
         gt=0.0,
-        description="End the run before an update that would take the policy past this KL (nats): after each "
-        "rollout, a least-squares line through the last budget_window rollouts' mean KL gives the current "
-        "policy's KL and the growth per update; when the two add up to more than the budget, the current "
-        "policy is the result (rlhf_pipeline.ppo.kl.kl_budget_spent). null: every update runs (the reference).",
+        description="Keep the policy's KL to the reference within this many nats: after each rollout, a "
+        "least-squares line through the last budget_window rollouts' mean KL forecasts the KL after one more "
+        "update; when the forecast passes the budget, the current policy's KL is read precisely (on "
+        "budget_check_responses more responses), and once that reading is over the budget the run ends with "
+        "the policy before the last update (rlhf_pipeline.ppo.kl.kl_budget_verdict). null: every update runs "
+        "(the reference).",
     )
     budget_window: int = Field(
         4,
@@ -58,6 +60,15 @@ class KLParams(Strict):
         le=MAX_SMALL,
         description="Rollouts the budget's line is fitted to: one rollout's mean KL over a few dozen episodes "
         "is noisy (a per-response KL's standard deviation is several nats), the line averages that out.",
+    )
+    budget_check_responses: int = Field(
+        128,
+        ge=0,
+        le=MAX_ROWS,
+        description="Responses (to train queries, one each) sampled from the current policy, besides its "
+        "rollout's, for the budget's precise reading of its KL; 0: the rollout's own mean. Taken only when "
+        "the forecast passes the budget or the last reading was close to it; each costs about "
+        "budget_check_responses / batch_size rollouts' sampling.",
     )
     estimator: Literal["k1", "k3"] = Field(
         "k1",
@@ -306,6 +317,11 @@ class PPOParams(Strict):
         query's ``samples_per_query`` responses (the critic-free baselines need the group together)."""
         share, rest = divmod(self.batch_size, self.nminibatches * world_size)
         queries = self.batch_size // self.samples_per_query
+        if self.kl.budget is not None and self.kl.budget_check_responses % world_size:
+            return (
+                f"ppo.kl.budget_check_responses ({self.kl.budget_check_responses}) must split evenly over the "
+                f"{world_size} processes"
+            )
         if not rest and not share % self.microbatch_size and not queries % world_size:
             return None
         return (

@@ -145,12 +145,13 @@ class Checkpointer:
         kl_state: dict,
         rng: list,
         history: list,
+        budget: dict | None = None,
     ) -> None:
         """Write the state of update ``update``: the trainable weights and the optimizer state (both
         whole, keyed by parameter name, as :mod:`rlhf_pipeline.distributed` gathers them), the KL
         controller, each process's random generators, and the statistics so far; and ``snapshot``,
         the LM weights training changed (``lm.<name>``, named as in the base model) for the
-        over-optimisation curve."""
+        over-optimisation curve; ``budget``: the state of ``ppo.kl.budget`` (see the trainer)."""
         bad = non_finite_tensors(weights)
         if bad:  # never replace a good checkpoint with a broken one
             raise NonFiniteError(
@@ -166,12 +167,25 @@ class Checkpointer:
         with atomic_dir(self.state_dir) as tmp:
             save_file(weights, str(tmp / "trainable.safetensors"))
             with open(tmp / "training_state.pt", "wb") as handle:  # a handle: a full disk then surfaces as an OSError
-                torch.save({"optimizer": optimizer_state, "kl": kl_state, "rng": rng}, handle)
+                torch.save({"optimizer": optimizer_state, "kl": kl_state, "rng": rng, "budget": budget}, handle)
             (tmp / "history.json").write_text(json.dumps(history))
             checksums = {name: sha256_file(tmp / name) for name in self.STATE_FILES}
             (tmp / "meta.json").write_text(
                 json.dumps({"fingerprint": self.fingerprint, "update": update, "sha256": checksums})
             )
+
+    def discard_snapshots_after(self, update: int) -> None:
+        """Delete the snapshots of updates after ``update`` (a policy the KL budget rolled back), each file
+        before its checksum line, so that a kill in between leaves no snapshot without its checksum."""
+        later = [path for path in self.snapshots.glob(SNAPSHOT_GLOB) if snapshot_update(path) > update]
+        if not later:
+            return
+        for path in later:
+            path.unlink()
+        sums_path = self.snapshots / CHECKSUMS
+        sums = {name: digest for name, digest in read_checksums(sums_path).items() if (self.snapshots / name).is_file()}
+        with atomic_file(sums_path) as handle:
+            handle.write("".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
 
     def last_good(self) -> str:
         """What the user still has after a failure, said as it is."""
@@ -185,7 +199,7 @@ class Checkpointer:
         return "Nothing was written, and no checkpoint exists yet: the next run starts from update 0."
 
     def read(self, trainable_names: set[str]) -> dict:
-        """What :meth:`save` wrote: weights, optimizer, kl, rng, update, history."""
+        """What :meth:`save` wrote: weights, optimizer, kl, rng, budget, update, history."""
         weights = load_file(str(self.state_dir / "trainable.safetensors"))
         missing = trainable_names - set(weights)
         if missing:

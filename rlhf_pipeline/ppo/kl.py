@@ -4,7 +4,7 @@ coefficient's controllers (Ziegler et al. 2019, section 2.2)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -120,22 +120,39 @@ def kl_trend(kls: Sequence[float], window: int) -> tuple[float, float]:
     return k_mean + slope * (n - 1 - u_mean), slope
 
 
-def kl_budget_spent(kls: Sequence[float], budget: float | None, window: int) -> bool:
-    """Whether to end a PPO run before training on the rollout whose mean KL is ``kls[-1]`` (``kls``: the
-    mean KL of every rollout so far, one per update, in order): when the current policy's KL and one
-    more update's growth, from :func:`kl_trend`, exceed ``budget``.
+def kl_forecast(kls: Sequence[float], window: int) -> float:
+    """The KL the policy will have after one more update: the current level and one more update's
+    growth, from the line :func:`kl_trend` fits (a falling line adds no growth).
 
     .. math::
-        \\text{stop} \\iff \\hat k_{\\text{last}} + \\max(b, 0) > \\text{budget}
-
-    ``budget`` None: never. Why: the adaptive controller's horizon (the reference's 10,000 episodes) is
-    far longer than a short run, so nothing else holds a short run to its KL target; stopping at the
-    forecast keeps the result within the budget without a second pass to find the checkpoint.
+        \\hat k_{\\text{next}} = \\hat k_{\\text{last}} + \\max(b, 0)
     """
-    if budget is None:
-        return False
     level, slope = kl_trend(kls, window)
-    return level + max(slope, 0.0) > budget
+    return level + max(slope, 0.0)
+
+
+BudgetVerdict = Literal["train", "watch", "roll back"]
+
+
+def kl_budget_verdict(kls: Sequence[float], checked: float, budget: float, window: int) -> BudgetVerdict:
+    """What ``ppo.kl.budget`` does with the current policy once its KL was read precisely (``checked``,
+    over many more responses than a rollout's; ``kls``: every rollout's mean KL so far, the current
+    one last):
+
+    - ``checked`` > budget: **roll back** to the policy before the last update (and end the run);
+    - else, if the forecast with ``checked`` for the current level passes the budget: **watch** (train,
+      and read the next policy precisely too, whatever its rollout says);
+    - else **train** (the rollout's reading was a false alarm).
+
+    Why: one rollout's mean KL over a few dozen responses is off by up to two nats (heavy tails), so a
+    rule on rollouts alone stops some runs a nat short of the budget and lets others past it. The precise
+    reading is taken only when the cheap forecast (:func:`kl_forecast`) passes, a few times a run; and
+    since the run keeps the last policy whose precise KL is within the budget, the result is within it
+    without guessing the next update's growth.
+    """
+    if checked > budget:
+        return "roll back"
+    return "watch" if kl_forecast([*kls[:-1], checked], window) > budget else "train"
 
 
 class AdaptiveKLController:

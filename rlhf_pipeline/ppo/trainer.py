@@ -16,8 +16,10 @@ The loop in :meth:`PPOTrainer.train` reads top to bottom:
    optimizer step each (:func:`rlhf_pipeline.training.accumulate_and_step`), LR annealed to 0;
    then the adaptive KL controller; logging; an atomic checkpoint every ``checkpoint_every``.
 
-With ``ppo.kl.budget`` the loop ends after a rollout whose KL trend says the next update would pass
-the budget (:meth:`PPOTrainer.budget_spent`): that rollout's policy is the result.
+With ``ppo.kl.budget`` the run keeps the last policy whose KL is within the budget: when the rollouts'
+KL trend says the next update may pass it, the policy's KL is read precisely, and the first policy
+read over the budget is rolled back to the one before it, which ends the run
+(:meth:`PPOTrainer.budget_ends_run`).
 
 Speed without changing the maths:
 - old logprobs/values come from the sampling forward, not a second policy forward;
@@ -59,9 +61,9 @@ from rlhf_pipeline.ppo.kl import (
     FixedKLController,
     compute_rewards,
     exact_kl,
-    kl_budget_spent,
+    kl_budget_verdict,
+    kl_forecast,
     kl_penalty,
-    kl_trend,
 )
 from rlhf_pipeline.ppo.losses import policy_loss, value_loss
 from rlhf_pipeline.ppo.policy import PolicyWithValue
@@ -197,7 +199,12 @@ class PPOTrainer:
         self.history: list[dict] = []  # one record per update: checkpointed and logged
         self.timings: list[dict] = []  # seconds per phase of each update this process ran: metrics only
         self.start_update = 0
-        self.stopped: dict | None = None  # where ppo.kl.budget ended the run, if it did
+        # ppo.kl.budget: where it ended the run, if it did; whether the next policy's KL is read precisely;
+        # the trainable weights before the last update (what a reading over the budget rolls back to)
+        self.stopped: dict | None = None
+        self.watching = False
+        self.previous: dict[str, Tensor] | None = None
+        self.discarded: dict | None = None  # the record of the update a roll-back undid (logged, not kept)
 
     def _split_over_processes(self, accelerator) -> None:
         """Several processes (`accelerate launch`): each samples, scores and trains on its share of
@@ -259,6 +266,8 @@ class PPOTrainer:
         """(B, R) logprobs of the responses under the reference policy: the frozen base model, or
         the policy with its LoRA adapter off (one copy of the weights); and, given the policy's final
         hidden states at the response positions, each response's exact KL (the budget's measure)."""
+        if policy_hidden is not None and mask is None:
+            raise ValueError("reference_logprobs: the exact KL needs the responses' mask")
         reference = self.ref_model if self.ref_model is not None else self.policy.lm
         self._offload(self.ref_model, True)
         with self._ctx(), self.policy.adapter_disabled() if self.ref_model is None else nullcontext():
@@ -291,6 +300,55 @@ class PPOTrainer:
         self._offload(self.reward_model, False)
         return scores, gold
 
+    def sample(
+        self, queries: Tensor, generator: torch.Generator, value_head: nn.Module | None = None, num_samples=None
+    ):
+        """The policy's ``num_samples`` (default ``samples_per_query``) responses to each of this process's
+        ``queries``: (sampled, truncated, valid). With the
+        trunk split, the sampling pass also yields the activation entering block `freeze` (the policy's
+        frozen lower blocks are the reference's), so neither the reference forward nor any PPO epoch
+        runs those blocks again."""
+        return self.sampler.sample(
+            self.policy.lm,
+            queries,
+            generator,
+            value_head=value_head,
+            num_samples=num_samples or self.samples_per_query,
+            capture_layers=(self.freeze,) if self.use_trunk else (),
+            process_share=(self.rank, self.world_size),
+        )
+
+    def policy_hidden(self, query_responses: Tensor, trunk: Tensor | None) -> Tensor | None:
+        """The policy's final hidden states at the response positions, which the exact KL needs (its full
+        distributions at each response token): only with ``ppo.kl.budget``."""
+        if self.cfg.kl.budget is None:
+            return None
+        return self.response_outputs(self.policy.lm, query_responses, trunk).hidden
+
+    @torch.no_grad()
+    def checked_kl(self, ro: Rollout, update: int) -> float:
+        """The current policy's mean exact KL over its rollout's responses and ``kl.budget_check_responses``
+        more (one to each of as many train queries, drawn by a generator of its own, so training's
+        random streams are untouched and a resumed run reads the same)."""
+        extra = self.cfg.kl.budget_check_responses
+        rollout_kl, rollout_n = ro.stats["objective/kl_exact"], len(ro.scores)
+        if extra == 0:
+            return rollout_kl
+        order = torch.randperm(len(self.queries), generator=torch.Generator().manual_seed(self.seed * 31_337 + update))
+        rows = order.repeat(-(-extra // len(self.queries)))[:extra]
+        queries = self.queries[rows[distributed.share(self.accelerator, extra)]].to(self.device)
+        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_033 + update * 10_007)
+        exact = []
+        with self._ctx(), distributed.full_weights(self.accelerator, self.policy):
+            for chunk in queries.split(self.cfg.batch_size // self.world_size):  # a rollout's memory, no more
+                sampled, _, _ = self.sample(chunk, generator, num_samples=1)
+                query_responses = torch.cat([chunk, sampled.responses], 1)
+                trunk = sampled.hidden[self.freeze] if self.use_trunk else None
+                hidden = self.policy_hidden(query_responses, trunk)
+                exact.append(self.reference_logprobs(query_responses, trunk, hidden, sampled.mask)[1])
+        more = distributed.gather_rows(self.accelerator, torch.cat(exact)).mean().item()
+        return (rollout_kl * rollout_n + more * extra) / (rollout_n + extra)
+
     # ---- 1: rollout -------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, update: int) -> Rollout:
@@ -299,18 +357,8 @@ class PPOTrainer:
         generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + update * 1_009)
         self.policy.eval()
         with self._ctx(), distributed.full_weights(self.accelerator, self.policy):
-            # with the trunk split, the sampling pass also yields the activation entering block
-            # `freeze` (the policy's frozen lower blocks are the reference's), so neither the
-            # reference forward nor any PPO epoch runs those blocks again
-            sampled, truncated, valid = self.sampler.sample(
-                self.policy.lm,
-                queries,
-                generator,
-                value_head=self.policy.value_head if self.policy.critic and self.policy.shared else None,
-                num_samples=self.samples_per_query,
-                capture_layers=(self.freeze,) if self.use_trunk else (),
-                process_share=(self.rank, self.world_size),
-            )
+            value_head = self.policy.value_head if self.policy.critic and self.policy.shared else None
+            sampled, truncated, valid = self.sample(queries, generator, value_head)
             # sampling ends here: a separate value model's forward below counts with the reference's
             # (the frozen forwards over query + response), as TRL's timings count it
             t1 = time.perf_counter()
@@ -320,12 +368,7 @@ class PPOTrainer:
             if self.policy.critic and not self.policy.shared:
                 values = self.policy.values_of(query_responses, query_responses != self.pad_id, self.query_length)
             trunk = sampled.hidden[self.freeze] if self.use_trunk else None
-            # ppo.kl.budget measures the policy's KL exactly: its full distributions at each response token
-            policy_hidden = (
-                self.response_outputs(self.policy.lm, query_responses, trunk).hidden
-                if self.cfg.kl.budget is not None
-                else None
-            )
+            policy_hidden = self.policy_hidden(query_responses, trunk)
         ref_logprobs, exact = self.reference_logprobs(query_responses, trunk, policy_hidden, sampled.mask)
         t2 = time.perf_counter()
         scores, gold = self.scores(queries, truncated, valid)
@@ -484,6 +527,9 @@ class PPOTrainer:
         self.kl_ctl.load_state_dict(state["kl"])
         set_rng_state(state["rng"][self.rank if self.rank < len(state["rng"]) else 0])
         self.start_update, self.history = state["update"], state["history"]
+        budget = state.get("budget") or {}
+        self.watching, self.previous = budget.get("watching", False), budget.get("previous")
+        self.stopped, self.discarded = budget.get("stopped"), budget.get("discarded")
         if self.accelerator.is_main_process:
             print(f"train_policy: resuming from update {self.start_update} ({self.checkpointer.state_dir})")
 
@@ -494,10 +540,18 @@ class PPOTrainer:
         optimizer_state = distributed.full_optimizer_state(self.policy, self.optimizer)
         rng = gather_object([rng_state()])
         kl_state, history = self.kl_ctl.state_dict(), self.history
+        budget = None
+        if self.cfg.kl.budget is not None:
+            budget = {
+                "watching": self.watching,
+                "previous": self.previous,
+                "stopped": self.stopped,
+                "discarded": self.discarded,
+            }
 
         def write() -> None:
             snapshot = self.policy.lm_snapshot(weights)
-            self.checkpointer.save(update, weights, snapshot, optimizer_state, kl_state, rng, history)
+            self.checkpointer.save(update, weights, snapshot, optimizer_state, kl_state, rng, history, budget)
 
         distributed.on_main_process(self.accelerator, write, "write the checkpoint")
 
@@ -525,44 +579,77 @@ class PPOTrainer:
             raise NonFiniteError(f"Non-finite statistics at update {update}: {record}. {self.last_good()}")
         return record
 
-    def budget_spent(self, ro: Rollout, update: int) -> bool:
-        """Whether ``ppo.kl.budget`` ends the run before training on this rollout (the current policy is
-        then the result; its checkpoint is written, so a resumed run stops here too, on the same rollout)."""
+    def kl_readings(self) -> list[float]:
+        """The KL of the policy before each update so far: its precise reading where one was taken, else
+        its rollout's."""
+        return [record.get("objective/kl_checked", record["objective/kl_exact"]) for record in self.history]
+
+    def budget_ends_run(self, ro: Rollout, update: int) -> bool:
+        """Whether ``ppo.kl.budget`` ends the run on this rollout (of the policy after ``update`` updates):
+        when the forecast passes the budget, or the last reading was close to it, the policy's KL is read
+        precisely; read over the budget, the policy rolls back to the one before it, which is the result
+        (:func:`rlhf_pipeline.ppo.kl.kl_budget_verdict`)."""
         kl = self.cfg.kl
         if kl.budget is None:
             return False
-        kls = [record["objective/kl_exact"] for record in self.history] + [ro.stats["objective/kl_exact"]]
-        if not kl_budget_spent(kls, kl.budget, kl.budget_window):
+        kls = [*self.kl_readings(), ro.stats["objective/kl_exact"]]
+        if not (self.watching or kl_forecast(kls, kl.budget_window) > kl.budget):
             return False
-        level, growth = kl_trend(kls, kl.budget_window)
-        self.stopped = {"before_update": update + 1, "kl": level, "growth": growth}
-        if self.checkpointer is not None and update > self.start_update and update % self.cfg.checkpoint_every:
-            self.save_checkpoint(update)
+        started = time.perf_counter()
+        checked = self.checked_kl(ro, update)
+        ro.stats["objective/kl_checked"] = checked
+        ro.timings["time/kl_check"] = time.perf_counter() - started
+        verdict = kl_budget_verdict(kls, checked, kl.budget, kl.budget_window)
+        self.watching = verdict == "watch"
+        if verdict == "roll back":
+            self.roll_back(update, checked)
+        return verdict == "roll back"
+
+    def roll_back(self, update: int, checked: float) -> None:
+        """End the run with the policy before the last update (``checked``: the KL the current one was read
+        at, over the budget), and write it as the run's last checkpoint: a resumed run ends there too."""
+        kept = update - 1 if self.previous is not None else update  # no update yet: nothing to go back to
+        if self.previous is not None:
+            distributed.load_full_state(self.policy, self.previous)
+            kept_kl = self.kl_readings()[kept]  # the record of update `kept + 1` read the kept policy
+            self.history, self.discarded = self.history[:kept], self.history[kept]
+        else:
+            kept_kl = checked
+        self.stopped = {"updates": kept, "kl": kept_kl, "rolled_back_kl": checked, "budget": self.cfg.kl.budget}
+        if self.checkpointer is not None:
+            self.save_checkpoint(kept)
+            distributed.on_main_process(
+                self.accelerator, lambda: self.checkpointer.discard_snapshots_after(kept), "discard a snapshot"
+            )
         if self.accelerator.is_main_process:
             tqdm.write(
-                f"train_policy: KL {level:.2f} and {max(growth, 0.0):.2f} more per update would pass ppo.kl.budget "
-                f"{kl.budget}: the policy after update {update} of {self.num_updates} is the result"
+                f"train_policy: the policy after update {update} read KL {checked:.2f}, past ppo.kl.budget "
+                f"{self.cfg.kl.budget}: the policy after update {kept} of {self.num_updates} (KL {kept_kl:.2f}) "
+                "is the result"
             )
-        return True
 
     def train(self, progress: bool = True) -> list[dict]:
         self.resume_if_possible()
         if self.log is not None:
             # the checkpoint holds every record up to it: replaying them gives the log the same
             # series as an uninterrupted run (a resumed DVCLive log would repeat or lose steps)
-            for record in self.history:
+            for record in self.history + ([self.discarded] if self.discarded is not None else []):
                 self.log(record)
         bar = tqdm(
             total=self.num_updates, initial=self.start_update, desc="train_policy", unit="update", disable=not progress
         )
         with bar:  # closed on an error too: the stage's error message then starts a line of its own
             for update in range(self.start_update, self.num_updates):
+                if self.stopped is not None:  # resumed from the checkpoint the budget's stop wrote
+                    break
                 started = time.perf_counter()
                 ro = self.rollout(update)
-                if self.budget_spent(ro, update):
+                if self.budget_ends_run(ro, update):
                     break
                 adv = self.advantages(ro)
                 t_train = time.perf_counter()
+                if self.cfg.kl.budget is not None:  # what a reading over the budget rolls back to
+                    self.previous = distributed.full_state_copy(self.policy, trainable_only=True)
                 opt_stats = self.optimize(ro, adv, update)
                 mean_kl = (
                     (kl_penalty(ro.logprobs, ro.ref_logprobs, self.cfg.kl.estimator) * ro.mask).sum(-1).mean().item()
