@@ -3,7 +3,10 @@
 Same weights (SmolLM2-135M-Instruct, or ``--tiny``), same fixed-seed random queries of
 ``--query-tokens`` tokens, ``--response-tokens`` sampled tokens at temperature 0.7 with no
 stop token, ``--batch`` episodes per update, one minibatch, 4 PPO epochs, full fine-tune, fp32,
-CPU. Each side runs 1 warmup update + ``--updates`` timed updates.
+CPU. Each side runs 1 warmup update + ``--updates`` timed updates (the table: their medians). The
+warm-up update's matrix-product FLOPs are counted (torch's ``FlopCounterMode``: forward and backward),
+so the table also says how many FLOPs each side spends per update, at what rate, and the ratio the
+two would have at equal rates: what a faster kernel cannot change.
 
 - ours (value_model 'shared', the reference): policy LM + zero-init scalar value head on the
   policy backbone; reference model; reward model. Truncation token '.' after 16 tokens (the
@@ -30,6 +33,7 @@ Usage::
 from __future__ import annotations
 
 import gc
+import statistics
 import sys
 import tempfile
 import time
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import (
     MODEL_NAMES,
+    MatmulFlops,
     benchmark_parser,
     emit,
     environment_lines,
@@ -66,7 +71,8 @@ def run_ours(
     adapter of that rank on every linear layer (``ppo.lora``), the reference being the adapter switched off.
 
     ``profiler`` (a not-yet-started ``torch.profiler.profile``) is started after the warmup update
-    and stopped at the end, so it sees the timed updates only.
+    and stopped at the end, so it sees the timed updates only. The first record also holds the warm-up
+    update's matrix-product FLOPs (``flops``).
     """
     from rlhf_pipeline.devices import resolve_device
     from rlhf_pipeline.models import load_causal_lm
@@ -123,9 +129,13 @@ def run_ours(
         model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed)
     ).to(plan.device)
 
+    flops = MatmulFlops()
+
     def log(record: dict) -> None:
-        if profiler is not None and record["update"] == 1:
-            profiler.start()
+        if record["update"] == 1:
+            flops.stop()
+            if profiler is not None:
+                profiler.start()
 
     trainer = PPOTrainer(
         policy,
@@ -140,7 +150,11 @@ def run_ours(
         log=log,
         autocast=plan.autocast if plan.autocast_dtype else None,
     )
-    trainer.train(progress=False)
+    flops.start()
+    try:
+        trainer.train(progress=False)
+    finally:
+        flops.stop()
     if profiler is not None:
         profiler.stop()
     out = []
@@ -154,6 +168,7 @@ def run_ours(
         phases["other"] = h["time/update"] - sum(phases.values())
         out.append({"update": h["time/update"], **phases})
     out[0]["peak_bytes"] = torch.cuda.max_memory_allocated() if on_gpu else None
+    out[0]["flops"] = flops.total
     del trainer, policy, ref_model, reward_model, lm
     gc.collect()
     return out
@@ -183,7 +198,8 @@ class PhaseClock:
 
 
 def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=None) -> list[dict]:
-    """Per-update phase times (seconds) of TRL's PPOTrainer, warmup update included."""
+    """Per-update phase times (seconds) of TRL's PPOTrainer, warmup update included; the first record also
+    holds the warm-up update's matrix-product FLOPs (``flops``)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
     from trl.experimental.ppo import PPOConfig, PPOTrainer
@@ -215,11 +231,13 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
     )
 
     updates: list[dict] = []
+    flops = MatmulFlops()
 
     class UpdateTimer(TrainerCallback):
         last = None
 
         def on_train_begin(self, *a, **k):
+            flops.start()
             self.last = time.perf_counter()
 
         def on_step_end(self, *a, **k):
@@ -228,8 +246,10 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
             record = {"update": now - self.last, **{p: phases.get(p, 0.0) for p in PHASES[:-1]}}
             record["other"] = record["update"] - sum(record[p] for p in PHASES[:-1])
             updates.append(record)
-            if profiler is not None and len(updates) == 1:
-                profiler.start()
+            if len(updates) == 1:
+                flops.stop()
+                if profiler is not None:
+                    profiler.start()
             self.last = time.perf_counter()
 
     ga = args.batch // args.microbatch
@@ -272,8 +292,10 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
             if profiler is not None:
                 profiler.stop()
     finally:
+        flops.stop()
         for name, fn in originals.items():
             setattr(trl_ppo, name, fn)
+    updates[0]["flops"] = flops.total
     del trainer, policy, ref_model, reward_model, value_model
     gc.collect()
     return updates
@@ -293,7 +315,7 @@ def peak_cell(results: dict[str, list[dict]], key: str) -> str:
 def main(argv=None) -> None:
     parser = benchmark_parser(__doc__)
     parser.add_argument(
-        "--updates", type=int, default=2, help="timed PPO updates per implementation (after 1 warmup update)"
+        "--updates", type=int, default=3, help="timed PPO updates per implementation (after 1 warmup update)"
     )
     parser.add_argument("--batch", type=int, default=16, help="episodes per update")
     parser.add_argument("--microbatch", type=int, default=16, help="episodes per forward/backward (both sides)")
@@ -377,19 +399,24 @@ def main(argv=None) -> None:
             flush=True,
         )
 
-    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    median = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     timed = {k: v[1:] for k, v in results.items()}
-    sec = {k: mean(v, "update") for k, v in timed.items()}
+    sec = {k: median(v, "update") for k, v in timed.items()}
+    flops = {k: v[0]["flops"] for k, v in results.items()}
     rows = []
     for key, rows_ in timed.items():
         ratio = f"{sec['trl'] / sec[key]:.2f}x" if "trl" in sec else "n/a"
-        phase_cells = [f"{mean(rows_, p):.2f}" for p in PHASES]
+        flop_ratio = f"{flops['trl'] / flops[key]:.2f}x" if "trl" in flops else "n/a"
+        phase_cells = [f"{median(rows_, p):.2f}" for p in PHASES]
         rows.append(
             [
                 sides[key][0],
                 f"{args.batch / sec[key]:.2f}",
                 f"{sec[key]:.2f}",
                 ratio,
+                f"{flops[key] / 1e9:.0f}",
+                f"{flops[key] / 1e9 / sec[key]:.0f}",
+                flop_ratio,
                 *phase_cells,
                 f"{results[key][0]['update']:.2f}",
                 peak_cell(results, key),
@@ -400,6 +427,9 @@ def main(argv=None) -> None:
         "episodes/s",
         "s/update",
         "speed vs TRL",
+        "matmul GFLOP/update",
+        "GFLOP/s",
+        "vs TRL at equal GFLOP/s",
         "generation s",
         "ref+value fwd s",
         "reward s",
@@ -420,7 +450,7 @@ def main(argv=None) -> None:
             else "full fine-tune"
         )
         + f", lr {args.lr}; "
-        f"1 warmup update + {args.updates} timed updates per side (mean of the timed updates).",
+        f"1 warmup update + {args.updates} timed updates per side (medians of the timed updates).",
         "ours: task truncate_token '.' after 16 tokens (scoring only), KL adaptive init 0.15, whitened rewards, "
         "Adam eps 1e-5; no checkpointing; "
         "torch deterministic algorithms not enabled (the train_policy stage enables them; no measurable effect on "
@@ -438,6 +468,10 @@ def main(argv=None) -> None:
         "optimizer.step; other = update time minus those (advantages, loss arithmetic, logging, TRL's "
         "gc.collect/empty_cache).",
         "speed vs TRL = TRL s/update / implementation s/update (>1 means faster than TRL).",
+        "matmul GFLOP/update: the warm-up update's matrix products, forward and backward (torch.utils.flop_counter."
+        "FlopCounterMode; counting slows the warm-up update, which the ratios do not use); GFLOP/s: those over the "
+        "median s/update; vs TRL at equal GFLOP/s = TRL's FLOPs / the side's: the speed ratio if both sides ran "
+        "their matrix products at one rate, which only fewer FLOPs per update can raise.",
     ]
     if "lora" in results:
         notes.append(

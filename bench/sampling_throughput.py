@@ -43,6 +43,7 @@ from common import (
     benchmark_parser,
     emit,
     environment_lines,
+    measured_matmul_flops,
     prepare,
     random_token_ids,
     render_report,
@@ -61,18 +62,6 @@ def measured_bandwidth(megabytes: int = 512) -> float:
         target.copy_(source)
         runs.append(time.perf_counter() - started)
     return 2 * source.numel() * 4 / min(runs)
-
-
-def measured_matmul_flops(n: int = 2048) -> float:
-    """FLOP/s of an fp32 n x n matrix product."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    runs = []
-    for _ in range(5):
-        started = time.perf_counter()
-        a @ b
-        runs.append(time.perf_counter() - started)
-    return 2 * n**3 / min(runs)
 
 
 def synchronised() -> float:

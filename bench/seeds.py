@@ -12,6 +12,9 @@ Usage:
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from common import measured_matmul_flops
 from experiments import METRICS, Experiment, collect, emit, parser, render, run_all, seed_summary, stage_times
 
 
@@ -19,12 +22,25 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--seeds", type=int, nargs="+", default=[2, 3], help="seeds other than params.yaml's")
     p.add_argument("--label", default="", help="appended to each experiment's name (seed-2-LABEL): a new study")
+    p.add_argument(
+        "--earlier-logs",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="the `dvc repro` logs, oldest first, of the runs that made the stages the baseline run reused "
+        "(its log has no time for them)",
+    )
     args = p.parse_args()
     suffix = f"-{args.label}" if args.label else ""
     runs = [Experiment(f"seed-{seed}{suffix}", {"seed": str(seed)}) for seed in args.seeds]
+    # how fast this machine is today: its speed has varied 2x from day to day, and the wall times with it
+    rates = [measured_matmul_flops() / 1e9]
     if not args.no_run:
         run_all(runs)
-    baseline_times = stage_times(args.baseline_log.read_text())
+        rates.append(measured_matmul_flops() / 1e9)
+    baseline_times = {}
+    for log in [*args.earlier_logs, args.baseline_log]:  # the last run of each stage wins
+        baseline_times |= stage_times(log.read_text())
     baseline = collect(runs, baseline_times)
     table = render(runs, baseline_times, baseline, "default seed")
     everyone = [baseline] + [run.metrics for run in runs]
@@ -32,6 +48,11 @@ def main() -> None:
     summary = [f"Over {len(everyone)} seeds, mean (sd):", ""]
     summary += [f"- {column}: {seed_summary([m[column] for m in everyone])}" for column in METRICS]
     summary.append(f"- pipeline wall time (s): {seed_summary([float(m) for m in minutes])}")
+    summary.append(
+        "- this machine's fp32 2048x2048 matrix product, "
+        + " and ".join(f"{rate:.0f}" for rate in rates)
+        + (" GFLOP/s before and after the runs" if len(rates) > 1 else " GFLOP/s (measured now; nothing was run)")
+    )
     emit(table + "\n\n" + "\n".join(summary), args.output)
 
 

@@ -304,10 +304,9 @@ class PPOTrainer:
         self, queries: Tensor, generator: torch.Generator, value_head: nn.Module | None = None, num_samples=None
     ):
         """The policy's ``num_samples`` (default ``samples_per_query``) responses to each of this process's
-        ``queries``: (sampled, truncated, valid). With the
-        trunk split, the sampling pass also yields the activation entering block `freeze` (the policy's
-        frozen lower blocks are the reference's), so neither the reference forward nor any PPO epoch
-        runs those blocks again."""
+        ``queries``: (sampled, truncated, valid). With the trunk split, the sampling pass also yields the
+        activation entering block `freeze` (the policy's frozen lower blocks are the reference's), so
+        neither the reference forward nor any PPO epoch runs those blocks again."""
         return self.sampler.sample(
             self.policy.lm,
             queries,

@@ -1,0 +1,88 @@
+"""Probe: is a PPO policy's KL from the base the same on the queries it trained on and on held-out ones?
+
+`ppo.kl.budget` reads the policy's KL on train queries (it must not look at the test split); the
+evaluation, and issue 50's "KL <= 6", measure it on the test queries. This samples the shipped policy
+(`models/policy`) on every train and every test query, ``--draws`` times each (other random streams),
+and prints each split's mean per-response KL (k1, as the evaluation measures it) with its standard error,
+and the difference with the standard error of the difference.
+
+Usage (after `dvc repro`, alone on the machine):
+
+    .venv/bin/python bench/probe_kl_train_test.py --draws 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from common import emit, measured_matmul_flops  # noqa: E402
+
+from rlhf_pipeline.evaluation import Evaluation, sample_and_score  # noqa: E402
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer  # noqa: E402
+from rlhf_pipeline.params.schema import load_params  # noqa: E402
+from rlhf_pipeline.queries import load_queries  # noqa: E402
+from rlhf_pipeline.reward.persistence import load_reward_model  # noqa: E402
+from rlhf_pipeline.sampling import ResponseSampler  # noqa: E402
+
+
+def mean_and_se(values: torch.Tensor) -> tuple[float, float]:
+    return values.mean().item(), values.std().item() / math.sqrt(len(values))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draws", type=int, default=2, help="responses per query (each from its own stream)")
+    parser.add_argument("--policy", default="models/policy")
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    params = load_params("params.yaml")
+    tokenizer = load_tokenizer("models/base")
+    base = load_causal_lm("models/base").eval()
+    policy = load_causal_lm(args.policy).eval()
+    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
+    reward_model = load_reward_model("models/reward", torch.device("cpu"))
+    started = time.perf_counter()
+    kls = {}
+    for split in ("train", "test"):
+        queries = load_queries("data/queries", split, tokenizer.pad_token_id)
+        per_draw = []
+        for draw in range(args.draws):
+            setup = Evaluation(
+                base=base,
+                reward_model=reward_model,
+                queries=queries,
+                sampler=sampler,
+                tokenizer=tokenizer,
+                seed=10_000 + draw,  # not the evaluation's stream (params.seed + 2)
+                batch_size=params.evaluate.batch_size,
+            )
+            per_draw.append(sample_and_score(policy, setup).kl_k1)
+        kls[split] = torch.cat(per_draw)
+    lines = [
+        f"# KL on train and test queries: {args.policy}",
+        "",
+        f"`.venv/bin/python bench/probe_kl_train_test.py --draws {args.draws}` "
+        f"({time.perf_counter() - started:.0f} s; fp32 2048x2048 matrix product at "
+        f"{measured_matmul_flops() / 1e9:.0f} GFLOP/s)",
+        "",
+        "| queries | responses | mean KL (k1) | SE | sd |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for split, values in kls.items():
+        mean, se = mean_and_se(values)
+        lines.append(f"| {split} | {len(values)} | {mean:.3f} | {se:.3f} | {values.std().item():.3f} |")
+    (train, se_train), (test, se_test) = mean_and_se(kls["train"]), mean_and_se(kls["test"])
+    lines += ["", f"train - test: {train - test:+.3f} (SE {math.hypot(se_train, se_test):.3f})"]
+    emit("\n".join(lines), args.output)
+
+
+if __name__ == "__main__":
+    main()
