@@ -35,6 +35,7 @@ METRICS = {  # column: metric key as `dvc exp show` names it (file-prefixed only
     "label ceiling": "test/ceiling_accuracy",
     "gold gain (base σ)": keys.GOLD_GAIN,
     "± SE": keys.GOLD_GAIN_SE,
+    "proxy gain (base σ)": keys.PROXY_GAIN,
     "KL": keys.KL,
     "queries": keys.GOLD_QUERIES,
 }
@@ -128,7 +129,8 @@ def table_row(label: str, change: str, seconds: dict[str, int], metrics: dict[st
     gain = f"{fmt(metrics['gold gain (base σ)'])} ± {fmt(metrics['± SE'])}"
     return (
         f"| {label} | {change} | {total // 60}:{total % 60:02d} | {reran} | {fmt(metrics['RM test acc'])} "
-        f"(ceiling {fmt(metrics['label ceiling'])}) | {gain} | {fmt(metrics['KL'], 2)} |"
+        f"(ceiling {fmt(metrics['label ceiling'])}) | {gain} | {fmt(metrics['proxy gain (base σ)'])} | "
+        f"{fmt(metrics['KL'], 2)} |"
     )
 
 
@@ -140,8 +142,8 @@ def render(
 ) -> str:
     lines = [
         "| experiment | change from params.yaml | pipeline wall time | stages rerun | RM best-of-4 test accuracy | "
-        "gold gain ± paired SE | KL |",
-        "|---|---|---:|---|---:|---:|---:|",
+        "gold gain ± paired SE | proxy gain | KL |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
         table_row(baseline_label, "(shipped)", baseline_times, baseline_metrics, "all"),
     ]
     for e in experiments:

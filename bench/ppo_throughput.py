@@ -414,7 +414,7 @@ def main(argv=None) -> None:
                 f"{args.batch / sec[key]:.2f}",
                 f"{sec[key]:.2f}",
                 ratio,
-                f"{flops[key] / 1e9:.0f}",
+                f"{flops[key] / 1e9:.4g}",
                 f"{flops[key] / 1e9 / sec[key]:.0f}",
                 flop_ratio,
                 *phase_cells,
