@@ -248,6 +248,46 @@ def test_the_kl_budget_rolls_back_the_first_policy_read_over_it(tiny_base_dir, r
     assert all(torch.equal(p, kept[f"lm.{n}"]) for n, p in resumed.policy.lm.named_parameters() if p.requires_grad)
 
 
+def test_a_backtrack_keeps_part_of_the_step_read_within_the_budget(tiny_base_dir, reward_model, queries, tmp_path):
+    """ppo.kl.budget_backtracks: the policy a fraction of the undone update's way from the one before it
+    (the unbounded run's snapshots), read within the budget, is the result; a resumed run ends alike."""
+    kl_params = {"budget_window": 2, "budget_check_responses": 32}
+
+    def run(budget, directory, backtracks):
+        params = make_params(
+            total_episodes=96,
+            checkpoint_every=1,
+            lr=1.0e-4,
+            kl={"budget": budget, **kl_params, "budget_backtracks": backtracks},
+        )
+        trainer = make_trainer(tiny_base_dir, reward_model, queries, params, directory)
+        return trainer, trainer.train(progress=False)
+
+    _, history = run(1.0e6, tmp_path / "unbounded", 0)
+    kls = [record["objective/kl_exact"] for record in history]
+    over = next(u for u in range(2, 6) if kls[u] > max(kls[:u]))
+    plain, _ = run((max(kls[:over]) + kls[over]) / 2, tmp_path / "plain", 0)
+    rolled = plain.stopped["updates"] + 1  # the update whose policy first read over the budget
+    # a higher budget the undone policy still passes: no check before it decides otherwise (a check needs a
+    # forecast past the budget), and half its step lies well within
+    kept_kl, over_kl = plain.stopped["kl"], plain.stopped["rolled_back_kl"]
+    budget = max(plain.stopped["budget"], kept_kl + 0.8 * (over_kl - kept_kl))
+    bounded, kept_history = run(budget, tmp_path / "bounded", 2)
+    assert bounded.stopped["updates"] == rolled and bounded.stopped["rolled_back_kl"] == over_kl
+    fraction = bounded.stopped["step_fraction"]
+    assert fraction in (0.5, 0.25) and bounded.stopped["kl"] <= budget and len(kept_history) == rolled
+    before = load_file(tmp_path / f"unbounded/snapshots/{snapshot_name(rolled - 1)}")
+    after = load_file(tmp_path / f"unbounded/snapshots/{snapshot_name(rolled)}")
+    trained = {f"lm.{n}": p for n, p in bounded.policy.lm.named_parameters() if p.requires_grad}
+    for name, p in trained.items():
+        torch.testing.assert_close(p, before[name] + fraction * (after[name] - before[name]), rtol=0, atol=1e-6)
+    kept = load_file(tmp_path / f"bounded/snapshots/{snapshot_name(rolled)}")
+    assert all(torch.equal(kept[name], p) for name, p in trained.items())
+    resumed, resumed_history = run(budget, tmp_path / "bounded", 2)
+    assert resumed.stopped == bounded.stopped and len(resumed_history) == rolled
+    assert all(torch.equal(p, trained[f"lm.{n}"]) for n, p in resumed.policy.lm.named_parameters() if p.requires_grad)
+
+
 def test_the_budget_reading_is_the_mean_over_more_responses_and_leaves_training_as_it_was(
     tiny_base_dir, reward_model, queries
 ):

@@ -70,6 +70,31 @@ class KLParams(Strict):
         "the forecast passes the budget or the last reading was close to it; each costs about "
         "budget_check_responses / batch_size rollouts' sampling.",
     )
+    budget_backtracks: int = Field(
+        0,
+        ge=0,
+        le=MAX_SMALL,
+        description="When the policy after an update reads over the budget, try the policies 1/2, 1/4, ... of "
+        "that update's way from the one before it (the backtracking line search TRPO runs for its KL "
+        "constraint), up to this many, each read precisely, and keep the first within the budget; 0 (or none "
+        "within): the policy before the update. One late update moves the policy 1-2 nats here, so the policy "
+        "before it can sit far under the budget.",
+    )
+
+    @model_validator(mode="after")
+    def _backtracks_need_readings(self) -> KLParams:
+        if self.budget_backtracks and not self.budget_check_responses:
+            refuse(
+                [
+                    (
+                        "budget_backtracks",
+                        "needs ppo.kl.budget_check_responses > 0: each try is read on those responses",
+                        self.budget_backtracks,
+                    )
+                ]
+            )
+        return self
+
     estimator: Literal["k1", "k3"] = Field(
         "k1",
         description=f"Per-token KL estimator: k1 = log pi - log rho, the reference ({OAI_POLICY}#L150, "

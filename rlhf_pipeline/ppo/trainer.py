@@ -324,19 +324,26 @@ class PPOTrainer:
             return None
         return self.response_outputs(self.policy.lm, query_responses, trunk).hidden
 
-    @torch.no_grad()
     def checked_kl(self, ro: Rollout, update: int) -> float:
         """The current policy's mean exact KL over its rollout's responses and ``kl.budget_check_responses``
-        more (one to each of as many train queries, drawn by a generator of its own, so training's
-        random streams are untouched and a resumed run reads the same)."""
+        more (:meth:`extra_kl`)."""
         extra = self.cfg.kl.budget_check_responses
         rollout_kl, rollout_n = ro.stats["objective/kl_exact"], len(ro.scores)
         if extra == 0:
             return rollout_kl
-        order = torch.randperm(len(self.queries), generator=torch.Generator().manual_seed(self.seed * 31_337 + update))
+        return (rollout_kl * rollout_n + self.extra_kl(update) * extra) / (rollout_n + extra)
+
+    @torch.no_grad()
+    def extra_kl(self, update: int, draw: int = 0) -> float:
+        """The current policy's mean exact KL over ``kl.budget_check_responses`` responses, one to each of as
+        many train queries, drawn by a generator of its own (``update`` and ``draw`` seed it), so training's
+        random streams are untouched and a resumed run reads the same."""
+        extra = self.cfg.kl.budget_check_responses
+        stream = self.seed * 31_337 + update + draw * 7_919
+        order = torch.randperm(len(self.queries), generator=torch.Generator().manual_seed(stream))
         rows = order.repeat(-(-extra // len(self.queries)))[:extra]
         queries = self.queries[rows[distributed.share(self.accelerator, extra)]].to(self.device)
-        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_033 + update * 10_007)
+        generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_033 + update * 10_007 + draw)
         exact = []
         with self._ctx(), distributed.full_weights(self.accelerator, self.policy):
             for chunk in queries.split(self.cfg.batch_size // self.world_size):  # a rollout's memory, no more
@@ -345,8 +352,7 @@ class PPOTrainer:
                 trunk = sampled.hidden[self.freeze] if self.use_trunk else None
                 hidden = self.policy_hidden(query_responses, trunk)
                 exact.append(self.reference_logprobs(query_responses, trunk, hidden, sampled.mask)[1])
-        more = distributed.gather_rows(self.accelerator, torch.cat(exact)).mean().item()
-        return (rollout_kl * rollout_n + more * extra) / (rollout_n + extra)
+        return distributed.gather_rows(self.accelerator, torch.cat(exact)).mean().item()
 
     # ---- 1: rollout -------------------------------------------------------------------------
     @torch.no_grad()
@@ -604,27 +610,57 @@ class PPOTrainer:
             self.roll_back(update, checked)
         return verdict == "roll back"
 
+    def backtrack(self, update: int) -> tuple[float, float] | None:
+        """``kl.budget_backtracks`` tries of the policy a fraction 1/2, 1/4, ... of the last update's way
+        from the one before it, each read precisely: (fraction, KL) of the first within the budget, whose
+        weights the policy then holds; None when none is (the policy is then the one after the update)."""
+        if not self.cfg.kl.budget_backtracks or self.previous is None:
+            return None
+        after = distributed.full_state_copy(self.policy, trainable_only=True)
+        for attempt in range(1, self.cfg.kl.budget_backtracks + 1):
+            fraction = 0.5**attempt
+            step = {name: self.previous[name] + fraction * (after[name] - self.previous[name]) for name in after}
+            distributed.load_full_state(self.policy, step)
+            reading = self.extra_kl(update, draw=attempt)
+            if reading <= self.cfg.kl.budget:
+                return fraction, reading
+        distributed.load_full_state(self.policy, after)
+        return None
+
     def roll_back(self, update: int, checked: float) -> None:
-        """End the run with the policy before the last update (``checked``: the KL the current one was read
-        at, over the budget), and write it as the run's last checkpoint: a resumed run ends there too."""
-        kept = update - 1 if self.previous is not None else update  # no update yet: nothing to go back to
-        if self.previous is not None:
-            distributed.load_full_state(self.policy, self.previous)
-            kept_kl = self.kl_readings()[kept]  # the record of update `kept + 1` read the kept policy
-            self.history, self.discarded = self.history[:kept], self.history[kept]
+        """End the run with a policy within the budget (``checked``: the KL the one after update ``update``
+        was read at, over it): part of the way back (:meth:`backtrack`), else the policy before the update;
+        and write it as the run's last checkpoint: a resumed run ends there too."""
+        budget = self.cfg.kl.budget
+        within = self.backtrack(update)
+        if within is not None:  # the undone part of the update is a fraction of its step, not its record
+            fraction, kept_kl = within
+            kept = update
+            self.stopped = {"updates": kept, "step_fraction": fraction, "kl": kept_kl}
         else:
-            kept_kl = checked
-        self.stopped = {"updates": kept, "kl": kept_kl, "rolled_back_kl": checked, "budget": self.cfg.kl.budget}
+            kept = update - 1 if self.previous is not None else update  # no update yet: nothing to go back to
+            if self.previous is not None:
+                distributed.load_full_state(self.policy, self.previous)
+                kept_kl = self.kl_readings()[kept]  # the record of update `kept + 1` read the kept policy
+                self.history, self.discarded = self.history[:kept], self.history[kept]
+            else:
+                kept_kl = checked
+            self.stopped = {"updates": kept, "kl": kept_kl}
+        self.stopped |= {"rolled_back_kl": checked, "budget": budget}
         if self.checkpointer is not None:
             self.save_checkpoint(kept)
             distributed.on_main_process(
                 self.accelerator, lambda: self.checkpointer.discard_snapshots_after(kept), "discard a snapshot"
             )
         if self.accelerator.is_main_process:
+            kept_as = (
+                f"the policy {within[0]:g} of the way through update {update}"
+                if within is not None
+                else f"the policy after update {kept} of {self.num_updates}"
+            )
             tqdm.write(
                 f"train_policy: the policy after update {update} read KL {checked:.2f}, past ppo.kl.budget "
-                f"{self.cfg.kl.budget}: the policy after update {kept} of {self.num_updates} (KL {kept_kl:.2f}) "
-                "is the result"
+                f"{budget}: {kept_as} (KL {kept_kl:.2f}) is the result"
             )
 
     def train(self, progress: bool = True) -> list[dict]:
