@@ -109,7 +109,7 @@ TEST_WORKERS ?= auto
 test: setup label-studio
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: setup
 	$(PY) bench/reward_throughput.py

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import rlhf_pipeline.offline  # noqa: F401  (first: the suite runs offline, like the stages)
 
+import json
 import os
 import runpy
 import shutil
@@ -27,16 +28,22 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs a worker per core: t
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
-# modules of a minute or more (measured on 2 cores): collected first, so that under `--dist loadfile`
-# xdist hands them out first and the short modules fill in around them, instead of one long module
-# starting last and running alone at the end
+# modules of a minute or more (measured on 2 cores), longest first: collected first, so that under
+# `--dist loadfile --no-loadscope-reorder` (`make test`; without that flag xdist sorts modules by their
+# number of tests and these few-test modules would start last) xdist hands them out first and the
+# short modules fill in around them, instead of one long module starting last and running alone at the
+# end. test_flow needs the tiny run only at its end, by when test_pipeline_e2e's worker has built it.
 LONG_MODULES = (
-    "test_prefect_worker",
-    "test_label_studio",
-    "test_distributed",
-    "test_remote_ssh",
-    "test_flow",
     "test_pipeline_e2e",
+    "test_flow",
+    "test_prefect_worker",
+    "test_distributed",
+    "test_label_studio",
+    "test_registry",
+    "test_base_model",
+    "test_remote_ssh",
+    "test_numerics",
+    "test_labelling",
 )
 
 
@@ -318,22 +325,57 @@ def run_stage_script(name: str, argv: list[str] | None = None) -> int:
     return 0
 
 
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory, tiny_base_dir):
-    """The tiny pipeline run once (every params key each stage reads recorded beside it) and
-    committed, with a local DVC remote; returns (root, the `dvc repro` result). A full run costs about
-    a minute here, so the e2e tests, the registry's and the flow's gate share this one: each test
-    reads it or copies it before changing anything."""
+def build_tiny_run(parent: Path, tiny_base_dir: Path) -> subprocess.CompletedProcess:
+    """The tiny pipeline run once in ``parent``/tiny-run (the params each stage read recorded in
+    tiny-run-reads beside it), committed, with a local DVC remote in ``parent``/remote."""
     from test_pipeline_e2e import build_project, sh
 
     from rlhf_pipeline.runner import RECORD_READS_ENV
 
-    root = build_project(tmp_path_factory.mktemp("tiny-run"), tiny_base_dir, {})
-    sh(["dvc", "remote", "add", "-d", "local", str(root.parent / "remote")], root)
-    result = sh(["dvc", "repro"], root, **{RECORD_READS_ENV: str(root.parent / f"{root.name}-reads")})
+    (parent / "tiny-run").mkdir()
+    root = build_project(parent / "tiny-run", tiny_base_dir, {})
+    sh(["dvc", "remote", "add", "-d", "local", str(parent / "remote")], root)
+    result = sh(["dvc", "repro"], root, **{RECORD_READS_ENV: str(parent / "tiny-run-reads")})
     sh(["git", "add", "-A"], root)
     sh(["git", "commit", "-qm", "repro"], root)
-    return root, result
+    return result
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, tiny_base_dir):
+    """The tiny pipeline run once and committed, with a local DVC remote; returns (root, the `dvc
+    repro` result). A run costs about two minutes here, so every module shares one: under xdist the
+    first worker to need it builds it (the others wait on a file lock) and each worker works on its
+    own copy, its remote its own (the commit amended: clones of the copy read .dvc/config from git).
+    Each test reads the copy or copies it again before changing anything."""
+    from filelock import FileLock
+    from test_pipeline_e2e import sh
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    shared = tmp_path_factory.getbasetemp().parent / "tiny-run-shared" if worker else tmp_path_factory.mktemp("tiny")
+    with FileLock(f"{shared}.lock"):
+        record = shared / "repro.json"
+        if not record.exists():
+            shutil.rmtree(shared, ignore_errors=True)  # a build cut off in an earlier worker
+            shared.mkdir(parents=True)
+            result = build_tiny_run(shared, tiny_base_dir)
+            atomic = record.with_suffix(".tmp")
+            fields = {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
+            atomic.write_text(json.dumps(fields))
+            atomic.rename(record)
+    if worker is None:
+        parent = shared
+    else:
+        parent = tmp_path_factory.mktemp("tiny-run-copy")
+        for name in ("tiny-run", "tiny-run-reads", "remote"):
+            if (shared / name).exists():  # the remote only once something was pushed
+                shutil.copytree(shared / name, parent / name, symlinks=True)
+    root = parent / "tiny-run"
+    if worker is not None:
+        sh(["dvc", "remote", "modify", "local", "url", str(parent / "remote")], root)
+        sh(["git", "commit", "-q", "--amend", "--no-edit", "--", ".dvc/config"], root)
+    done = json.loads(record.read_text())
+    return root, subprocess.CompletedProcess(["dvc", "repro"], done["returncode"], done["stdout"], done["stderr"])
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -88,14 +89,23 @@ def prefect_harness(prefect_server):
     yield
 
 
+@pytest.fixture(scope="module")
+def project_template(tmp_path_factory) -> Path:
+    return make_project(tmp_path_factory.mktemp("flow-project"))
+
+
 @pytest.fixture
-def project(tmp_path: Path) -> Path:
-    """git+DVC repo: 4 stages, a dvc-added data/labels/preferences.jsonl, a local remote `localremote`."""
-    return make_project(tmp_path)
+def project(project_template: Path, tmp_path: Path) -> Path:
+    """git+DVC repo: 4 stages, a dvc-added data/labels/preferences.jsonl, a local remote `localremote`
+    (tmp_path/remote). A copy of one made per module: git init, dvc init and dvc add cost seconds."""
+    repo = tmp_path / "repo"
+    shutil.copytree(project_template, repo, symlinks=True)
+    return repo
 
 
 def make_project(tmp_path: Path) -> Path:
-    """The ``project`` fixture's repo, made in ``tmp_path`` (its remote beside it)."""
+    """The ``project`` fixture's repo, made in ``tmp_path`` (its remote beside it, named by a path
+    relative to the repo: a copy of the two folders keeps them paired)."""
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "step.py").write_text(STEP)
@@ -115,7 +125,7 @@ def make_project(tmp_path: Path) -> Path:
     _git(repo, "init", "-q")
     dvc = [PY, "-m", "dvc"]
     _run([*dvc, "init", "-q"], repo)
-    _run([*dvc, "remote", "add", "localremote", str(tmp_path / "remote")], repo)
+    _run([*dvc, "remote", "add", "localremote", os.path.join("..", "remote")], repo)
     _run([*dvc, "add", "-q", "data/labels/preferences.jsonl"], repo)
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "tiny project")
@@ -325,8 +335,6 @@ def test_outputs_dvc_failed_to_cache_fail_the_stage_with_exit_5(project: Path, m
     """`dvc repro` with a full cache can exit 0 after printing "No space left on device", leaving
     dvc.lock recording outputs its cache does not hold: the flow checks DVC's status after each stage
     and stops (exit 5, storage, not retried) instead of going on to push a lock without its data."""
-    import shutil
-
     import flows.retrain.flow as flow_module
 
     real_stream = flow_module.stream
@@ -661,8 +669,6 @@ def test_damaged_bytes_are_never_pushed(project: Path, tmp_path: Path):
 # --------------------------------------------------------------------------------------------
 @pytest.mark.e2e
 def test_the_flow_registers_each_new_policy_and_promotes_only_by_the_rule(versioned, tmp_path, monkeypatch):
-    import shutil
-
     import yaml
     from test_pipeline_e2e import sh
 
@@ -721,8 +727,6 @@ def test_a_swapped_cache_object_is_refused_before_it_is_trained_on_recorded_or_p
     file list, or one of its files), then `dvc checkout`: DVC would restore normalize_reward from its
     run cache onto it, record the other folder's hash and train on it. The flow refuses it before the
     stage runs: exit 7, dvc.lock untouched, nothing pushed, and the message says how to restore."""
-    import shutil
-
     import yaml
     from test_pipeline_e2e import sh
 

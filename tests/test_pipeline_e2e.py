@@ -461,8 +461,8 @@ NARROW_EDITS = {
     "ppo loss": ("rlhf_pipeline/ppo/losses.py", "    ratio = torch.exp(log_ratio)\n", "    ratio = log_ratio.exp()\n"),
     "ppo field": (
         "rlhf_pipeline/params/ppo.py",
-        '    @model_validator(mode="after")\n',
-        '    new_knob: int = 0\n\n    @model_validator(mode="after")\n',
+        '    @model_validator(mode="after")\n    def _batches_fit(',
+        '    new_knob: int = 0\n\n    @model_validator(mode="after")\n    def _batches_fit(',
     ),
     "reward loss": (  # the reward model's training: its only reader is train_reward
         "rlhf_pipeline/reward/training.py",
