@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rlhf_pipeline import __version__, numerics, paths
+from rlhf_pipeline import __version__, labelling, numerics, paths
 from rlhf_pipeline.environment import environment_record, record_lines
 from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, SettingsError, StorageError, quoted
 from rlhf_pipeline.io import atomic_file
@@ -228,8 +228,6 @@ def cmd_label(args) -> int:
     """Label Studio tasks out (export), its annotations in (import), or its labelling interface (config)."""
     import json
 
-    from rlhf_pipeline import labelling  # loads torch and transformers: only when this command runs
-
     if args.action == "config":
         if args.side_by_side:
             from rlhf_pipeline import side_by_side  # loads torch and datasets: only when this command runs
@@ -241,13 +239,15 @@ def cmd_label(args) -> int:
     if args.action == "compare":
         return _label_compare(args)
     if args.action == "verdicts":
-        return _label_verdicts(args, labelling)
+        return _label_verdicts(args)
     if args.action == "export":
         params = load_params(args.params)
         numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
         task = params.task
+        from rlhf_pipeline.label_tasks import export_tasks  # loads torch and transformers: only when exporting
+
         with sampling_model(args.model) as (folder, name):
-            tasks = labelling.export_tasks(
+            tasks = export_tasks(
                 folder, args.queries, task, args.split, args.num, args.n, args.seed, args.round, args.model_name or name
             )
         with writing(args.output), atomic_file(args.output) as out:
@@ -270,7 +270,7 @@ def cmd_label(args) -> int:
     min_agreement = args.min_agreement
     if min_agreement is None and params is not None:
         min_agreement = params.data.validation.min_agreement
-    handle, where = _label_export(args, labelling, limits)
+    handle, where = _label_export(args, limits)
     with handle:
         tasks = (task for _, task in labelling.read_export(handle, where, limits))
         report = labelling.rows_from_export(tasks, where, min_agreement, limits.max_annotations_per_task)
@@ -310,7 +310,7 @@ def _label_compare(args) -> int:
     return 0
 
 
-def _label_verdicts(args, labelling) -> int:
+def _label_verdicts(args) -> int:
     """``rlhf label verdicts``: people's answers to side-by-side tasks into their rounds' files."""
     import json
 
@@ -353,7 +353,7 @@ def sampling_model(model: str) -> Iterator[tuple[str, str]]:
         yield str(Path(scratch) / "model"), version.tag
 
 
-def _label_export(args, labelling, limits) -> tuple:
+def _label_export(args, limits) -> tuple:
     """(Label Studio's JSON export as an open text file, where it came from) for `rlhf label import`: the
     file ``INPUT``, or ``--from-server PROJECT``; sets ``args.output``."""
     if args.from_server is not None:

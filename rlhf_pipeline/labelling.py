@@ -3,9 +3,10 @@ them (a query, N responses sampled from the current model, the labeller picks th
 
 - :func:`label_config` is the labelling interface (Label Studio XML): the query, the N responses,
   one required single choice whose exported value is the response's index.
-- :func:`export_tasks` samples the N responses per query from a model folder and returns Label Studio
-  tasks; each carries what ties it back: the query's split and index, the sampling seed, the model
-  and its weights' SHA-256, the round, and ``task_id`` (a hash of all of them).
+- :func:`rlhf_pipeline.label_tasks.export_tasks` samples the tasks from a model; each carries what ties
+  it back (:data:`TASK_FIELDS`), ``task_id`` a hash of them (:func:`task_id`). It lives apart because it
+  loads torch and transformers, which reading an export (`rlhf label import`, 48 times in the test suite)
+  does not need: 2.8 s of CPU a command with them, 0.6 s without.
 - :func:`fetch_export` pulls a project's JSON export from a running server (its address and API token
   from the environment, as Label Studio's own SDK reads them: never from params or files in git).
 - :func:`rows_from_export` reads Label Studio's JSON export into best-of-N preference rows, one per
@@ -31,17 +32,11 @@ from itertools import combinations
 from pathlib import Path
 from xml.sax.saxutils import quoteattr
 
-import torch
-
 from rlhf_pipeline.errors import DataContractError, PipelineError, SettingsError, plain, quoted
 from rlhf_pipeline.io import read_jsonl, sha256_file
 from rlhf_pipeline.json_stream import iter_json_array
-from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.labelling import LabellingParams
-from rlhf_pipeline.params.task import TaskParams
-from rlhf_pipeline.preferences.simulated import MAX_RESAMPLES, sample_clean_candidates, sample_problem
 from rlhf_pipeline.preferences.text_rules import INVISIBLE_CHARACTERS, text_problem
-from rlhf_pipeline.sampling import ResponseSampler
 
 CHOICE = "best"  # the <Choices> name: what an annotation's result is read from
 URL_VARIABLE, TOKEN_VARIABLE = "LABEL_STUDIO_URL", "LABEL_STUDIO_API_KEY"  # the names Label Studio's SDK reads
@@ -80,76 +75,6 @@ def weights_sha256(model_dir: str | Path) -> str:
     if not files:
         raise PipelineError(f"{model_dir}: no *.safetensors weights; give a model folder (models/base, models/policy).")
     return hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest()
-
-
-@torch.no_grad()
-def export_tasks(
-    model_dir: str | Path,
-    queries_dir: str | Path,
-    task: TaskParams,
-    split: str,
-    num_queries: int,
-    n: int,
-    seed: int,
-    round_: int,
-    model_name: str | None = None,
-    batch_size: int = 16,
-) -> list[dict]:
-    """Label Studio tasks for the first ``num_queries`` queries of ``split``: ``n`` responses each,
-    sampled from ``model_dir`` with the task's sampling (as the preferences stage samples them).
-    A query whose responses would break the data contract (e.g. two identical) is drawn again, up to
-    :data:`MAX_RESAMPLES` times as the stage does, then left out."""
-    from datasets import load_from_disk
-
-    part = load_from_disk(str(queries_dir))[split]
-    if num_queries > len(part):
-        raise PipelineError(f"{queries_dir} ({split}) has {len(part)} queries; {num_queries} were asked for.")
-    tokenizer = load_tokenizer(str(model_dir))
-    model = load_causal_lm(str(model_dir)).eval()
-    ids = part.select(range(num_queries))["query_ids"]
-    vocabulary = model.get_input_embeddings().num_embeddings
-    if (problem := query_vocabulary_problem(queries_dir, ids, vocabulary, model_dir)) is not None:
-        raise PipelineError(problem)
-    sampler = ResponseSampler.from_tokenizer(task, tokenizer)
-    generator = torch.Generator().manual_seed(seed)
-    model_sha = weights_sha256(model_dir)
-    name = model_name or str(model_dir)
-    tasks = []
-    for start in range(0, num_queries, batch_size):
-        indices = list(range(start, min(start + batch_size, num_queries)))
-        ids = [part[i]["query_ids"] for i in indices]
-        texts = sample_clean_candidates(model, tokenizer, sampler, ids, n, generator, MAX_RESAMPLES)[0]
-        for i, samples in zip(indices, texts):
-            if sample_problem(samples) is not None:
-                continue
-            data = {
-                "task_id": task_id(model_sha, split, i, seed, n, round_),
-                "query": part[i]["query"],
-                **{f"sample{k}": text for k, text in enumerate(samples)},
-                "split": split,
-                "query_index": i,
-                "seed": seed,
-                "model": name,
-                "model_sha256": model_sha,
-                "round": round_,
-            }
-            tasks.append({"data": data})
-    return tasks
-
-
-def query_vocabulary_problem(
-    queries_dir: str | Path, ids: list[list[int]], vocabulary: int, model_dir: str | Path
-) -> str | None:
-    """Why ``model_dir`` (``vocabulary`` embeddings) cannot sample from these queries: another tokenizer
-    made them (another base model's project); None when it can."""
-    highest = max(max(row) for row in ids)
-    if highest < vocabulary:
-        return None
-    return (
-        f"{queries_dir} was tokenized for another model: its token ids reach {highest}, and {model_dir}'s "
-        f"vocabulary has {vocabulary}. Sample from the base model whose tokenizer made the queries (or a "
-        "policy trained from it), or rerun `dvc repro queries` for this one; nothing was written."
-    )
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")

@@ -35,14 +35,8 @@ import torch
 
 from rlhf_pipeline.errors import DataContractError, PipelineError, plain, quoted
 from rlhf_pipeline.io import atomic_file
-from rlhf_pipeline.labelling import (
-    answered_choice,
-    pairwise_agreement,
-    query_vocabulary_problem,
-    read_export,
-    task_annotations,
-    weights_sha256,
-)
+from rlhf_pipeline.label_tasks import query_vocabulary_problem
+from rlhf_pipeline.labelling import answered_choice, pairwise_agreement, read_export, task_annotations, weights_sha256
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.labelling import LabellingParams
 from rlhf_pipeline.params.task import TaskParams
