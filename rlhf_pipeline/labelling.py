@@ -6,7 +6,7 @@ them (a query, N responses sampled from the current model, the labeller picks th
 - :func:`rlhf_pipeline.label_tasks.export_tasks` samples the tasks from a model; each carries what ties
   it back (:data:`TASK_FIELDS`), ``task_id`` a hash of them (:func:`task_id`). It lives apart because it
   loads torch and transformers, which reading an export (`rlhf label import`, 48 times in the test suite)
-  does not need: 2.8 s of CPU a command with them, 0.6 s without.
+  does not need: 2.8 s of CPU a command with them, 0.8 s without.
 - :func:`fetch_export` pulls a project's JSON export from a running server (its address and API token
   from the environment, as Label Studio's own SDK reads them: never from params or files in git).
 - :func:`rows_from_export` reads Label Studio's JSON export into best-of-N preference rows, one per

@@ -351,6 +351,8 @@ def tiny_run(tmp_path_factory, tiny_base_dir):
     from filelock import FileLock
     from test_pipeline_e2e import sh
 
+    from rlhf_pipeline.io import atomic_file
+
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     shared = tmp_path_factory.getbasetemp().parent / "tiny-run-shared" if worker else tmp_path_factory.mktemp("tiny")
     with FileLock(f"{shared}.lock"):
@@ -359,19 +361,16 @@ def tiny_run(tmp_path_factory, tiny_base_dir):
             shutil.rmtree(shared, ignore_errors=True)  # a build cut off in an earlier worker
             shared.mkdir(parents=True)
             result = build_tiny_run(shared, tiny_base_dir)
-            atomic = record.with_suffix(".tmp")
             fields = {"returncode": result.returncode, "stdout": result.stdout, "stderr": result.stderr}
-            atomic.write_text(json.dumps(fields))
-            atomic.rename(record)
-    if worker is None:
-        parent = shared
-    else:
+            with atomic_file(record) as out:  # written last: its presence says the build finished
+                json.dump(fields, out)
+    root = shared / "tiny-run"
+    if worker is not None:
         parent = tmp_path_factory.mktemp("tiny-run-copy")
         for name in ("tiny-run", "tiny-run-reads", "remote"):
             if (shared / name).exists():  # the remote only once something was pushed
                 shutil.copytree(shared / name, parent / name, symlinks=True)
-    root = parent / "tiny-run"
-    if worker is not None:
+        root = parent / "tiny-run"
         sh(["dvc", "remote", "modify", "local", "url", str(parent / "remote")], root)
         sh(["git", "commit", "-q", "--amend", "--no-edit", "--", ".dvc/config"], root)
     done = json.loads(record.read_text())
