@@ -232,13 +232,20 @@ def _options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
+def _kept(module: torch.nn.Module, state: dict[str, torch.Tensor], trainable_only: bool) -> dict[str, torch.Tensor]:
+    """``state``, or with ``trainable_only`` its entries for ``module``'s parameters that train."""
+    if not trainable_only:
+        return state
+    names = {name for name, parameter in module.named_parameters() if parameter.requires_grad}
+    return {name: tensor for name, tensor in state.items() if name in names}
+
+
 def full_state(module: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """``module``'s whole (unsharded) state on CPU: on process 0; every process must call it."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    names = {n for n, p in module.named_parameters() if p.requires_grad} if trainable_only else None
     state = get_model_state_dict(module, options=_options(cpu_offload=True))
-    return {k: v.contiguous() for k, v in state.items() if names is None or k in names}
+    return {k: v.contiguous() for k, v in _kept(module, state, trainable_only).items()}
 
 
 def full_state_copy(module: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -246,9 +253,8 @@ def full_state_copy(module: torch.nn.Module, trainable_only: bool = False) -> di
     :func:`load_full_state` puts back later, whatever training did to the weights in between."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    names = {n for n, p in module.named_parameters() if p.requires_grad} if trainable_only else None
     state = get_model_state_dict(module, options=_options())
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items() if names is None or k in names}
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in _kept(module, state, trainable_only).items()}
 
 
 def load_full_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

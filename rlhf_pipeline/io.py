@@ -160,9 +160,15 @@ def content_hash(path: str | os.PathLike) -> str:
 def write_checksums(directory: str | os.PathLike) -> None:
     """``SHA256SUMS`` in ``directory``: the sha256 of every other file in it, by relative path."""
     directory = Path(directory)
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
-    lines = [f"{sha256_file(p)}  {p.relative_to(directory).as_posix()}\n" for p in files]
-    (directory / CHECKSUMS).write_text("".join(lines))
+    files = (p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    recorded = {p.relative_to(directory).as_posix(): sha256_file(p) for p in files}
+    (directory / CHECKSUMS).write_text(checksum_text(recorded))
+
+
+def checksum_text(recorded: dict[str, str]) -> str:
+    """The text of a ``SHA256SUMS`` file listing ``recorded`` (``{relative path: sha256}``): one
+    ``<hex>  <path>`` line per file, sorted by path (what :func:`read_checksums` reads back)."""
+    return "".join(f"{digest}  {name}\n" for name, digest in sorted(recorded.items()))
 
 
 def read_checksums(path: str | os.PathLike) -> dict[str, str]:

@@ -23,6 +23,7 @@ where launches cost (``bench/sampling_throughput.py`` measures both against ``ge
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -51,20 +52,28 @@ def decode_step(model: nn.Module, cache, token: Tensor, position: Tensor, mask: 
     return hidden, model.get_output_embeddings()(hidden).float()
 
 
-_compiled: dict[int, Callable] = {}
-# one cache per (model, batch, length), zeroed between calls: CUDA graphs replay on fixed addresses,
-# so a new cache each call would make every call record its graph again
-_caches: dict[tuple[int, int, int, torch.dtype], object] = {}
+# Both caches are keyed by the model object itself, weakly: an entry goes when its model does. A key of
+# id(model) outlived its model, and a later model given the same id (CPython reuses the addresses of
+# freed objects) was handed the other model's cache, whose layers (a sliding window, another depth)
+# need not fit it.
+_compiled: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
+# one cache per (model, batch, length, dtype), zeroed between calls: CUDA graphs replay on fixed
+# addresses, so a new cache each call would make every call record its graph again
+_caches: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int, torch.dtype | None], object]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def static_cache(model: nn.Module, batch: int, length: int, dtype: torch.dtype):
-    """A zeroed static cache of ``length`` slots for ``batch`` rows of ``model`` (kept for reuse)."""
+def static_cache(model: nn.Module, batch: int, length: int, dtype: torch.dtype | None):
+    """A zeroed static cache of ``length`` slots for ``batch`` rows of ``model`` (kept for reuse
+    while ``model`` lives)."""
     from transformers import StaticCache
 
-    key = (id(model), batch, length, dtype)
-    if key not in _caches:
-        _caches[key] = StaticCache(config=model.config, max_cache_len=length)
-    cache = _caches[key]
+    caches = _caches.setdefault(model, {})
+    key = (batch, length, dtype)
+    if key not in caches:
+        caches[key] = StaticCache(config=model.config, max_cache_len=length)
+    cache = caches[key]
     cache.reset()
     return cache
 
@@ -72,10 +81,9 @@ def static_cache(model: nn.Module, batch: int, length: int, dtype: torch.dtype):
 def compiled_step(model: nn.Module) -> Callable:
     """``decode_step`` compiled with CUDA graphs for ``model`` (one compilation per model object,
     reused by every later call: PPO samples many batches of one shape from one policy)."""
-    key = id(model)
-    if key not in _compiled:
-        _compiled[key] = torch.compile(decode_step, mode="reduce-overhead", fullgraph=False, dynamic=False)
-    return _compiled[key]
+    if model not in _compiled:
+        _compiled[model] = torch.compile(decode_step, mode="reduce-overhead", fullgraph=False, dynamic=False)
+    return _compiled[model]
 
 
 @torch.no_grad()

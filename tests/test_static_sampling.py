@@ -4,6 +4,9 @@ GPU runs the suite)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from families import FAMILIES, tiny_causal_lm
@@ -11,7 +14,7 @@ from families import FAMILIES, tiny_causal_lm
 from rlhf_pipeline.decoding import position_ids_from_mask
 from rlhf_pipeline.models import load_causal_lm
 from rlhf_pipeline.sampling import response_outputs, sample_responses
-from rlhf_pipeline.static_sampling import sample_responses_static, supports_static
+from rlhf_pipeline.static_sampling import sample_responses_static, static_cache, supports_static
 
 PAD = 0
 
@@ -110,3 +113,17 @@ def test_every_family_s_static_cache_gives_the_model_s_logprobs(model_type):
     joined = torch.cat([queries.repeat_interleave(2, 0), out.responses], 1)
     forced = response_outputs(model, joined, joined != pad, queries.shape[1], 0.7, pad)
     torch.testing.assert_close(out.logprobs, forced.logprobs, atol=1e-4, rtol=0)
+
+
+def test_a_model_s_static_cache_goes_with_the_model():
+    """The sampler keeps a model's cache for its next call, and no longer than the model lives: a cache
+    kept under ``id(model)`` outlived it, and the next model CPython placed at the freed address (a
+    GPT-2 after a Gemma 3 here, in CI) was handed a sliding-window cache its attention did not fit."""
+    model = tiny_causal_lm("gemma3_text")
+    cache = static_cache(model, 6, 20, None)
+    assert static_cache(model, 6, 20, None) is cache  # reused while the model lives
+    assert static_cache(tiny_causal_lm("gpt2"), 6, 20, None) is not cache
+    gone = weakref.ref(cache)
+    del model, cache
+    gc.collect()
+    assert gone() is None

@@ -51,8 +51,8 @@ class KLParams(Strict):
         "least-squares line through the last budget_window rollouts' mean KL forecasts the KL after one more "
         "update; when the forecast passes the budget, the current policy's KL is read precisely (on "
         "budget_check_responses more responses), and once that reading is over the budget the run ends with "
-        "the policy before the last update (rlhf_pipeline.ppo.kl.kl_budget_verdict). null: every update runs "
-        "(the reference).",
+        "the policy before the last update, or part of the way through it when budget_backtracks finds one "
+        "within the budget (rlhf_pipeline.ppo.kl.kl_budget_verdict). null: every update runs (the reference).",
     )
     budget_window: int = Field(
         4,

@@ -1,17 +1,15 @@
-"""Resumable PPO checkpoints: the training state (weights, optimizer, KL controller, every random
-generator, the statistics so far) and a snapshot of the trained weights at each checkpoint."""
+"""Resumable PPO checkpoints: the training state (weights, optimizer, KL controller, torch's random
+generators, the statistics so far) and a snapshot of the trained weights at each checkpoint."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import random
 import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from safetensors.torch import save as save_safetensors
@@ -24,6 +22,7 @@ from rlhf_pipeline.io import (
     atomic_dir,
     atomic_file,
     checksum_problems,
+    checksum_text,
     read_checksums,
     recover_interrupted_write,
     sha256_file,
@@ -43,32 +42,24 @@ def snapshot_update(path: str | Path) -> int:
 
 
 def rng_state() -> dict:
-    """Every random generator's state as tensors, ints and lists only, so that the checkpoint
-    loads with ``torch.load(weights_only=True)``: no pickle, no code run from a shared cache."""
-    version, mt, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": {"version": version, "mt": list(mt), "gauss": gauss},
-        "numpy": {
-            "name": name,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-        "torch": torch.get_rng_state(),
-    }
+    """torch's process-wide generators (CPU, and each CUDA device's), the ones model code draws from
+    (dropout), as tensors only, so that the checkpoint loads with ``torch.load(weights_only=True)``:
+    no pickle, no code run from a shared cache.
+
+    Python's and numpy's process-wide generators are not saved: the trainer draws nothing from them
+    (its every draw comes from a ``torch.Generator`` seeded by seed and update), while other code in
+    the process may (the threads a Prefect flow leaves running draw jitter from ``random``: two
+    identical runs in one pytest worker wrote different checkpoints), so saving them made a
+    checkpoint's bytes depend on what else ran, and restoring them would rewind that code's draws."""
+    state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    py, npy = state["python"], state["numpy"]
-    random.setstate((py["version"], tuple(py["mt"]), py["gauss"]))
-    np.random.set_state(
-        (npy["name"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
-    )
+    """Put back what :func:`rng_state` saved (a checkpoint from before it dropped Python's and numpy's
+    generators still loads: those entries are left alone)."""
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -149,7 +140,7 @@ class Checkpointer:
     ) -> None:
         """Write the state of update ``update``: the trainable weights and the optimizer state (both
         whole, keyed by parameter name, as :mod:`rlhf_pipeline.distributed` gathers them), the KL
-        controller, each process's random generators, and the statistics so far; and ``snapshot``,
+        controller, each process's torch random generators, and the statistics so far; and ``snapshot``,
         the LM weights training changed (``lm.<name>``, named as in the base model) for the
         over-optimisation curve; ``budget``: the state of ``ppo.kl.budget`` (see the trainer)."""
         bad = non_finite_tensors(weights)
@@ -163,7 +154,7 @@ class Checkpointer:
         sums_path = self.snapshots / CHECKSUMS
         sums = {**(read_checksums(sums_path) if sums_path.is_file() else {}), path.name: sha256_file(path)}
         with atomic_file(sums_path) as handle:
-            handle.write("".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
+            handle.write(checksum_text(sums))
         with atomic_dir(self.state_dir) as tmp:
             save_file(weights, str(tmp / "trainable.safetensors"))
             with open(tmp / "training_state.pt", "wb") as handle:  # a handle: a full disk then surfaces as an OSError
@@ -185,7 +176,7 @@ class Checkpointer:
         sums_path = self.snapshots / CHECKSUMS
         sums = {name: digest for name, digest in read_checksums(sums_path).items() if (self.snapshots / name).is_file()}
         with atomic_file(sums_path) as handle:
-            handle.write("".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
+            handle.write(checksum_text(sums))
 
     def last_good(self) -> str:
         """What the user still has after a failure, said as it is."""

@@ -18,8 +18,9 @@ The loop in :meth:`PPOTrainer.train` reads top to bottom:
 
 With ``ppo.kl.budget`` the run keeps the last policy whose KL is within the budget: when the rollouts'
 KL trend says the next update may pass it, the policy's KL is read precisely, and the first policy
-read over the budget is rolled back to the one before it, which ends the run
-(:meth:`PPOTrainer.budget_ends_run`).
+read over the budget ends the run: it is rolled back part of its last update's way (``kl.budget_backtracks``
+halvings, :meth:`PPOTrainer.backtrack`) or, when none of those is within the budget, to the policy
+before that update (:meth:`PPOTrainer.budget_ends_run`).
 
 Speed without changing the maths:
 - old logprobs/values come from the sampling forward, not a second policy forward;
@@ -592,7 +593,7 @@ class PPOTrainer:
     def budget_ends_run(self, ro: Rollout, update: int) -> bool:
         """Whether ``ppo.kl.budget`` ends the run on this rollout (of the policy after ``update`` updates):
         when the forecast passes the budget, or the last reading was close to it, the policy's KL is read
-        precisely; read over the budget, the policy rolls back to the one before it, which is the result
+        precisely; read over the budget, the policy rolls back (:meth:`roll_back`), which is the result
         (:func:`rlhf_pipeline.ppo.kl.kl_budget_verdict`)."""
         kl = self.cfg.kl
         if kl.budget is None:
