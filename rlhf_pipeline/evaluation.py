@@ -4,7 +4,10 @@ Metrics are computed by small functions on tensors (tested on hand-made numbers)
 
 - per-sequence KL of the policy from the base model, estimated on policy samples with the
   estimator PPO used (``ppo.kl.estimator``; k1: ``sum_t [log pi(y_t|x,y_<t) - log rho(y_t|x,y_<t)]``,
-  at the sampling temperature), and k1 besides when PPO used another;
+  at the sampling temperature), and k1 besides when PPO used another; and the same KL with each
+  token's term exact over the vocabulary (:func:`rlhf_pipeline.ppo.kl.exact_kl`, what ``ppo.kl.budget``
+  reads), whose standard error is smaller (no noise from which token was drawn): the one to judge a
+  KL limit by;
 - win rate: fraction of queries where the policy's score beats the base's on the same query,
   ties counting one half;
 - improvement in base-std units with its paired standard error: base and policy answer the same
@@ -24,11 +27,17 @@ from torch import Tensor, nn
 from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.io import write_figure
-from rlhf_pipeline.ppo.kl import kl_penalty
+from rlhf_pipeline.ppo.kl import exact_kl, kl_penalty
 from rlhf_pipeline.progress import Progress
 from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.reward.normalization import task_scores
-from rlhf_pipeline.sampling import ResponseSampler, iterate_batches, response_outputs, shared_lower_blocks
+from rlhf_pipeline.sampling import (
+    ResponseSampler,
+    iterate_batches,
+    response_logits,
+    response_outputs,
+    shared_lower_blocks,
+)
 
 
 def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = None, estimator: str = "k1") -> Tensor:
@@ -38,6 +47,37 @@ def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = No
     if mask is not None:
         kl = kl * mask
     return kl.sum(-1)
+
+
+def exact_sequence_kl(
+    model: nn.Module,
+    base: nn.Module,
+    hidden: Tensor,
+    base_hidden: Tensor,
+    mask: Tensor,
+    temperature: float,
+    pad_token_id: int,
+    rows: int = 8,
+) -> Tensor:
+    """(B,) each response's KL from the base with every token's term exact over the vocabulary
+    (:func:`rlhf_pipeline.ppo.kl.exact_kl`), from both models' final hidden states at the response
+    positions (B, R, H). ``rows`` at a time: two (rows, R, V) distributions in memory, not the batch's."""
+    return torch.cat(
+        [
+            exact_kl(
+                response_logits(model, mine, temperature, pad_token_id),
+                response_logits(base, theirs, temperature, pad_token_id),
+                part,
+            )
+            for mine, theirs, part in zip(hidden.split(rows), base_hidden.split(rows), mask.split(rows))
+        ]
+    )
+
+
+def mean_and_stderr(values: Tensor) -> tuple[float, float]:
+    """The mean of ``values`` (n,) and its standard error ``sd / sqrt(n)`` (sample sd; 0 for one value)."""
+    values = values.double()
+    return values.mean().item(), (values.std() / len(values) ** 0.5).item() if len(values) > 1 else 0.0
 
 
 def win_rate(policy_scores: Tensor | np.ndarray, base_scores: Tensor | np.ndarray) -> float:
@@ -98,6 +138,7 @@ class SampleSet:
     gold: np.ndarray | None  # (n,) the labeler's score, when labels are simulated
     kl: Tensor  # (n,) per-sequence KL from the base model, by ppo.kl.estimator
     kl_k1: Tensor  # (n,) the same with k1 (the same tensor when the estimator is k1)
+    kl_exact: Tensor  # (n,) the same with each token's term exact over the vocabulary
     texts: list[str]
 
 
@@ -121,12 +162,13 @@ class Evaluation:
 def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None = None) -> SampleSet:
     """Sample ``model`` on the queries, score with proxy and gold, and measure KL from the base.
 
-    The KL of the base from itself is 0 without a forward pass; a model that shares its lowest
-    blocks with the base (a PPO policy trained with frozen lower blocks) hands the base its
-    trunk, captured while sampling, so only the blocks above it run again."""
+    The KL of the base from itself is 0 without a forward pass. For another model, the base and the
+    model each run one forward over query and response (the exact KL needs both distributions at every
+    response position); a model that shares its lowest blocks with the base (a PPO policy trained with
+    frozen lower blocks) hands both its trunk, captured while sampling, so only the blocks above it run."""
     base, queries, sampler = setup.base, setup.queries.to(model_device(model)), setup.sampler
     generator = torch.Generator().manual_seed(setup.seed)
-    truncated, valids, kls, kls_k1 = [], [], [], []
+    truncated, valids, kls, kls_k1, kls_exact = [], [], [], [], []
     shared = 0 if model is base else shared_lower_blocks(model, base)
     lines = Progress(progress, len(queries), "queries sampled")
     for rows in iterate_batches(len(queries), setup.batch_size):
@@ -134,16 +176,18 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
         if model is base:
             kls.append(torch.zeros(len(out.responses)))
             kls_k1.append(kls[-1])  # used only with another estimator, where k1 of the base is 0 too
+            kls_exact.append(kls[-1])
         else:
             query_responses = torch.cat([queries[rows], out.responses], 1)
-            args = (query_responses != sampler.pad_token_id, queries.shape[1], sampler.task.temperature)
-            reference = response_outputs(
-                base, query_responses, *args, sampler.pad_token_id, shared, out.hidden.get(shared)
-            )
+            temperature, pad = sampler.task.temperature, sampler.pad_token_id
+            args = (query_responses != pad, queries.shape[1], temperature, pad, shared, out.hidden.get(shared))
+            reference = response_outputs(base, query_responses, *args)
             kls.append(sequence_kl(out.logprobs, reference.logprobs, out.mask, setup.kl_estimator))
             kls_k1.append(
                 kls[-1] if setup.kl_estimator == "k1" else sequence_kl(out.logprobs, reference.logprobs, out.mask)
             )
+            own = response_outputs(model, query_responses, *args)
+            kls_exact.append(exact_sequence_kl(model, base, own.hidden, reference.hidden, out.mask, temperature, pad))
         truncated.append(trunc)
         valids.append(valid)
         lines.update(rows.stop)
@@ -157,16 +201,27 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
     kl_k1 = kl if setup.kl_estimator == "k1" else torch.cat(kls_k1).cpu()
     # on the CPU whatever the model ran on: the summary reads them with numpy
     return SampleSet(
-        responses=truncated_t.cpu(), valid=valid_t.cpu(), proxy=proxy.cpu(), gold=gold, kl=kl, kl_k1=kl_k1, texts=texts
+        responses=truncated_t.cpu(),
+        valid=valid_t.cpu(),
+        proxy=proxy.cpu(),
+        gold=gold,
+        kl=kl,
+        kl_k1=kl_k1,
+        kl_exact=torch.cat(kls_exact).cpu(),
+        texts=texts,
     )
 
 
 def summarize(base: SampleSet, policy: SampleSet) -> dict:
+    kl_exact, kl_exact_se = mean_and_stderr(policy.kl_exact)
     metrics = {
         keys.PROXY_BASE_MEAN: base.proxy.mean().item(),
         keys.PROXY_POLICY_MEAN: policy.proxy.mean().item(),
         keys.KL: policy.kl.mean().item(),
+        keys.KL_SE: mean_and_stderr(policy.kl)[1],
         **({"kl/k1_mean": policy.kl_k1.mean().item()} if policy.kl_k1 is not policy.kl else {}),
+        keys.KL_EXACT: kl_exact,
+        keys.KL_EXACT_SE: kl_exact_se,
         keys.WIN_RATE_PROXY: win_rate(policy.proxy.numpy(), base.proxy.numpy()),
         "valid/base": base.valid.float().mean().item(),
         "valid/policy": policy.valid.float().mean().item(),
@@ -198,12 +253,15 @@ def curve_point(update: int, sample: SampleSet, base: SampleSet) -> dict:
     """One checkpoint on the over-optimisation curve: mean KL from the base (with its standard
     error), and proxy and gold as paired improvements over the base in base-std units (with
     theirs), so the two scores share one comparable scale; raw means are kept too."""
-    kl = sample.kl.double()
+    kl, kl_stderr = mean_and_stderr(sample.kl)
+    kl_exact, kl_exact_stderr = mean_and_stderr(sample.kl_exact)
     point = {
         "update": update,
-        "kl": kl.mean().item(),
-        "kl_stderr": (kl.std() / len(kl) ** 0.5).item() if len(kl) > 1 else 0.0,
-        "sqrt_kl": max(kl.mean().item(), 0.0) ** 0.5,
+        "kl": kl,
+        "kl_stderr": kl_stderr,
+        "kl_exact": kl_exact,
+        "kl_exact_stderr": kl_exact_stderr,
+        "sqrt_kl": max(kl, 0.0) ** 0.5,
         "proxy": sample.proxy.mean().item(),
         "gold": None if sample.gold is None else float(sample.gold.mean()),
     }

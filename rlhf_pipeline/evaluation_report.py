@@ -15,7 +15,8 @@ PLOT = "overoptimization.png"
 
 
 def sample_rows(query_texts: list[str], base_set: SampleSet, policy_set: SampleSet) -> list[dict]:
-    """One row per held-out query: its text, the base's and the policy's response and scores, the KL.
+    """One row per held-out query: its text, the base's and the policy's response and scores, the KL
+    (``ppo.kl.estimator``'s and the exact one).
     Every query, not a sample of them: the promotion gate pairs versions on these (rlhf models gate)."""
 
     def gold(sample_set: SampleSet, i: int) -> float | None:
@@ -31,6 +32,7 @@ def sample_rows(query_texts: list[str], base_set: SampleSet, policy_set: SampleS
             "base_gold": gold(base_set, i),
             "policy_gold": gold(policy_set, i),
             "kl": round(policy_set.kl[i].item(), 4),
+            "kl_exact": round(policy_set.kl_exact[i].item(), 4),
         }
         for i, query in enumerate(query_texts)
     ]
@@ -45,11 +47,11 @@ def write_evaluation(
     out: str | Path, rows: list[dict], points: list[dict], metrics: dict, table_rows: int, shipped_update: int | None
 ) -> None:
     """Write ``out``/responses.jsonl (every row), samples.csv and samples.json (the first
-    ``table_rows``, without the KL), overoptimization.json and .png, and report.md."""
+    ``table_rows``, without the KLs), overoptimization.json and .png, and report.md."""
     out = Path(out)
     with atomic_file(out / "responses.jsonl", "w") as handle:
         handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    table = [{k: v for k, v in row.items() if k != "kl"} for row in rows[:table_rows]]
+    table = [{k: v for k, v in row.items() if k not in ("kl", "kl_exact")} for row in rows[:table_rows]]
     with atomic_file(out / "samples.csv", "w") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(table[0]))
         writer.writeheader()
@@ -73,6 +75,12 @@ def _with_error(point: dict, key: str) -> str:
     return f"{point[f'{key}_std_units']:+.3f} +- {point[f'{key}_stderr']:.3f}"
 
 
+def _exact_kl(point: dict) -> str:
+    if point.get("kl_exact") is None:  # a curve written before the exact KL was measured
+        return "n/a"
+    return f"{point['kl_exact']:.3f} +- {point['kl_exact_stderr']:.3f}"
+
+
 def render_report(metrics: dict, points: list[dict], best: dict, rows: list[dict]) -> str:
     lines = [
         "# Evaluation report",
@@ -92,13 +100,14 @@ def render_report(metrics: dict, points: list[dict], best: dict, rows: list[dict
         f"![over-optimisation curve]({PLOT})",
         "",
         "Improvements are over the base model on the same queries, in base-std units, +- one paired standard error.",
+        "KL is `ppo.kl.estimator`'s; exact KL sums each token's KL over the whole vocabulary (+- its standard error).",
         "",
-        "| update | KL | proxy | gold | proxy improvement | gold improvement |",
-        "|---|---|---|---|---|---|",
+        "| update | KL | exact KL | proxy | gold | proxy improvement | gold improvement |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {p['update']} | {p['kl']:.3f} | {p['proxy']:.3f} | {_fmt(p['gold'])} | {_with_error(p, 'proxy')} | "
-        f"{_with_error(p, 'gold')} |"
+        f"| {p['update']} | {p['kl']:.3f} | {_exact_kl(p)} | {p['proxy']:.3f} | {_fmt(p['gold'])} | "
+        f"{_with_error(p, 'proxy')} | {_with_error(p, 'gold')} |"
         for p in points
     ]
     criterion = "gold" if best["gold"] is not None else "proxy"

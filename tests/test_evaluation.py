@@ -16,6 +16,8 @@ from rlhf_pipeline.evaluation import (
     summarize,
     win_rate,
 )
+from rlhf_pipeline.ppo import kl
+from rlhf_pipeline.sampling import response_logits
 
 
 def test_sequence_kl_sums_logprob_differences_over_real_tokens():
@@ -67,7 +69,7 @@ def test_paired_improvement_by_hand():
         paired_improvement([1.0], [0.0])
 
 
-def sample_set(proxy, gold, kl, valid, responses, kl_k1=None):
+def sample_set(proxy, gold, kl, valid, responses, kl_k1=None, kl_exact=None):
     kl = torch.tensor(kl)
     return SampleSet(
         responses=torch.tensor(responses),
@@ -76,6 +78,7 @@ def sample_set(proxy, gold, kl, valid, responses, kl_k1=None):
         gold=None if gold is None else np.array(gold),
         kl=kl,
         kl_k1=kl if kl_k1 is None else torch.tensor(kl_k1),
+        kl_exact=kl if kl_exact is None else torch.tensor(kl_exact),
         texts=["x"] * len(proxy),
     )
 
@@ -83,11 +86,16 @@ def sample_set(proxy, gold, kl, valid, responses, kl_k1=None):
 def test_summarize_by_hand():
     pad = 9
     base = sample_set([0.0, 1.0], [0.1, 0.3], [0.0, 0.0], [True, False], [[1, 2, pad], [1, pad, pad]])
-    policy = sample_set([2.0, 1.0], [0.4, 0.2], [1.0, 3.0], [True, True], [[1, 2, 3], [1, 2, pad]])
+    policy = sample_set(
+        [2.0, 1.0], [0.4, 0.2], [1.0, 3.0], [True, True], [[1, 2, 3], [1, 2, pad]], kl_exact=[1.75, 2.25]
+    )
     metrics = summarize(base, policy)
     assert metrics["proxy/base_mean"] == pytest.approx(0.5)
     assert metrics["proxy/policy_mean"] == pytest.approx(1.5)
     assert metrics["kl/mean"] == pytest.approx(2.0)
+    assert metrics["kl/stderr"] == pytest.approx(1.0)  # sd of [1, 3] is sqrt(2), / sqrt(2)
+    # the exact KL, its own mean and error: sd of [1.75, 2.25] is sqrt(0.125), / sqrt(2) = 0.25
+    assert metrics["kl/exact_mean"] == pytest.approx(2.0) and metrics["kl/exact_stderr"] == pytest.approx(0.25)
     assert metrics["win_rate/proxy"] == pytest.approx(0.75)  # 2 > 0, 1 == 1
     assert metrics["win_rate/gold"] == pytest.approx(0.5)  # 0.4 > 0.1, 0.2 < 0.3
     assert metrics["gold/base_mean"] == pytest.approx(0.2)
@@ -104,10 +112,11 @@ def test_summarize_by_hand():
 
 def test_curve_point_puts_proxy_and_gold_on_the_base_std_scale():
     base = sample_set([0.0, 1.0], [0.1, 0.3], [0.0, 0.0], [True, True], [[1], [1]])
-    policy = sample_set([2.0, 1.0], [0.4, 0.2], [1.0, 3.0], [True, True], [[1], [1]])
+    policy = sample_set([2.0, 1.0], [0.4, 0.2], [1.0, 3.0], [True, True], [[1], [1]], kl_exact=[2.0, 3.0])
     point = curve_point(7, policy, base)
     assert point["update"] == 7 and point["kl"] == pytest.approx(2.0) and point["sqrt_kl"] == pytest.approx(2.0**0.5)
     assert point["kl_stderr"] == pytest.approx(1.0)  # sd of [1, 3] is sqrt(2), / sqrt(2)
+    assert point["kl_exact"] == pytest.approx(2.5) and point["kl_exact_stderr"] == pytest.approx(0.5)
     assert point["proxy_std_units"] == pytest.approx(2.0)  # +1.0 over a base std of 0.5
     assert point["gold_std_units"] == pytest.approx(1.0) and point["gold_stderr"] == pytest.approx(2.0)
     origin = curve_point(0, base, base)
@@ -158,7 +167,9 @@ def test_report_names_the_best_checkpoint(best_update, expected):
     best = next(p for p in points if p["update"] == best_update)
     report = render_report({"queries": 2, "kl/mean": 1.0}, points, best, [])
     assert f"Best checkpoint by gold score: {expected}" in report
-    assert "| 4 | 1.000 | 0.500 | 0.300 |" in report
+    assert "| 4 | 1.000 | n/a | 0.500 | 0.300 |" in report  # a curve without the exact KL still renders
+    points[1] |= {"kl_exact": 0.9, "kl_exact_stderr": 0.05}
+    assert "| 4 | 1.000 | 0.900 +- 0.050 | 0.500 | 0.300 |" in render_report({"queries": 2}, points, best, [])
 
 
 def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny_tokenizer):
@@ -193,4 +204,53 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     assert torch.equal(result.responses, again.responses)
     torch.testing.assert_close(result.kl, sequence_kl(again.logprobs, ref, again.mask), atol=1e-4, rtol=1e-4)
     assert result.kl.abs().max() > 1e-3  # the perturbation is visible
-    assert torch.equal(sample_and_score(base, Evaluation(**{**setup.__dict__, "batch_size": 4})).kl, torch.zeros(6))
+    # the exact KL from the trunk equals kl.exact_kl on both models' full forwards
+    with torch.no_grad():
+        args = (full, full != pad, 5, sampler.task.temperature, pad)
+        mine, theirs = response_outputs(policy, *args).hidden, response_outputs(base, *args).hidden
+        expected = kl.exact_kl(
+            response_logits(policy, mine, sampler.task.temperature, pad),
+            response_logits(base, theirs, sampler.task.temperature, pad),
+            again.mask,
+        )
+    torch.testing.assert_close(result.kl_exact, expected, atol=1e-4, rtol=1e-4)
+    assert (result.kl_exact > 0).all()  # exact: never negative, unlike k1
+    itself = sample_and_score(base, Evaluation(**{**setup.__dict__, "batch_size": 4}))
+    assert torch.equal(itself.kl, torch.zeros(6)) and torch.equal(itself.kl_exact, torch.zeros(6))
+
+
+def test_the_exact_kl_measures_k1s_mean_with_less_spread(tiny_base_dir, tiny_tokenizer):
+    """Over many sampled responses the exact KL and k1 agree on the mean (both measure KL(pi || base)),
+    and the exact one's spread is smaller: it does not depend on which token was drawn."""
+    import copy
+
+    from rlhf_pipeline.evaluation import Evaluation, sample_and_score
+    from rlhf_pipeline.models import load_causal_lm
+    from rlhf_pipeline.params.task import TaskParams
+    from rlhf_pipeline.reward.adoption import reward_model_on_base
+    from rlhf_pipeline.sampling import ResponseSampler
+
+    base = load_causal_lm(tiny_base_dir).eval()
+    policy = copy.deepcopy(base)
+    with torch.no_grad():
+        for layer in policy.model.layers:
+            layer.mlp.down_proj.weight.mul_(3.0)
+    pad = tiny_tokenizer.pad_token_id
+    reward = reward_model_on_base(tiny_base_dir, pad, generator=torch.Generator().manual_seed(0)).eval()
+    sampler = ResponseSampler.from_tokenizer(TaskParams(response_length=8, truncate_token=None), tiny_tokenizer)
+    queries = torch.randint(0, 250, (16, 5), generator=torch.Generator().manual_seed(1)).repeat(40, 1)
+    setup = Evaluation(
+        base=base,
+        reward_model=reward,
+        queries=queries,
+        sampler=sampler,
+        tokenizer=tiny_tokenizer,
+        seed=5,
+        batch_size=80,
+    )
+    result = sample_and_score(policy, setup)
+    k1, exact = result.kl.double(), result.kl_exact.double()
+    assert exact.mean() > 0.05  # a KL worth measuring
+    both_se = (k1.var() / len(k1) + exact.var() / len(exact)).sqrt()
+    assert (k1.mean() - exact.mean()).abs() < 3 * both_se
+    assert exact.std() < 0.8 * k1.std()
