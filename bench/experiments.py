@@ -37,6 +37,9 @@ METRICS = {  # column: metric key as `dvc exp show` names it (file-prefixed only
     "± SE": keys.GOLD_GAIN_SE,
     "proxy gain (base σ)": keys.PROXY_GAIN,
     "KL": keys.KL,
+    "KL SE": keys.KL_SE,
+    "exact KL": keys.KL_EXACT,  # the judge of a KL limit: its SE is a fraction of the estimator's
+    "exact KL SE": keys.KL_EXACT_SE,
     "queries": keys.GOLD_QUERIES,
 }
 
@@ -124,13 +127,18 @@ def fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
+def with_se(value: float | None, se: float | None, digits: int = 3) -> str:
+    """``value ± se``; the value alone where the SE was not measured (an evaluation from before it was)."""
+    return fmt(value, digits) if se is None else f"{fmt(value, digits)} ± {fmt(se, digits)}"
+
+
 def table_row(label: str, change: str, seconds: dict[str, int], metrics: dict[str, float | None], reran: str) -> str:
     total = sum(seconds.values())
-    gain = f"{fmt(metrics['gold gain (base σ)'])} ± {fmt(metrics['± SE'])}"
+    gain = with_se(metrics["gold gain (base σ)"], metrics["± SE"])
     return (
         f"| {label} | {change} | {total // 60}:{total % 60:02d} | {reran} | {fmt(metrics['RM test acc'])} "
         f"(ceiling {fmt(metrics['label ceiling'])}) | {gain} | {fmt(metrics['proxy gain (base σ)'])} | "
-        f"{fmt(metrics['KL'], 2)} |"
+        f"{with_se(metrics['KL'], metrics['KL SE'], 2)} | {with_se(metrics['exact KL'], metrics['exact KL SE'], 2)} |"
     )
 
 
@@ -142,8 +150,8 @@ def render(
 ) -> str:
     lines = [
         "| experiment | change from params.yaml | pipeline wall time | stages rerun | RM best-of-4 test accuracy | "
-        "gold gain ± paired SE | proxy gain | KL |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
+        "gold gain ± paired SE | proxy gain | KL ± SE | exact KL ± SE |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
         table_row(baseline_label, "(shipped)", baseline_times, baseline_metrics, "all"),
     ]
     for e in experiments:
