@@ -27,7 +27,16 @@ from rlhf_pipeline.lineage.verify import tree_md5
 from rlhf_pipeline.modelcard import add_held_out_results, held_out_result, read_card
 from rlhf_pipeline.params.promotion import REGISTERED_JUDGE, PromotionParams
 from rlhf_pipeline.params.schema import Params, load_params
-from rlhf_pipeline.promotion import Side, Tally, compare, decide, human_shortfall, read_responses, render
+from rlhf_pipeline.promotion import (
+    Side,
+    Tally,
+    compare,
+    decide,
+    human_shortfall,
+    limit_kl,
+    read_responses,
+    render,
+)
 from rlhf_pipeline.registry import (
     PROD,
     Version,
@@ -217,7 +226,7 @@ def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dic
             proxy=reward_scorer(root),
             judge=judge_scorer(root, rule, judge_folder),
             judge_name=rule.judge,
-            kl=metrics.get(keys.KL),
+            kl=limit_kl(metrics),
         )
         if (accuracy := judge_accuracy(rule, judge_folder)) is not None:
             comparison.notes.append(accuracy)
@@ -389,6 +398,7 @@ HELD_OUT_POLICY_RESULTS = (
     (keys.GOLD_GAIN, "gold reward gain over the base model (base-model stds)", "gold_gain"),
     (keys.PROXY_GAIN, "reward-model score gain over the base model (base-model stds)", "proxy_gain"),
     (keys.KL, "KL from the base model (nats per response)", "kl"),
+    (keys.KL_EXACT, "KL from the base model, exact over the vocabulary (nats per response)", "kl_exact"),
     (keys.WIN_RATE_GOLD, "win rate against the base model (gold judge)", "win_rate"),
 )
 

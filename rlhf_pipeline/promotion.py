@@ -10,7 +10,7 @@ the challenger's own file. The two sides are paired by query and scored the same
 - gold: the judge (``promotion.judge``) scores each response text, apart from where the labels
   came from, so a round of bad labels cannot vouch for itself;
 - proxy: the challenger's reward model scores both sides' texts;
-- KL: the challenger's KL to the base, from its evaluation.
+- KL: the challenger's KL to the base, from its evaluation (the exact KL, :func:`limit_kl`).
 
 The rule: promote when the challenger is worse than the incumbent by at most
 ``tolerance_se`` paired standard errors (on gold, or proxy), its KL is within ``max_kl``, and at
@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.params.promotion import PromotionParams
 
@@ -145,6 +146,16 @@ class Decision:
         return asdict(self)
 
 
+def limit_kl(metrics: dict[str, Any]) -> float | None:
+    """The KL (nats) that ``max_kl`` judges, from an evaluation's metrics: its exact KL (each token's term
+    over the whole vocabulary, a fraction of k1's standard error), or ``kl/mean`` in an evaluation from
+    before the exact one was measured; None when neither is there."""
+    for key in (keys.KL_EXACT, keys.KL):
+        if isinstance(metrics.get(key), (int, float)):
+            return float(metrics[key])
+    return None
+
+
 def read_responses(text: str, where: str) -> list[dict[str, Any]]:
     """The rows of an ``evaluation/responses.jsonl`` text (``where`` names it in errors)."""
     rows = []
@@ -239,7 +250,10 @@ def decide(comparison: Comparison, rule: PromotionParams) -> Decision:
     if rule.max_kl is not None:
         if comparison.kl is None:
             promote = False
-            reasons.append("the challenger's KL to the base is unknown (metrics/evaluate.json has no kl/mean)")
+            reasons.append(
+                "the challenger's KL to the base is unknown (metrics/evaluate.json has neither kl/exact_mean nor "
+                "kl/mean)"
+            )
         else:
             within = comparison.kl <= rule.max_kl
             reasons.append(f"KL to the base {comparison.kl:.3f} {'<=' if within else '>'} max_kl {rule.max_kl:g}")

@@ -52,6 +52,16 @@ def test_the_rule_promotes_by_its_thresholds(gold_mean, kl, rule, promote):
     assert decision.score == "gold"
 
 
+def test_the_kl_limit_judges_the_exact_kl_where_the_evaluation_measured_it():
+    from rlhf_pipeline.promotion import limit_kl
+
+    assert limit_kl({"kl/mean": 6.3, "kl/exact_mean": 5.9}) == 5.9  # the precise one
+    assert limit_kl({"kl/mean": 6.3}) == 6.3  # an evaluation from before the exact KL
+    assert limit_kl({"kl/mean": None, "kl/exact_mean": None}) is None and limit_kl({}) is None
+    decision = decide(_comparison(0.3, limit_kl({"kl/mean": 6.3, "kl/exact_mean": 5.9})), PromotionParams(max_kl=6.0))
+    assert decision.promote and "KL to the base 5.900 <= max_kl 6" in decision.reasons
+
+
 def test_without_a_judge_the_rule_compares_proxy_and_says_so():
     comparison = _comparison(-5.0)
     comparison.gold = None

@@ -73,7 +73,8 @@ class PromotionParams(Strict):
         10.0,
         gt=0.0,
         le=1.0e6,
-        description="Largest KL to the base model (nats, the evaluation's kl/mean) a promoted policy may have; "
+        description="Largest KL to the base model (nats: the evaluation's kl/exact_mean, or kl/mean where it has "
+        "none) a promoted policy may have; "
         "null: no limit. The default run ends near the adaptive controller's target of 6.",
     )
     min_queries: int = Field(
