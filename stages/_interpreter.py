@@ -4,8 +4,10 @@ system's `python`) stops here with exit 6 naming the missing package and the fix
 ModuleNotFoundError traceback and exit 1, the code the retrain flow retries. Standard library only.
 """
 
+import importlib.machinery
 import importlib.util
 import sys
+from pathlib import Path
 
 # rlhf_pipeline.errors.MissingPackageError.exit_code, which cannot be imported from a Python that lacks
 # the package; tests/test_runner.py checks that the two agree
@@ -20,3 +22,17 @@ if missing:
         "(`source .venv/bin/activate`; `make setup` creates it), or with .venv/bin first on PATH.\n"
     )
     sys.exit(MISSING_PACKAGE_EXIT_CODE)
+
+# A stage runs the code dvc.yaml hashes: the package in this checkout, beside this folder. Without this,
+# `rlhf_pipeline` is whichever copy the environment's install points at, and an editable install points
+# at one checkout: `dvc exp run --queue` or `--temp` runs the stages in a copy elsewhere, so edits made
+# in the workspace meanwhile ran while the experiment's dvc.lock recorded its own copy's hashes. Bound
+# only in a fresh stage process (a test may have imported the package already) and only where the
+# checkout holds the package.
+CHECKOUT = Path(__file__).resolve().parents[1]
+if "rlhf_pipeline" not in sys.modules:
+    spec = importlib.machinery.PathFinder.find_spec("rlhf_pipeline", [str(CHECKOUT)])
+    if spec is not None and spec.submodule_search_locations is not None:
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["rlhf_pipeline"] = package
+        spec.loader.exec_module(package)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,23 @@ def test_a_stage_run_by_a_python_without_the_project_exits_6_naming_what_is_miss
         assert ran.returncode == MissingPackageError.exit_code, (script.name, ran.stderr)
         assert "No module named 'rlhf_pipeline'" in ran.stderr and "source .venv/bin/activate" in ran.stderr
         assert "Traceback" not in ran.stderr
+
+
+@pytest.mark.e2e
+def test_a_stage_runs_its_own_checkout_s_package_not_the_installed_one(tmp_path):
+    """`dvc exp run --queue` and `--temp` run the stages in a copy of the checkout, and the editable
+    install points at the workspace: a stage must import the package of the checkout it runs from,
+    whose files its dvc.lock hashes, not the workspace's."""
+    repo = Path(__file__).resolve().parents[1]
+    copy = tmp_path / "copy"
+    (copy / "stages").mkdir(parents=True)
+    shutil.copy(repo / "stages" / "_interpreter.py", copy / "stages")
+    shutil.copytree(repo / "rlhf_pipeline", copy / "rlhf_pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    probe = "import _interpreter\nimport rlhf_pipeline.metric_keys as keys\nprint(keys.__file__)\n"
+    (copy / "stages" / "probe.py").write_text(probe)
+    ran = subprocess.run([sys.executable, "stages/probe.py"], cwd=copy, capture_output=True, text=True, check=True)
+    assert Path(ran.stdout.strip()) == copy / "rlhf_pipeline" / "metric_keys.py"
+    # without the package beside it (a scratch folder holding only the scripts), the installed one serves
+    shutil.rmtree(copy / "rlhf_pipeline")
+    ran = subprocess.run([sys.executable, "stages/probe.py"], cwd=copy, capture_output=True, text=True, check=True)
+    assert Path(ran.stdout.strip()) == repo / "rlhf_pipeline" / "metric_keys.py"
