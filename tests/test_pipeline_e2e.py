@@ -210,10 +210,14 @@ def test_metrics_are_declared_and_sane(project):
         "proxy/base_mean",
         "proxy/policy_mean",
         "kl/mean",
+        "kl/stderr",
+        "kl/exact_mean",
+        "kl/exact_stderr",
         "win_rate/gold",
         "win_rate/proxy",
     ):
         assert key in metrics, key
+    assert metrics["kl/exact_mean"] >= 0.0 and metrics["kl/exact_stderr"] >= 0.0  # exact: never negative
     points = json.loads((root / "evaluation/overoptimization.json").read_text())
     assert [p["update"] for p in points] == [0, 2, 4]
     # strict JSON (no NaN/Infinity) in every metrics file: other tools' parsers refuse those
