@@ -7,7 +7,8 @@
 #
 # The pipeline runs as a build step of an image FROM the one just built (`podman build
 # --isolation=chroot`), so the check needs no `podman run` (blocked in some VMs): it is the
-# image's own filesystem, interpreter and non-editable install that run every stage.
+# image's own filesystem and interpreter that run every stage (each stage imports the project's own
+# rlhf_pipeline, the files dvc.lock hashes; the `rlhf` command runs the non-editable install).
 # ENGINE=docker works too. Where no base image can be pulled, make one with docker/debian_base.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
