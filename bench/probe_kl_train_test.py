@@ -24,16 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import emit, measured_matmul_flops  # noqa: E402
 
-from rlhf_pipeline.evaluation import Evaluation, sample_and_score  # noqa: E402
+from rlhf_pipeline.evaluation import Evaluation, mean_and_stderr, sample_and_score  # noqa: E402
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer  # noqa: E402
 from rlhf_pipeline.params.schema import load_params  # noqa: E402
 from rlhf_pipeline.queries import load_queries  # noqa: E402
 from rlhf_pipeline.reward.persistence import load_reward_model  # noqa: E402
 from rlhf_pipeline.sampling import ResponseSampler  # noqa: E402
-
-
-def mean_and_se(values: torch.Tensor) -> tuple[float, float]:
-    return values.mean().item(), values.std().item() / math.sqrt(len(values))
 
 
 def main() -> None:
@@ -77,9 +73,9 @@ def main() -> None:
         "|---|---:|---:|---:|---:|",
     ]
     for split, values in kls.items():
-        mean, se = mean_and_se(values)
+        mean, se = mean_and_stderr(values)
         lines.append(f"| {split} | {len(values)} | {mean:.3f} | {se:.3f} | {values.std().item():.3f} |")
-    (train, se_train), (test, se_test) = mean_and_se(kls["train"]), mean_and_se(kls["test"])
+    (train, se_train), (test, se_test) = mean_and_stderr(kls["train"]), mean_and_stderr(kls["test"])
     lines += ["", f"train - test: {train - test:+.3f} (SE {math.hypot(se_train, se_test):.3f})"]
     emit("\n".join(lines), args.output)
 
