@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rlhf_pipeline import __version__, labelling, numerics, paths
+from rlhf_pipeline import __version__, labelling, numerics, paths, side_by_side
 from rlhf_pipeline.environment import environment_record, record_lines
 from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, SettingsError, StorageError, quoted
 from rlhf_pipeline.io import atomic_file
@@ -230,8 +230,6 @@ def cmd_label(args) -> int:
 
     if args.action == "config":
         if args.side_by_side:
-            from rlhf_pipeline import side_by_side  # loads torch and datasets: only when this command runs
-
             print(side_by_side.label_config(), end="")
         else:
             print(labelling.label_config(args.n), end="")
@@ -291,14 +289,14 @@ def _label_compare(args) -> int:
     """``rlhf label compare``: a blind side-by-side round of two models (rlhf_pipeline.side_by_side)."""
     import json
 
-    from rlhf_pipeline import side_by_side  # loads torch and transformers: only when this command runs
+    from rlhf_pipeline import side_by_side_sampling  # loads torch and transformers: only when this command runs
 
     params = load_params(args.params)
     numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
     num = args.num if args.num is not None else params.promotion.human.num_queries
     seed = args.seed if args.seed is not None else params.promotion.human.seed
     with sampling_model(args.challenger) as challenger, sampling_model(args.incumbent) as incumbent:
-        tasks, record = side_by_side.sample_round(challenger, incumbent, args.queries, params.task, num, seed)
+        tasks, record = side_by_side_sampling.sample_round(challenger, incumbent, args.queries, params.task, num, seed)
     with writing(args.output), atomic_file(args.output) as out:
         json.dump(tasks, out, indent=1, ensure_ascii=False)
     kept = record.save(".")
@@ -313,8 +311,6 @@ def _label_compare(args) -> int:
 def _label_verdicts(args) -> int:
     """``rlhf label verdicts``: people's answers to side-by-side tasks into their rounds' files."""
     import json
-
-    from rlhf_pipeline import side_by_side  # loads torch: only when this command runs
 
     limits = load_params(args.params).labelling if Path(args.params).exists() else LabellingParams()
     if (args.input is None) == (args.from_server is None):

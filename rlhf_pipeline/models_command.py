@@ -50,7 +50,7 @@ from rlhf_pipeline.registry import (
     version_of,
     versions,
 )
-from rlhf_pipeline.side_by_side import import_verdicts, load_round, round_path, sample_round
+from rlhf_pipeline.side_by_side import import_verdicts, load_round, round_path
 from rlhf_pipeline.side_by_side import tally as side_by_side_tally
 
 POLICY, REWARD_MODEL = "policy", "reward-model"
@@ -299,6 +299,9 @@ def send_round(root: Path, params: Params, challenger: Version, prod: Version | 
     """Sample a side-by-side round of ``challenger`` against ``prod`` (or the base model) on the held-out
     queries (``promotion.human``), send its tasks to its Label Studio project, and keep (commit) its
     round file."""
+    # loads torch and transformers: only when a round is sampled, so that listing and fetching start without them
+    from rlhf_pipeline.side_by_side_sampling import sample_round
+
     wanted = params.promotion.human
     with tempfile.TemporaryDirectory(prefix=".side-by-side-", dir=root) as scratch:
         mine = fetch(root, POLICY, challenger.version, None, Path(scratch) / "challenger", with_results=False)

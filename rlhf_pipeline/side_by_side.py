@@ -4,11 +4,11 @@ which answer is better without being told whose it is, and the promotion gate re
 
 - :func:`label_config` is the labelling interface: the query, Response A and Response B, and one
   required choice: A, B or tie.
-- :func:`sample_round` samples one response from each model on the first held-out queries (the same
-  queries, the same seed for both) and returns the Label Studio tasks and the :class:`Round` that keeps
-  what the tasks do not say: which model wrote A, drawn at random for each task. A task carries the
-  two versions (in name order), their weights' SHA-256, the query, its index and the seed, and nothing
-  that tells which model wrote which response.
+- :func:`rlhf_pipeline.side_by_side_sampling.sample_round` samples one response from each model on
+  the first held-out queries (the same queries, the same seed for both) and returns the Label Studio
+  tasks and the :class:`Round` that keeps what the tasks do not say: which model wrote A, drawn at
+  random for each task. A task carries the two versions (in name order), their weights' SHA-256, the
+  query, its index and the seed, and nothing that tells which model wrote which response.
 - :func:`read_verdicts` reads Label Studio's export of those tasks back (one answer per task and
   annotator, as the best-of-N import checks it) into each task's round as verdicts: challenger,
   incumbent or tie, by annotator.
@@ -17,33 +17,25 @@ which answer is better without being told whose it is, and the promotion gate re
 
 A round lives in ``side_by_side/<challenger>_vs_<incumbent>.json`` (:func:`round_path`): the order key
 written when the tasks are, the verdicts added by each import; the gate commits it with its decision.
+This module reads, writes and counts rounds without torch; sampling one is in ``side_by_side_sampling``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from xml.sax.saxutils import quoteattr
 
-import torch
-
-from rlhf_pipeline.errors import DataContractError, PipelineError, plain, quoted
+from rlhf_pipeline.errors import DataContractError, plain, quoted
 from rlhf_pipeline.io import atomic_file
-from rlhf_pipeline.label_tasks import query_vocabulary_problem
-from rlhf_pipeline.labelling import answered_choice, pairwise_agreement, read_export, task_annotations, weights_sha256
-from rlhf_pipeline.models import load_causal_lm, load_tokenizer
+from rlhf_pipeline.labelling import answered_choice, pairwise_agreement, read_export, task_annotations
 from rlhf_pipeline.params.labelling import LabellingParams
-from rlhf_pipeline.params.task import TaskParams
-from rlhf_pipeline.preferences.simulated import MAX_RESAMPLES, sample_clean_candidates, sample_problem
 from rlhf_pipeline.preferences.text_rules import text_problem
 from rlhf_pipeline.promotion import Tally
-from rlhf_pipeline.sampling import ResponseSampler
 
 # the rounds' folder, in the project's root: the gate's, not a stage's (no stage reads or writes it, so it
 # is not in rlhf_pipeline/paths.py, whose every edit makes every stage stale)
@@ -124,85 +116,6 @@ def load_round(path: str | Path) -> Round:
 def task_id(name: str, shas: list[str], split: str, query_index: int, seed: int) -> str:
     key = json.dumps([name, sorted(shas), split, query_index, seed])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-@torch.no_grad()
-def _responses(
-    model_dir: str, queries_dir: str | Path, queries: list[list[int]], task: TaskParams, seed: int, batch_size: int
-):
-    """One response per query from ``model_dir`` (None where it still breaks the contract after
-    :data:`MAX_RESAMPLES` draws), with the same seed as the other side."""
-    tokenizer = load_tokenizer(model_dir)
-    model = load_causal_lm(model_dir).eval()
-    vocabulary = model.get_input_embeddings().num_embeddings
-    if (problem := query_vocabulary_problem(queries_dir, queries, vocabulary, model_dir)) is not None:
-        raise PipelineError(problem)
-    sampler = ResponseSampler.from_tokenizer(task, tokenizer)
-    generator = torch.Generator().manual_seed(seed)
-    out: list[str | None] = []
-    for start in range(0, len(queries), batch_size):
-        batch = queries[start : start + batch_size]
-        texts = sample_clean_candidates(model, tokenizer, sampler, batch, 1, generator, MAX_RESAMPLES)[0]
-        out += [samples[0] if sample_problem(samples) is None else None for samples in texts]
-    return out
-
-
-def sample_round(
-    challenger: tuple[str, str],
-    incumbent: tuple[str, str],
-    queries_dir: str | Path,
-    task: TaskParams,
-    num_queries: int,
-    seed: int,
-    split: str = "test",
-    batch_size: int = 16,
-) -> tuple[list[dict], Round]:
-    """(Label Studio tasks, the round) for ``challenger`` and ``incumbent``, each ``(model folder,
-    name)``, on the first ``num_queries`` queries of ``split``. A query either side cannot answer within
-    the contract's text rule is left out. Which response is A is drawn per task with :mod:`secrets`
-    (no seed an annotator could replay) and kept in the round only."""
-    from datasets import load_from_disk
-
-    part = load_from_disk(str(queries_dir))[split]
-    if not 1 <= num_queries <= len(part):
-        raise PipelineError(
-            f"{queries_dir} ({split}) has {len(part)} queries; {num_queries} were asked for (from 1 to {len(part)})."
-        )
-    c_name, i_name = challenger[1], incumbent[1]
-    if c_name == i_name:
-        raise PipelineError(f"rlhf label compare: both sides are {c_name}; compare two different models.")
-    ids = [part[i]["query_ids"] for i in range(num_queries)]
-    shas, answers = {}, {}
-    for folder, name in (challenger, incumbent):
-        shas[name] = weights_sha256(folder)
-        answers[name] = _responses(folder, queries_dir, ids, task, seed, batch_size)
-    created = datetime.now(UTC).isoformat(timespec="seconds")
-    versions = sorted([c_name, i_name])
-    record = Round(c_name, shas[c_name], i_name, shas[i_name], seed, split, created, {}, {})
-    tasks = []
-    for index, (mine, theirs) in enumerate(zip(answers[c_name], answers[i_name])):
-        if mine is None or theirs is None:
-            continue
-        tid = task_id(record.name, [shas[c_name], shas[i_name]], split, index, seed)
-        a_is = CHALLENGER if secrets.randbelow(2) else INCUMBENT
-        a, b = (mine, theirs) if a_is == CHALLENGER else (theirs, mine)
-        record.order[tid], record.queries[tid] = a_is, index
-        data = {
-            "task_id": tid,
-            "comparison": record.name,
-            "query": part[index]["query"],
-            "response_a": a,
-            "response_b": b,
-            "versions": versions,
-            "sha256": [shas[v] for v in versions],
-            "split": split,
-            "query_index": index,
-            "seed": seed,
-        }
-        tasks.append({"data": data})
-    if not tasks:
-        raise PipelineError(f"no held-out query of {queries_dir} gave both models a response within the contract.")
-    return tasks, record
 
 
 @dataclass

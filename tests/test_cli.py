@@ -56,6 +56,18 @@ def test_importing_the_library_changes_nothing_in_the_callers_environment():
     assert set(OFFLINE_DEFAULTS) | {"PREFECT_HOME"} == set(by_entry_point)
 
 
+def test_the_registry_and_verdict_commands_start_without_torch_or_transformers():
+    """`rlhf models` (list, get, assign) and `rlhf label verdicts` read files, git and GTO; torch and
+    transformers (about 3 s of CPU to import) load only when a command samples or scores a model."""
+    code = (
+        "import sys, json\n"
+        "import rlhf_pipeline.cli, rlhf_pipeline.models_command, rlhf_pipeline.side_by_side\n"
+        "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == []
+
+
 def test_export_preferences_writes_trls_pairwise_format(tmp_path, capsys):
     rows = [
         {"query": f"Query {i}.", "samples": [f"Sample {k} of {i}." for k in range(4)], "best": i % 4, "margin": 0.0}

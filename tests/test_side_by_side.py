@@ -28,9 +28,9 @@ from rlhf_pipeline.side_by_side import (
     label_config,
     load_round,
     read_verdicts,
-    sample_round,
     tally,
 )
+from rlhf_pipeline.side_by_side_sampling import sample_round
 
 REPO = Path(__file__).resolve().parents[1]
 TASK = TaskParams(response_length=8, truncate_after=4)
