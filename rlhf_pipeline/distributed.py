@@ -232,11 +232,16 @@ def _options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
+def trainable_names(module: torch.nn.Module) -> set[str]:
+    """The names of ``module``'s parameters that train (what a checkpoint keeps)."""
+    return {name for name, parameter in module.named_parameters() if parameter.requires_grad}
+
+
 def _kept(module: torch.nn.Module, state: dict[str, torch.Tensor], trainable_only: bool) -> dict[str, torch.Tensor]:
     """``state``, or with ``trainable_only`` its entries for ``module``'s parameters that train."""
     if not trainable_only:
         return state
-    names = {name for name, parameter in module.named_parameters() if parameter.requires_grad}
+    names = trainable_names(module)
     return {name: tensor for name, tensor in state.items() if name in names}
 
 

@@ -17,6 +17,7 @@ Metrics are computed by small functions on tensors (tested on hand-made numbers)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.io import write_figure
-from rlhf_pipeline.ppo.kl import exact_kl, kl_penalty
+from rlhf_pipeline.ppo.kl import exact_kl_by_rows, kl_penalty
 from rlhf_pipeline.progress import Progress
 from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.reward.normalization import task_scores
@@ -47,31 +48,6 @@ def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = No
     if mask is not None:
         kl = kl * mask
     return kl.sum(-1)
-
-
-def exact_sequence_kl(
-    model: nn.Module,
-    base: nn.Module,
-    hidden: Tensor,
-    base_hidden: Tensor,
-    mask: Tensor,
-    temperature: float,
-    pad_token_id: int,
-    rows: int = 8,
-) -> Tensor:
-    """(B,) each response's KL from the base with every token's term exact over the vocabulary
-    (:func:`rlhf_pipeline.ppo.kl.exact_kl`), from both models' final hidden states at the response
-    positions (B, R, H). ``rows`` at a time: two (rows, R, V) distributions in memory, not the batch's."""
-    return torch.cat(
-        [
-            exact_kl(
-                response_logits(model, mine, temperature, pad_token_id),
-                response_logits(base, theirs, temperature, pad_token_id),
-                part,
-            )
-            for mine, theirs, part in zip(hidden.split(rows), base_hidden.split(rows), mask.split(rows))
-        ]
-    )
 
 
 def mean_and_stderr(values: Tensor) -> tuple[float, float]:
@@ -187,7 +163,10 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
                 kls[-1] if setup.kl_estimator == "k1" else sequence_kl(out.logprobs, reference.logprobs, out.mask)
             )
             own = response_outputs(model, query_responses, *args)
-            kls_exact.append(exact_sequence_kl(model, base, own.hidden, reference.hidden, out.mask, temperature, pad))
+            mine, theirs = (
+                partial(response_logits, m, temperature=temperature, pad_token_id=pad) for m in (model, base)
+            )
+            kls_exact.append(exact_kl_by_rows(mine, theirs, own.hidden, reference.hidden, out.mask))
         truncated.append(trunc)
         valids.append(valid)
         lines.update(rows.stop)

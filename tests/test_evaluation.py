@@ -172,30 +172,50 @@ def test_report_names_the_best_checkpoint(best_update, expected):
     assert "| 4 | 1.000 | 0.900 +- 0.050 | 0.500 | 0.300 |" in render_report({"queries": 2}, points, best, [])
 
 
-def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny_tokenizer):
-    """A policy whose lowest block is the base's: sample_and_score hands the base the trunk captured
-    while sampling; the KL equals the one from a full forward of the base, and the base's own is 0."""
+def tiny_evaluation(base_dir, tokenizer, scaled_layers, factor, response_length, queries, seed, batch_size):
+    """(base, policy, setup) on the tiny model: the policy is the base with the MLP output of
+    ``scaled_layers`` scaled by ``factor``; a reward model on the base; the setup samples ``queries``."""
     import copy
 
-    from rlhf_pipeline.evaluation import Evaluation, sample_and_score
+    from rlhf_pipeline.evaluation import Evaluation
     from rlhf_pipeline.models import load_causal_lm
     from rlhf_pipeline.params.task import TaskParams
     from rlhf_pipeline.reward.adoption import reward_model_on_base
-    from rlhf_pipeline.sampling import ResponseSampler, response_outputs, shared_lower_blocks
+    from rlhf_pipeline.sampling import ResponseSampler
 
-    base = load_causal_lm(tiny_base_dir).eval()
+    base = load_causal_lm(base_dir).eval()
     policy = copy.deepcopy(base)
     with torch.no_grad():
-        policy.model.layers[1].mlp.down_proj.weight.mul_(1.5)
-    assert shared_lower_blocks(policy, base) == 1 and shared_lower_blocks(base, base) == 2
+        for layer in scaled_layers:
+            policy.model.layers[layer].mlp.down_proj.weight.mul_(factor)
+    reward = reward_model_on_base(base_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
+    sampler = ResponseSampler.from_tokenizer(
+        TaskParams(response_length=response_length, truncate_token=None), tokenizer
+    )
+    setup = Evaluation(
+        base=base,
+        reward_model=reward.eval(),
+        queries=queries,
+        sampler=sampler,
+        tokenizer=tokenizer,
+        seed=seed,
+        batch_size=batch_size,
+    )
+    return base, policy, setup
+
+
+def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny_tokenizer):
+    """A policy whose lowest block is the base's: sample_and_score hands the base the trunk captured
+    while sampling; the KL equals the one from a full forward of the base, and the base's own is 0."""
+    from rlhf_pipeline.evaluation import Evaluation, sample_and_score
+    from rlhf_pipeline.sampling import response_outputs, shared_lower_blocks
+
     pad = tiny_tokenizer.pad_token_id
-    reward = reward_model_on_base(tiny_base_dir, pad, generator=torch.Generator().manual_seed(0)).eval()
-    sampler = ResponseSampler.from_tokenizer(TaskParams(response_length=6, truncate_token=None), tiny_tokenizer)
     queries = torch.randint(0, 250, (6, 5), generator=torch.Generator().manual_seed(0))
     queries[:2, :2] = pad
-    setup = Evaluation(
-        base=base, reward_model=reward, queries=queries, sampler=sampler, tokenizer=tiny_tokenizer, seed=3, batch_size=6
-    )
+    base, policy, setup = tiny_evaluation(tiny_base_dir, tiny_tokenizer, [1], 1.5, 6, queries, seed=3, batch_size=6)
+    sampler = setup.sampler
+    assert shared_lower_blocks(policy, base) == 1 and shared_lower_blocks(base, base) == 2
     result = sample_and_score(policy, setup)
     with torch.no_grad():
         again = sampler.sample(policy, queries, torch.Generator().manual_seed(3))[0]  # same stream, one batch
@@ -222,32 +242,10 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
 def test_the_exact_kl_measures_k1s_mean_with_less_spread(tiny_base_dir, tiny_tokenizer):
     """Over many sampled responses the exact KL and k1 agree on the mean (both measure KL(pi || base)),
     and the exact one's spread is smaller: it does not depend on which token was drawn."""
-    import copy
+    from rlhf_pipeline.evaluation import sample_and_score
 
-    from rlhf_pipeline.evaluation import Evaluation, sample_and_score
-    from rlhf_pipeline.models import load_causal_lm
-    from rlhf_pipeline.params.task import TaskParams
-    from rlhf_pipeline.reward.adoption import reward_model_on_base
-    from rlhf_pipeline.sampling import ResponseSampler
-
-    base = load_causal_lm(tiny_base_dir).eval()
-    policy = copy.deepcopy(base)
-    with torch.no_grad():
-        for layer in policy.model.layers:
-            layer.mlp.down_proj.weight.mul_(3.0)
-    pad = tiny_tokenizer.pad_token_id
-    reward = reward_model_on_base(tiny_base_dir, pad, generator=torch.Generator().manual_seed(0)).eval()
-    sampler = ResponseSampler.from_tokenizer(TaskParams(response_length=8, truncate_token=None), tiny_tokenizer)
     queries = torch.randint(0, 250, (16, 5), generator=torch.Generator().manual_seed(1)).repeat(40, 1)
-    setup = Evaluation(
-        base=base,
-        reward_model=reward,
-        queries=queries,
-        sampler=sampler,
-        tokenizer=tiny_tokenizer,
-        seed=5,
-        batch_size=80,
-    )
+    _, policy, setup = tiny_evaluation(tiny_base_dir, tiny_tokenizer, [0, 1], 3.0, 8, queries, seed=5, batch_size=80)
     result = sample_and_score(policy, setup)
     k1, exact = result.kl.double(), result.kl_exact.double()
     assert exact.mean() > 0.05  # a KL worth measuring

@@ -593,3 +593,18 @@ def test_exact_kl_by_hand_and_its_mean_is_k1s_expectation():
     draws = torch.multinomial(p, 200_000, replacement=True, generator=torch.Generator().manual_seed(0))
     k1 = kl.kl_penalty(p.log()[draws], q.log()[draws])
     assert k1.mean().item() == pytest.approx(expected, abs=0.01)
+
+
+def test_exact_kl_by_rows_is_exact_kl_of_the_whole_batch_however_the_rows_split():
+    """Hidden states (B, R, H) through each model's head, a few rows at a time: the same values as the
+    whole batch's logits at once, for a batch the row count does not divide."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, ref_hidden = torch.randn(7, 5, 4, generator=gen), torch.randn(7, 5, 4, generator=gen)
+    head, ref_head = torch.randn(4, 11, generator=gen), torch.randn(4, 11, generator=gen)
+    mask = torch.rand(7, 5, generator=gen) > 0.3
+    whole = kl.exact_kl(hidden @ head, ref_hidden @ ref_head, mask)
+    for rows in (1, 3, 7, 8):
+        by_rows = kl.exact_kl_by_rows(lambda h: h @ head, lambda h: h @ ref_head, hidden, ref_hidden, mask, rows)
+        assert by_rows.shape == (7,)
+        torch.testing.assert_close(by_rows, whole)
+    assert (whole > 0).all()  # two different heads: every row with a kept position has KL

@@ -61,7 +61,7 @@ from rlhf_pipeline.ppo.kl import (
     AdaptiveKLController,
     FixedKLController,
     compute_rewards,
-    exact_kl,
+    exact_kl_by_rows,
     kl_budget_verdict,
     kl_forecast,
     kl_penalty,
@@ -275,14 +275,11 @@ class PPOTrainer:
             out = self.response_outputs(reference, query_responses, trunk)
             kl = None
             if policy_hidden is not None:
-                # a few rows at a time: two (rows, R, V) distributions, not the batch's
-                logits = partial(response_logits, temperature=self.task.temperature, pad_token_id=self.pad_id)
-                kl = torch.cat(
-                    [
-                        exact_kl(logits(self.policy.lm, mine), logits(reference, theirs), rows)
-                        for mine, theirs, rows in zip(policy_hidden.split(8), out.hidden.split(8), mask.split(8))
-                    ]
+                mine, theirs = (
+                    partial(response_logits, lm, temperature=self.task.temperature, pad_token_id=self.pad_id)
+                    for lm in (self.policy.lm, reference)
                 )
+                kl = exact_kl_by_rows(mine, theirs, policy_hidden, out.hidden, mask)
         self._offload(self.ref_model, False)
         return out.logprobs, kl
 
@@ -526,7 +523,7 @@ class PPOTrainer:
         distributed.on_main_process(self.accelerator, self.checkpointer.prepare, "check the checkpoint")
         if not (self.checkpointer.state_dir / "meta.json").is_file():
             return
-        trainable = {name for name, p in self.policy.named_parameters() if p.requires_grad}
+        trainable = distributed.trainable_names(self.policy)
         state = self.checkpointer.read(trainable)
         distributed.load_full_state(self.policy, state["weights"])
         distributed.load_full_optimizer_state(self.policy, self.optimizer, state["optimizer"])
