@@ -1,8 +1,9 @@
 """Sampling a side-by-side round (:mod:`rlhf_pipeline.side_by_side`): both models answer the same
 held-out queries with the same seed, and each task's Response A is drawn at random.
 
-Apart from the round files, verdicts and tally so that the commands that only read or count a round
-(`rlhf models`, `rlhf label import` of verdicts) start without torch and transformers.
+It is kept apart from the round files, verdicts and tally (:mod:`rlhf_pipeline.side_by_side`), so that
+the commands that only read or count a round (`rlhf models`, `rlhf label verdicts`) start without torch
+and transformers.
 """
 
 from __future__ import annotations
