@@ -273,6 +273,46 @@ def emit(report: str, output: str | Path | None) -> None:
         print(f"(written to {output})", file=sys.stderr)
 
 
+# torch's fused attention ops and where their query is among the arguments (the key and value follow it)
+_ATTENTION_QUERY_AT = {
+    "_scaled_dot_product_efficient_attention": 0,
+    "_scaled_dot_product_flash_attention": 0,
+    "_scaled_dot_product_cudnn_attention": 0,
+    "_scaled_dot_product_efficient_attention_backward": 1,
+    "_scaled_dot_product_flash_attention_backward": 1,
+    "_scaled_dot_product_cudnn_attention_backward": 1,
+}
+
+
+def grouped_query_attention_formulas() -> dict:
+    """torch's FLOP formulas for the fused attention ops, given key and value with as many heads as the
+    query. A grouped-query model (SmolLM2: 9 query heads, 3 key/value heads) reaches these ops on CUDA
+    with fewer key/value heads, and some torch releases' formulas refuse that shape (an AssertionError
+    mid-update); the kernel repeats each key/value head for its group, which is what the count should
+    see. Where torch already counts grouped heads, the count is unchanged."""
+    import torch
+    from torch.utils.flop_counter import flop_registry
+
+    def repeated_heads(formula, query_at: int):
+        def count(*args, out_val=None, **kwargs):
+            args = list(args)
+            heads = args[query_at].shape[1]
+            for at in (query_at + 1, query_at + 2):
+                shape = args[at].shape
+                if len(shape) == 4 and shape[1] != heads:
+                    args[at] = torch.Size((shape[0], heads, *shape[2:]))  # a shape passes through torch's wrapper
+            return formula(*args, out_val=out_val, **kwargs)
+
+        count._get_raw = True  # FlopCounterMode passes the tensors; ``formula`` takes their shapes itself
+        return count
+
+    return {
+        op: repeated_heads(formula, _ATTENTION_QUERY_AT[op.__name__])
+        for op, formula in flop_registry.items()
+        if op.__name__ in _ATTENTION_QUERY_AT
+    }
+
+
 class MatmulFlops:
     """The FLOPs of the matrix products (forward and backward, as torch's ``FlopCounterMode`` counts
     them: mm, bmm, addmm, attention) of what runs between :meth:`start` and :meth:`stop`; a benchmark
@@ -285,7 +325,7 @@ class MatmulFlops:
     def start(self) -> None:
         from torch.utils.flop_counter import FlopCounterMode
 
-        self.mode = FlopCounterMode(display=False)
+        self.mode = FlopCounterMode(display=False, custom_mapping=grouped_query_attention_formulas())
         self.mode.__enter__()
 
     def stop(self) -> None:
