@@ -51,12 +51,12 @@ def _prefill(backbone, queries, query_mask, config, num_samples: int, layers: li
         input_ids=queries,
         attention_mask=mask,
         position_ids=position_ids_from_mask(mask),
-        past_key_values=DynamicCache(config=config),
+        cache=DynamicCache(config=config),
         use_cache=True,
         **capture,
     )
     # output_hidden_states=[...] keeps the full-length tuple, with None where a layer is not asked for
-    state = _Decoding(out.past_key_values, out.last_hidden_state[:, -1], mask, mask.sum(-1), [])
+    state = _Decoding(out.cache, out.last_hidden_state[:, -1], mask, mask.sum(-1), [])
     state.captured = [[out.hidden_states[layer]] for layer in layers]
     if num_samples > 1:
         state.cache.batch_repeat_interleave(num_samples)
@@ -75,7 +75,7 @@ def _feed(backbone, state: _Decoding, token: Tensor, layers: list[int]) -> objec
         input_ids=token[:, None],
         attention_mask=state.mask,
         position_ids=state.next_pos[:, None],
-        past_key_values=state.cache,
+        cache=state.cache,
         use_cache=True,
         **({"output_hidden_states": layers} if layers else {}),
     )
@@ -138,7 +138,7 @@ def sample_responses(
         out = _feed(backbone, state, token, layers)  # the last step only captures the final token's states
         if t == response_length - 1:
             break
-        state.cache, state.hidden = out.past_key_values, out.last_hidden_state[:, -1]
+        state.cache, state.hidden = out.cache, out.last_hidden_state[:, -1]
         state.next_pos = state.next_pos + 1
         alive = alive_next
     response_mask = tokens != pad_token_id

@@ -107,3 +107,22 @@ def test_normalisation_samples_are_raw_unless_truncation_is_asked(tiny_model, ti
     assert torch.equal(cut, sampler.truncate(raw)[0])
     stop = next(j for j in range(task.truncate_after, 4) if raw[0, j] == raw[0, 3])  # its first place, <= 3
     assert (cut[0, stop + 1 :] == pad).all() and torch.equal(cut[0, : stop + 1], raw[0, : stop + 1])
+
+
+def test_the_sampler_passes_the_kv_cache_by_its_current_name(tiny_model, tiny_tokenizer, caplog):
+    """transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (and the output's field with
+    it) and drops the old name in 5.40: the eager sampler passes and reads ``cache``, as the static one does,
+    so sampling raises no deprecation (a FutureWarning is an error here)."""
+    import warnings
+
+    from rlhf_pipeline.sampling import sample_responses
+
+    pad = tiny_tokenizer.pad_token_id
+    queries = torch.tensor([[pad, 5, 6, 7], [8, 9, 10, 11]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = sample_responses(
+            tiny_model, queries, queries != pad, 4, 0.7, pad, generator=torch.Generator().manual_seed(0), num_samples=2
+        )
+    assert out.responses.shape == (4, 4)
+    assert "deprecated" not in caplog.text
