@@ -22,7 +22,8 @@ def outputs_by_stage(lock_path: str) -> dict[str, dict[str, str]]:
     with open(lock_path, encoding="utf-8") as handle:
         stages = yaml.safe_load(handle)["stages"]
     return {
-        name: {out["path"]: out.get("md5") or out.get("hash") or str(out) for out in entry.get("outs", [])}
+        # ``hash`` names the algorithm (md5); an entry without an md5 is compared whole
+        name: {out["path"]: out.get("md5") or repr(sorted(out.items())) for out in entry.get("outs", [])}
         for name, entry in stages.items()
     }
 

@@ -1,4 +1,5 @@
-"""The benchmarks' FLOP count of fused attention with grouped key/value heads (bench/common.py)."""
+"""Helpers of the benchmark scripts: the FLOP count of fused attention with grouped key/value heads
+(bench/common.py) and the comparison of two ``dvc.lock`` files (bench/lock_diff.py)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmarks are scripts, not a package
 
+import lock_diff  # noqa: E402
 from common import grouped_query_attention_formulas  # noqa: E402
 
 
@@ -31,3 +34,21 @@ def test_grouped_key_value_heads_count_as_the_query_heads_they_serve():
         else:  # (query, key, value, ...)
             args, expected, out = (query, grouped, grouped), (query, repeated, repeated), (query,)
         assert count(*args, out_val=out) == flop_registry[op](*expected, out_val=out) > 0
+
+
+def _lock(path: Path, policy_md5: str, speed_md5: str) -> str:
+    """A one-stage ``dvc.lock`` whose two outputs have these hashes."""
+    outs = [
+        {"path": out, "hash": "md5", "md5": md5, "size": 1}
+        for out, md5 in (("models/policy", policy_md5), ("speed.json", speed_md5))
+    ]
+    path.write_text(yaml.safe_dump({"schema": "2.0", "stages": {"train_policy": {"cmd": "x", "outs": outs}}}))
+    return str(path)
+
+
+def test_lock_diff_names_the_outputs_that_differ_and_fails_on_an_unexpected_one(tmp_path, capsys):
+    before = _lock(tmp_path / "a.lock", "aaa", "s1")
+    assert lock_diff.main([before, _lock(tmp_path / "b.lock", "aaa", "s2"), "--expect", "speed.json"]) == 0
+    assert "train_policy: 1 outputs the same bytes; differ: speed.json" in capsys.readouterr().out
+    assert lock_diff.main([before, _lock(tmp_path / "c.lock", "bbb", "s1"), "--expect", "speed.json"]) == 1
+    assert "differ: models/policy" in capsys.readouterr().out
