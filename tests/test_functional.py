@@ -569,6 +569,31 @@ def test_kl_forecast_adds_one_update_of_growth_to_the_level():
     assert kl.kl_forecast([5.0, 4.5, 4.0], window=3) == pytest.approx(4.0)
 
 
+@pytest.mark.parametrize(
+    ("largest_within", "search", "tried", "kept"),
+    [
+        (0.6, "halve", [0.5], 0.5),  # the first fit ends the search
+        (0.6, "bisect", [0.5, 0.75, 0.625], 0.5),  # 0.75 and 0.625 over: the largest within is 0.5
+        (0.8, "bisect", [0.5, 0.75, 0.875], 0.75),
+        (0.3, "halve", [0.5, 0.25], 0.25),
+        (0.3, "bisect", [0.5, 0.25, 0.375], 0.25),  # below half, bisection refines upwards too
+        (0.1, "halve", [0.5, 0.25, 0.125], None),
+        (0.1, "bisect", [0.5, 0.25, 0.125], None),  # nothing within: the policy before the update
+    ],
+)
+def test_the_budget_line_search_keeps_the_largest_fraction_its_search_read_within(largest_within, search, tried, kept):
+    # the KL grows along the step: fractions up to largest_within are within the budget
+    reads = []
+
+    def within(fraction):
+        reads.append(fraction)
+        return fraction <= largest_within
+
+    assert kl.budget_line_search(within, 3, search) == kept and reads == tried
+    with pytest.raises(ValueError, match="unknown budget search 'linear'"):
+        kl.budget_line_search(within, 3, "linear")
+
+
 def test_the_budget_verdict_rolls_back_over_the_budget_and_watches_close_to_it():
     # the precise reading replaces the rollout's last one in the forecast
     rollouts = [2.0, 3.0, 6.0]  # the last rollout read high: the cheap forecast passed 5.0

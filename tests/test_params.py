@@ -49,7 +49,7 @@ REFERENCE_PPO_FIELDS = {
     "whiten_rewards", "advantage", "value_model", "dropout",
 }  # fmt: skip
 # KL fields outside the reference (its default is the reference's behaviour: no budget)
-NON_REFERENCE_KL_FIELDS = {"budget", "budget_window", "budget_check_responses", "budget_backtracks"}
+NON_REFERENCE_KL_FIELDS = {"budget", "budget_window", "budget_check_responses", "budget_backtracks", "budget_search"}
 PINNED_LINK = re.compile(
     r"https://github\.com/(openai/lm-human-preferences|vwxyzjn/lm-human-preference-details)/blob/[0-9a-f]{40}/\S+#L\d+"
 )

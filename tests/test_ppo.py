@@ -250,17 +250,20 @@ def test_the_kl_budget_rolls_back_the_first_policy_read_over_it(tiny_base_dir, r
     assert all(torch.equal(p, kept[f"lm.{n}"]) for n, p in resumed.policy.lm.named_parameters() if p.requires_grad)
 
 
-def test_a_backtrack_keeps_part_of_the_step_read_within_the_budget(tiny_base_dir, reward_model, queries, tmp_path):
+def test_a_backtrack_keeps_part_of_the_step_read_within_the_budget(
+    tiny_base_dir, reward_model, queries, tmp_path, monkeypatch
+):
     """ppo.kl.budget_backtracks: the policy a fraction of the undone update's way from the one before it
-    (the unbounded run's snapshots), read within the budget, is the result; a resumed run ends alike."""
+    (the unbounded run's snapshots), read within the budget, is the result; a resumed run ends alike; a
+    bisection that read further along than the fraction it keeps holds the kept fraction's weights."""
     kl_params = {"budget_window": 2, "budget_check_responses": 32}
 
-    def run(budget, directory, backtracks):
+    def run(budget, directory, backtracks, search="halve"):
         params = make_params(
             total_episodes=96,
             checkpoint_every=1,
             lr=1.0e-4,
-            kl={"budget": budget, **kl_params, "budget_backtracks": backtracks},
+            kl={"budget": budget, **kl_params, "budget_backtracks": backtracks, "budget_search": search},
         )
         trainer = make_trainer(tiny_base_dir, reward_model, queries, params, directory)
         return trainer, trainer.train(progress=False)
@@ -288,6 +291,28 @@ def test_a_backtrack_keeps_part_of_the_step_read_within_the_budget(tiny_base_dir
     resumed, resumed_history = run(budget, tmp_path / "bounded", 2)
     assert resumed.stopped == bounded.stopped and len(resumed_history) == rolled
     assert all(torch.equal(p, trained[f"lm.{n}"]) for n, p in resumed.policy.lm.named_parameters() if p.requires_grad)
+
+    # bisect: half the step read within, then three quarters over (the tries' readings set here, the
+    # budget's own check left as it is): half is kept, and the policy goes back to it from three quarters
+    real_extra_kl = PPOTrainer.extra_kl
+
+    tries = []
+
+    def extra_kl(self, update, draw=0):
+        if draw == 0:
+            return real_extra_kl(self, update, draw)
+        tries.append(draw)
+        return budget - 0.1 if len(tries) == 1 else budget + 1.0
+
+    monkeypatch.setattr(PPOTrainer, "extra_kl", extra_kl)
+    bisected, _ = run(budget, tmp_path / "bisected", 2, search="bisect")
+    assert bisected.stopped["updates"] == rolled
+    assert bisected.stopped["step_fraction"] == 0.5 and bisected.stopped["kl"] == budget - 0.1
+    assert tries == [1, 1]  # both fractions read on the same draw
+    for name, p in bisected.policy.lm.named_parameters():
+        if p.requires_grad:
+            half = before[f"lm.{name}"] + 0.5 * (after[f"lm.{name}"] - before[f"lm.{name}"])
+            torch.testing.assert_close(p, half, rtol=0, atol=1e-6)
 
 
 def test_the_budget_reading_is_the_mean_over_more_responses_and_leaves_training_as_it_was(

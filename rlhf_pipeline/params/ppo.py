@@ -81,6 +81,16 @@ class KLParams(Strict):
         "before it can sit far under the budget.",
     )
 
+    budget_search: Literal["halve", "bisect"] = Field(
+        "halve",
+        description="How the budget_backtracks tries choose their fractions (rlhf_pipeline.ppo.kl."
+        "budget_line_search): halve: 1/2, 1/4, ..., keeping the first within the budget (TRPO's backtracking); "
+        "bisect: after a fraction within, try further along (1/2, then 3/4 or 1/4, ...) and keep the largest "
+        "within, which lands within 2^-budget_backtracks of the step's largest fraction within the budget "
+        "instead of up to half a step under it; it reads every fraction on the same responses' draw, so the "
+        "boundary it finds is the step's, not the samples'.",
+    )
+
     @model_validator(mode="after")
     def _backtracks_need_readings(self) -> KLParams:
         if self.budget_backtracks and not self.budget_check_responses:

@@ -179,6 +179,40 @@ def kl_budget_verdict(kls: Sequence[float], checked: float, budget: float, windo
     return "watch" if kl_forecast([*kls[:-1], checked], window) > budget else "train"
 
 
+BUDGET_SEARCHES = ("halve", "bisect")
+
+
+def budget_line_search(within: Callable[[float], bool], tries: int, search: str) -> float | None:
+    """The fraction of an undone update's step to keep, from ``tries`` readings of ``within(fraction)``
+    (is the policy that far along the step within the budget?), each fraction the middle of the interval
+    still open, starting from [0, 1] (0 is the policy before the update, within; 1 the one after, over):
+
+    .. math::
+        f_i = (\\ell_{i-1} + h_{i-1}) / 2,\\qquad
+        (\\ell_i, h_i) = (f_i, h_{i-1})\\ \\text{if within}(f_i)\\ \\text{else}\\ (\\ell_{i-1}, f_i)
+
+    - ``halve``: keep the first fraction within (1/2, 1/4, ...: TRPO's backtracking line search);
+    - ``bisect``: keep going after a fraction within, and keep the largest read within (1/2 then 3/4 or
+      1/4, ...), the same number of readings.
+
+    Why bisect: halving stops at the first fit, so when half the step fits it keeps it, however far under
+    the budget it reads; bisection lands within 2^-tries of the step's largest fraction within (the KL
+    grows along the step), spending the budget the run was given. None: no fraction read was within.
+    """
+    if search not in BUDGET_SEARCHES:
+        raise ValueError(f"unknown budget search {search!r}; expected one of {BUDGET_SEARCHES}")
+    low, high, kept = 0.0, 1.0, None
+    for _ in range(tries):
+        fraction = (low + high) / 2
+        if within(fraction):
+            if search == "halve":
+                return fraction
+            low = kept = fraction
+        else:
+            high = fraction
+    return kept
+
+
 class AdaptiveKLController:
     """Adaptive KL coefficient of Ziegler et al. (2019), section 2.2.
 

@@ -19,7 +19,7 @@ The loop in :meth:`PPOTrainer.train` reads top to bottom:
 With ``ppo.kl.budget`` the run keeps the last policy whose KL is within the budget: when the rollouts'
 KL trend says the next update may pass it, the policy's KL is read precisely, and the first policy
 read over the budget ends the run: it is rolled back part of its last update's way (``kl.budget_backtracks``
-halvings, :meth:`PPOTrainer.backtrack`) or, when none of those is within the budget, to the policy
+tries of a line search, :meth:`PPOTrainer.backtrack`) or, when none of those is within the budget, to the policy
 before that update (:meth:`PPOTrainer.budget_ends_run`).
 
 Speed without changing the maths:
@@ -60,6 +60,7 @@ from rlhf_pipeline.ppo.checkpoint import Checkpointer, rng_state, set_rng_state
 from rlhf_pipeline.ppo.kl import (
     AdaptiveKLController,
     FixedKLController,
+    budget_line_search,
     compute_rewards,
     exact_kl_by_rows,
     kl_budget_verdict,
@@ -609,21 +610,37 @@ class PPOTrainer:
         return verdict == "roll back"
 
     def backtrack(self, update: int) -> tuple[float, float] | None:
-        """``kl.budget_backtracks`` tries of the policy a fraction 1/2, 1/4, ... of the last update's way
-        from the one before it, each read precisely: (fraction, KL) of the first within the budget, whose
-        weights the policy then holds; None when none is (the policy is then the one after the update)."""
-        if not self.cfg.kl.budget_backtracks or self.previous is None:
+        """``kl.budget_backtracks`` tries of policies part of the last update's way from the one before it,
+        each read precisely, the fractions chosen by ``kl.budget_search``
+        (:func:`rlhf_pipeline.ppo.kl.budget_line_search`): (fraction, KL) of the one kept, whose weights the
+        policy then holds; None when none is within the budget (the policy is then the one after the update)."""
+        kl = self.cfg.kl
+        if not kl.budget_backtracks or self.previous is None:
             return None
         after = distributed.full_state_copy(self.policy, trainable_only=True)
-        for attempt in range(1, self.cfg.kl.budget_backtracks + 1):
-            fraction = 0.5**attempt
+
+        def load(fraction: float) -> None:
             step = {name: self.previous[name] + fraction * (after[name] - self.previous[name]) for name in after}
             distributed.load_full_state(self.policy, step)
-            reading = self.extra_kl(update, draw=attempt)
-            if reading <= self.cfg.kl.budget:
-                return fraction, reading
-        distributed.load_full_state(self.policy, after)
-        return None
+
+        readings: dict[float, float] = {}
+
+        def within(fraction: float) -> bool:
+            load(fraction)
+            # bisection reads every fraction on one draw (the same queries and generator seed): where it
+            # puts the boundary between within and over is then the step's, not the samples'; halving
+            # reads each try on a draw of its own
+            draw = 1 if kl.budget_search == "bisect" else len(readings) + 1
+            readings[fraction] = self.extra_kl(update, draw=draw)
+            return readings[fraction] <= kl.budget
+
+        kept = budget_line_search(within, kl.budget_backtracks, kl.budget_search)
+        if kept is None:
+            distributed.load_full_state(self.policy, after)
+            return None
+        if kept != list(readings)[-1]:  # bisection read further along after it: back to the kept fraction
+            load(kept)
+        return kept, readings[kept]
 
     def roll_back(self, update: int, checked: float) -> None:
         """End the run with a policy within the budget (``checked``: the KL the one after update ``update``
