@@ -1,11 +1,14 @@
 """Helpers of the benchmark scripts: the FLOP count of fused attention with grouped key/value heads
-(bench/common.py) and the comparison of two ``dvc.lock`` files (bench/lock_diff.py)."""
+(bench/common.py), the comparison of two ``dvc.lock`` files (bench/lock_diff.py) and the evaluation's
+variance components (bench/probe_eval_variance.py)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 import yaml
 from torch.utils.flop_counter import flop_registry
@@ -14,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the be
 
 import lock_diff  # noqa: E402
 from common import grouped_query_attention_formulas  # noqa: E402
+from probe_eval_variance import standard_error, variance_components  # noqa: E402
 
 
 def test_grouped_key_value_heads_count_as_the_query_heads_they_serve():
@@ -52,3 +56,18 @@ def test_lock_diff_names_the_outputs_that_differ_and_fails_on_an_unexpected_one(
     assert "train_policy: 1 outputs the same bytes; differ: speed.json" in capsys.readouterr().out
     assert lock_diff.main([before, _lock(tmp_path / "c.lock", "bbb", "s1"), "--expect", "speed.json"]) == 1
     assert "differ: models/policy" in capsys.readouterr().out
+
+
+def test_variance_components_recover_the_between_and_within_query_spread():
+    """Per-response values = a query's effect (sd 2) + the response's own noise (sd 3): the split finds
+    4 and 9, and the standard error of one response per query is the plain one over all rows."""
+    rng = np.random.default_rng(0)
+    values = rng.normal(0, 2, size=(4000, 1)) + rng.normal(0, 3, size=(4000, 3))
+    between, within = variance_components(values)
+    assert between == pytest.approx(4.0, rel=0.08) and within == pytest.approx(9.0, rel=0.05)
+    assert standard_error(4.0, 9.0, queries=100, responses=1) == pytest.approx(np.sqrt(13 / 100))
+    # more responses per query shrink only the within part: 4 responses of 100 queries beat 1 of 100
+    # but not 1 of 400
+    assert standard_error(4.0, 9.0, 400, 1) < standard_error(4.0, 9.0, 100, 4) < standard_error(4.0, 9.0, 100, 1)
+    # no spread between queries beyond the responses': the between part is 0, not negative
+    assert variance_components(rng.normal(0, 1, size=(2000, 2)))[0] == pytest.approx(0.0, abs=0.05)
