@@ -27,16 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 from common import emit, measured_matmul_flops  # noqa: E402
+from shipped_run import load_shipped_run  # noqa: E402
 
-from rlhf_pipeline.evaluation import Evaluation, sample_and_score  # noqa: E402
+from rlhf_pipeline.evaluation import sample_and_score  # noqa: E402
 from rlhf_pipeline.labelers import gold_labeler  # noqa: E402
-from rlhf_pipeline.models import load_causal_lm, load_tokenizer  # noqa: E402
-from rlhf_pipeline.params.schema import load_params  # noqa: E402
 from rlhf_pipeline.queries import load_queries  # noqa: E402
-from rlhf_pipeline.reward.persistence import load_reward_model  # noqa: E402
-from rlhf_pipeline.sampling import ResponseSampler  # noqa: E402
 
 
 def variance_components(values: np.ndarray) -> tuple[float, float]:
@@ -60,29 +56,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.draws < 2:
         parser.error("--draws must be at least 2: the within-query variance needs two responses per query")
-    torch.manual_seed(0)
-    params = load_params("params.yaml")
-    tokenizer = load_tokenizer("models/base")
-    base = load_causal_lm("models/base").eval()
-    policy = load_causal_lm(args.policy).eval()
-    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
-    reward_model = load_reward_model("models/reward", torch.device("cpu"))
-    labeler = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
-    queries = load_queries("data/queries", "test", tokenizer.pad_token_id, params.evaluate.num_queries)
+    run = load_shipped_run(args.policy)
+    data = run.params.data.preferences
+    labeler = gold_labeler(data.source, data.labeler)
+    queries = load_queries("data/queries", "test", run.tokenizer.pad_token_id, run.params.evaluate.num_queries)
     started = time.perf_counter()
     gold_base, gold_policy, kl_exact = [], [], []
     for draw in range(args.draws):
-        setup = Evaluation(
-            base=base,
-            reward_model=reward_model,
-            queries=queries,
-            sampler=sampler,
-            tokenizer=tokenizer,
-            seed=10_000 + draw,  # not the evaluation's stream (params.seed + 2)
-            batch_size=params.evaluate.batch_size,
-            labeler=labeler,
-        )
-        base_set, policy_set = sample_and_score(base, setup), sample_and_score(policy, setup)
+        setup = run.evaluation(queries, draw, labeler)  # base and policy on the same stream: paired
+        base_set, policy_set = sample_and_score(run.base, setup), sample_and_score(run.policy, setup)
         gold_base.append(base_set.gold)
         gold_policy.append(policy_set.gold)
         kl_exact.append(policy_set.kl_exact.numpy())

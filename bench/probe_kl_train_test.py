@@ -23,13 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import emit, measured_matmul_flops  # noqa: E402
+from shipped_run import load_shipped_run  # noqa: E402
 
-from rlhf_pipeline.evaluation import Evaluation, mean_and_stderr, sample_and_score  # noqa: E402
-from rlhf_pipeline.models import load_causal_lm, load_tokenizer  # noqa: E402
-from rlhf_pipeline.params.schema import load_params  # noqa: E402
+from rlhf_pipeline.evaluation import mean_and_stderr, sample_and_score  # noqa: E402
 from rlhf_pipeline.queries import load_queries  # noqa: E402
-from rlhf_pipeline.reward.persistence import load_reward_model  # noqa: E402
-from rlhf_pipeline.sampling import ResponseSampler  # noqa: E402
 
 
 def main() -> None:
@@ -38,29 +35,12 @@ def main() -> None:
     parser.add_argument("--policy", default="models/policy")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    params = load_params("params.yaml")
-    tokenizer = load_tokenizer("models/base")
-    base = load_causal_lm("models/base").eval()
-    policy = load_causal_lm(args.policy).eval()
-    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
-    reward_model = load_reward_model("models/reward", torch.device("cpu"))
+    run = load_shipped_run(args.policy)
     started = time.perf_counter()
     kls = {}
     for split in ("train", "test"):
-        queries = load_queries("data/queries", split, tokenizer.pad_token_id)
-        per_draw = []
-        for draw in range(args.draws):
-            setup = Evaluation(
-                base=base,
-                reward_model=reward_model,
-                queries=queries,
-                sampler=sampler,
-                tokenizer=tokenizer,
-                seed=10_000 + draw,  # not the evaluation's stream (params.seed + 2)
-                batch_size=params.evaluate.batch_size,
-            )
-            per_draw.append(sample_and_score(policy, setup).kl_k1)
+        queries = load_queries("data/queries", split, run.tokenizer.pad_token_id)
+        per_draw = [sample_and_score(run.policy, run.evaluation(queries, draw)).kl_k1 for draw in range(args.draws)]
         kls[split] = torch.cat(per_draw)
     lines = [
         f"# KL on train and test queries: {args.policy}",
