@@ -18,7 +18,6 @@ Usage (after `dvc repro`, alone on the machine):
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -28,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 from common import emit, measured_matmul_flops  # noqa: E402
-from shipped_run import load_shipped_run  # noqa: E402
+from shipped_run import load_shipped_run, probe_parser  # noqa: E402
 
+from rlhf_pipeline import paths  # noqa: E402
 from rlhf_pipeline.evaluation import sample_and_score  # noqa: E402
 from rlhf_pipeline.labelers import gold_labeler  # noqa: E402
 from rlhf_pipeline.queries import load_queries  # noqa: E402
@@ -49,17 +49,14 @@ def standard_error(var_query: float, var_within: float, queries: int, responses:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--draws", type=int, default=3, help="responses per test query (each its own stream)")
-    parser.add_argument("--policy", default="models/policy")
-    parser.add_argument("--output", type=Path)
+    parser = probe_parser(__doc__, draws=3, draws_help="responses per test query (each its own stream)")
     args = parser.parse_args()
     if args.draws < 2:
         parser.error("--draws must be at least 2: the within-query variance needs two responses per query")
     run = load_shipped_run(args.policy)
     data = run.params.data.preferences
     labeler = gold_labeler(data.source, data.labeler)
-    queries = load_queries("data/queries", "test", run.tokenizer.pad_token_id, run.params.evaluate.num_queries)
+    queries = load_queries(paths.QUERIES, "test", run.tokenizer.pad_token_id, run.params.evaluate.num_queries)
     started = time.perf_counter()
     gold_base, gold_policy, kl_exact = [], [], []
     for draw in range(args.draws):

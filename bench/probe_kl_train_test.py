@@ -13,7 +13,6 @@ Usage (after `dvc repro`, alone on the machine):
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -23,23 +22,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import emit, measured_matmul_flops  # noqa: E402
-from shipped_run import load_shipped_run  # noqa: E402
+from shipped_run import load_shipped_run, probe_parser  # noqa: E402
 
+from rlhf_pipeline import paths  # noqa: E402
 from rlhf_pipeline.evaluation import mean_and_stderr, sample_and_score  # noqa: E402
 from rlhf_pipeline.queries import load_queries  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--draws", type=int, default=2, help="responses per query (each from its own stream)")
-    parser.add_argument("--policy", default="models/policy")
-    parser.add_argument("--output", type=Path)
+    parser = probe_parser(__doc__, draws=2, draws_help="responses per query (each from its own stream)")
     args = parser.parse_args()
     run = load_shipped_run(args.policy)
     started = time.perf_counter()
     kls = {}
     for split in ("train", "test"):
-        queries = load_queries("data/queries", split, run.tokenizer.pad_token_id)
+        queries = load_queries(paths.QUERIES, split, run.tokenizer.pad_token_id)
         per_draw = [sample_and_score(run.policy, run.evaluation(queries, draw)).kl_k1 for draw in range(args.draws)]
         kls[split] = torch.cat(per_draw)
     lines = [
