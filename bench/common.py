@@ -332,3 +332,80 @@ class MatmulFlops:
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.total, self.mode = self.mode.get_total_flops(), None
+
+
+# how a profiled step's operators are grouped in "where the time goes": the first group whose words
+# the operator's name holds takes it (self time, so a composite op such as ``aten::linear`` is not
+# counted twice over the ``aten::addmm`` it calls)
+OP_GROUPS = (
+    ("matrix products", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
+    ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention")),
+    ("optimizer", ("adam", "_foreach_")),
+)
+
+
+def op_group(name: str) -> str:
+    """The group of :data:`OP_GROUPS` an operator belongs to, or ``"other"``."""
+    for group, words in OP_GROUPS:
+        if any(name == w or (not w.startswith("aten::") and w in name.lower()) for w in words):
+            return group
+    return "other"
+
+
+class StepProfile:
+    """torch's CPU profiler around what runs between :meth:`start` and :meth:`stop` (a benchmark's
+    extra step after its timed ones): seconds of self time per :data:`OP_GROUPS` group, and the matrix
+    products' FLOPs as the profiler counts them (``with_flops``), so their rate on this CPU."""
+
+    def __init__(self):
+        self.profiler = None
+        self.seconds: dict[str, float] = {}
+        self.matmul_flops = 0.0
+        self.wall = 0.0
+        self.largest_other: list[tuple[str, float]] = []
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.profiler = profile(activities=[ProfilerActivity.CPU], with_flops=True)
+        self.profiler.start()
+        self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.profiler is None:
+            return
+        self.wall = time.perf_counter() - self._started
+        self.profiler.stop()
+        seconds = {group: 0.0 for group, _ in OP_GROUPS} | {"other": 0.0}
+        other = []
+        for event in self.profiler.key_averages():
+            group = op_group(event.key)
+            seconds[group] += event.self_cpu_time_total / 1e6
+            if group == "matrix products":
+                self.matmul_flops += event.flops or 0
+            elif group == "other":
+                other.append((event.key, event.self_cpu_time_total / 1e6))
+        self.largest_other = sorted(other, key=lambda item: -item[1])[:5]
+        self.seconds, self.profiler = seconds, None
+
+    def other_summary(self) -> str:
+        """The five largest ops of the "other" group, with their seconds."""
+        return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.largest_other)
+
+    def row(self) -> list[str]:
+        """Cells for :data:`PROFILE_HEADERS`."""
+        matmul = self.seconds["matrix products"]
+        cells = [f"{self.wall:.2f}"] + [f"{self.seconds[group]:.2f}" for group, _ in OP_GROUPS]
+        cells.append(f"{self.seconds['other']:.2f}")
+        cells.append(f"{self.matmul_flops / 1e9:.0f}")
+        cells.append(f"{self.matmul_flops / matmul / 1e9:.0f}" if matmul else "n/a")
+        return cells
+
+
+PROFILE_HEADERS = [
+    "profiled step s",
+    *(f"{group} s" for group, _ in OP_GROUPS),
+    "other s",
+    "matmul GFLOP",
+    "matmul GFLOP/s",
+]

@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import (
     MODEL_NAMES,
+    PROFILE_HEADERS,
+    StepProfile,
     benchmark_parser,
     emit,
     environment_lines,
@@ -52,6 +54,18 @@ def make_data(tokenizer, num_pairs: int, prompt_tokens: int, response_tokens: in
     return prompts, chosen, rejected
 
 
+def profile_around_extra_step(args, steps_done: int, side: str) -> None:
+    """With ``--profile``, profile the one step after the warm-up and timed ones (``steps_done`` counts
+    the steps ended so far); its time is not among the timed steps'."""
+    if not args.profile:
+        return
+    if steps_done == args.steps + 1:
+        args.profiles[side] = StepProfile()
+        args.profiles[side].start()
+    elif steps_done == args.steps + 2:
+        args.profiles[side].stop()
+
+
 # --------------------------------------------------------------------------------------------
 def run_ours(model_dir: Path, tokenizer, data, args) -> list[float]:
     """Per-step wall times (seconds) of the project's reward training, warmup step included."""
@@ -65,14 +79,15 @@ def run_ours(model_dir: Path, tokenizer, data, args) -> list[float]:
     samples = torch.stack([chosen, rejected], dim=1)  # (B, 2, R): index 0 is the preferred one
     best = torch.zeros(len(prompts), dtype=torch.long)
     stamps: list[float] = []
+
+    def step_end(record) -> None:
+        stamps.append(time.perf_counter())
+        profile_around_extra_step(args, len(stamps), "ours")
+
     start = time.perf_counter()
     cfg = RewardTrainParams(lr=args.lr, batch_size=args.batch_pairs, microbatch_size=args.batch_pairs)
     train_reward_model(
-        model,
-        Labels(prompts, samples, best),
-        cfg,
-        torch.Generator().manual_seed(args.seed),
-        log=lambda record: stamps.append(time.perf_counter()),
+        model, Labels(prompts, samples, best), cfg, torch.Generator().manual_seed(args.seed), log=step_end
     )
     del model
     gc.collect()
@@ -106,6 +121,7 @@ def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
 
         def on_step_end(self, *a, **k):
             self.stamps.append(time.perf_counter())
+            profile_around_extra_step(args, len(self.stamps), "trl")
 
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
@@ -113,7 +129,7 @@ def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
             output_dir=out,
             per_device_train_batch_size=args.batch_pairs,
             gradient_accumulation_steps=1,
-            max_steps=args.steps + 1,
+            max_steps=args.steps + 1 + args.profile,
             learning_rate=args.lr,
             adam_epsilon=1e-5,
             weight_decay=0.0,
@@ -150,10 +166,17 @@ def main(argv=None) -> None:
     parser.add_argument("--response-tokens", type=int, default=24)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--only", choices=["ours", "trl"], help="run one side only (debugging)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run one more step per side under torch's profiler and add a table of where its time goes "
+        "(matrix products, attention, optimizer, other) and the matrix products' GFLOP/s",
+    )
     args = parser.parse_args(argv)
+    args.profiles = {}
 
     model_dir, tokenizer = prepare(args)
-    num_pairs = args.batch_pairs * (args.steps + 1)
+    num_pairs = args.batch_pairs * (args.steps + 1 + args.profile)
     data = make_data(tokenizer, num_pairs, args.prompt_tokens, args.response_tokens, args.seed)
 
     results: dict[str, list[float]] = {}
@@ -173,7 +196,7 @@ def main(argv=None) -> None:
         "ours": "rlhf_pipeline train_reward_model (score_best_of_n, N=2, prompt shared in one packed sequence)",
         "trl": "TRL 1.12 RewardTrainer (AutoModelForSequenceClassification)",
     }
-    timed = {name: times[1:] for name, times in results.items()}
+    timed = {name: times[1 : args.steps + 1] for name, times in results.items()}
     sec = {name: sum(t) / len(t) for name, t in timed.items()}
     # the median shows the steady state: on CPU the first timed step still pays one-off allocations
     med = {name: statistics.median(t) for name, t in timed.items()}
@@ -222,6 +245,20 @@ def main(argv=None) -> None:
         "speed vs TRL = TRL seconds/step / implementation seconds/step (>1 means faster than TRL), from the mean "
         "and from the median of the timed steps.",
     ]
+    if args.profiles:
+        profile_rows = [[labels[name].split(" (")[0], *args.profiles[name].row()] for name in args.profiles]
+        table += "\n\nWhere one more step's time goes (torch profiler, self CPU time):\n\n" + render_table(
+            ["implementation", *PROFILE_HEADERS], profile_rows, args.markdown
+        )
+        notes.append(
+            "profile: one step per side after the timed ones, under torch.profiler (CPU activity, with_flops); "
+            "matrix products = aten::mm/addmm/bmm/baddbmm, attention = the scaled-dot-product kernels and their "
+            "backward, optimizer = Adam's fused or foreach kernels, other = every other op's self time (norms, "
+            "activations, masks, copies, zeroing); the groups' sum is below the step's wall time by the time "
+            "outside any op (Python, the trainers' own bookkeeping); matmul GFLOP/s = the profiler's FLOP count of "
+            "those ops over their self time."
+        )
+        notes += [f"largest other ops, {name}: {args.profiles[name].other_summary()}" for name in args.profiles]
     emit(
         render_report("Reward-model training throughput", environment_lines(model_name), table, notes, args.markdown),
         args.output,
