@@ -340,7 +340,7 @@ class MatmulFlops:
 OP_GROUPS = (
     ("matrix products", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
     ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention")),
-    ("optimizer", ("adam", "_foreach_")),
+    ("optimizer step", ("adam", "_foreach_", "aten::linalg_vector_norm", "aten::clamp")),
 )
 
 
@@ -367,7 +367,7 @@ class StepProfile:
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
-        self.profiler = profile(activities=[ProfilerActivity.CPU], with_flops=True)
+        self.profiler = profile(activities=[ProfilerActivity.CPU], with_flops=True, record_shapes=True)
         self.profiler.start()
         self._started = time.perf_counter()
 
@@ -377,19 +377,21 @@ class StepProfile:
         self.wall = time.perf_counter() - self._started
         self.profiler.stop()
         seconds = {group: 0.0 for group, _ in OP_GROUPS} | {"other": 0.0}
-        other = []
         for event in self.profiler.key_averages():
             group = op_group(event.key)
             seconds[group] += event.self_cpu_time_total / 1e6
             if group == "matrix products":
                 self.matmul_flops += event.flops or 0
-            elif group == "other":
-                other.append((event.key, event.self_cpu_time_total / 1e6))
-        self.largest_other = sorted(other, key=lambda item: -item[1])[:5]
+        other = [
+            (f"{event.key} {event.count}x {event.input_shapes[:2]}", event.self_cpu_time_total / 1e6)
+            for event in self.profiler.key_averages(group_by_input_shape=True)
+            if op_group(event.key) == "other"
+        ]
+        self.largest_other = sorted(other, key=lambda item: -item[1])[:6]
         self.seconds, self.profiler = seconds, None
 
     def other_summary(self) -> str:
-        """The five largest ops of the "other" group, with their seconds."""
+        """The six largest (op, input shapes) of the "other" group: calls, first two shapes, seconds."""
         return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.largest_other)
 
     def row(self) -> list[str]:

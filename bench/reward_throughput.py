@@ -251,14 +251,18 @@ def main(argv=None) -> None:
             ["implementation", *PROFILE_HEADERS], profile_rows, args.markdown
         )
         notes.append(
-            "profile: one step per side after the timed ones, under torch.profiler (CPU activity, with_flops); "
-            "matrix products = aten::mm/addmm/bmm/baddbmm, attention = the scaled-dot-product kernels and their "
-            "backward, optimizer = Adam's fused or foreach kernels, other = every other op's self time (norms, "
-            "activations, masks, copies, zeroing); the groups' sum is below the step's wall time by the time "
+            "profile: one step per side after the timed ones, under torch.profiler (CPU activity, with_flops, "
+            "record_shapes); matrix products = aten::mm/addmm/bmm/baddbmm, attention = the scaled-dot-product "
+            "kernels and their backward, optimizer step = Adam's fused or foreach kernels and gradient clipping's "
+            "norms, other = every other op's self time (RMS norms, activations, masks, copies, zeroing, the "
+            "clipping's scaling); the groups' sum is below the step's wall time by the time "
             "outside any op (Python, the trainers' own bookkeeping); matmul GFLOP/s = the profiler's FLOP count of "
             "those ops over their self time."
         )
-        notes += [f"largest other ops, {name}: {args.profiles[name].other_summary()}" for name in args.profiles]
+        notes += [
+            f"largest other ops (calls, input shapes), {name}: {args.profiles[name].other_summary()}"
+            for name in args.profiles
+        ]
     emit(
         render_report("Reward-model training throughput", environment_lines(model_name), table, notes, args.markdown),
         args.output,

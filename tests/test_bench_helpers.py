@@ -1,6 +1,6 @@
 """Helpers of the benchmark scripts: the FLOP count of fused attention with grouped key/value heads
-(bench/common.py), the comparison of two ``dvc.lock`` files (bench/lock_diff.py) and the evaluation's
-variance components (bench/probe_eval_variance.py)."""
+and the step profile's operator groups (bench/common.py), the comparison of two ``dvc.lock`` files
+(bench/lock_diff.py) and the evaluation's variance components (bench/probe_eval_variance.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.utils.flop_counter import flop_registry
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmarks are scripts, not a package
 
 import lock_diff  # noqa: E402
-from common import grouped_query_attention_formulas  # noqa: E402
+from common import PROFILE_HEADERS, StepProfile, grouped_query_attention_formulas, op_group  # noqa: E402
 from probe_eval_variance import standard_error, variance_components  # noqa: E402
 
 
@@ -71,3 +71,36 @@ def test_variance_components_recover_the_between_and_within_query_spread():
     assert standard_error(4.0, 9.0, 400, 1) < standard_error(4.0, 9.0, 100, 4) < standard_error(4.0, 9.0, 100, 1)
     # no spread between queries beyond the responses': the between part is 0, not negative
     assert variance_components(rng.normal(0, 1, size=(2000, 2)))[0] == pytest.approx(0.0, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    ("operator", "group"),
+    [
+        ("aten::mm", "matrix products"),
+        ("aten::addmm", "matrix products"),
+        ("aten::matmul", "other"),  # composite: its self time is bookkeeping, the work is in aten::mm
+        ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
+        ("aten::_fused_adam_", "optimizer step"),
+        ("aten::_foreach_norm", "optimizer step"),
+        ("aten::mul", "other"),
+        ("aten::silu_backward", "other"),
+    ],
+)
+def test_a_profiled_operator_falls_in_one_group(operator, group):
+    assert op_group(operator) == group
+
+
+def test_the_step_profile_counts_a_matrix_products_time_and_flops_apart_from_the_rest():
+    """A profiled 256 x 256 x 256 product and an elementwise op: the product's FLOPs are 2 n^3 and its
+    time is in "matrix products", the multiplication's in "other"; the row has every header's cell."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    profile = StepProfile()
+    profile.start()
+    torch.mm(a, b)
+    torch.mul(a, b)
+    profile.stop()
+    assert profile.matmul_flops == 2 * 256**3
+    assert profile.seconds["matrix products"] > 0 and profile.seconds["other"] > 0
+    assert profile.seconds["attention"] == 0
+    assert any(name.startswith("aten::mul") for name, _ in profile.largest_other)
+    assert len(profile.row()) == len(PROFILE_HEADERS)
