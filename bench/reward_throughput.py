@@ -15,7 +15,9 @@ CPU, for 1 warmup step + ``--steps`` timed steps each:
 Usage::
 
     .venv/bin/python bench/reward_throughput.py [--model smollm2|smollm2-random|tiny] [--tiny] [--steps 6]
-        [--markdown] [--output FILE]
+        [--profile] [--cpu-numerics portable|compatible|native] [--markdown] [--output FILE]
+
+``--profile`` adds one more step per side under torch's profiler and a table of where its time goes.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def main(argv=None) -> None:
         "--profile",
         action="store_true",
         help="run one more step per side under torch's profiler and add a table of where its time goes "
-        "(matrix products, attention, optimizer, other) and the matrix products' GFLOP/s",
+        "(matrix products, attention, optimizer step, other), the matrix products' GFLOP/s and the largest other ops",
     )
     args = parser.parse_args(argv)
     args.profiles = {}
