@@ -105,8 +105,25 @@ def metric(row: dict, key: str) -> float | None:
     return None
 
 
-def collect(experiments: list[Experiment], baseline_times: dict[str, int]) -> dict[str, float | None]:
-    """Fill each experiment's metrics and stage times; return the workspace (baseline) metrics."""
+def experiment_logs(paths: list[Path]) -> dict[str, str]:
+    """The output of experiments run outside the queue (``dvc exp run --temp -n NAME ... > log``), by the
+    name their first line reports (``Reproducing experiment 'NAME'``)."""
+    logs = {}
+    for path in paths:
+        text = path.read_text(errors="replace")
+        found = re.search(r"Reproducing experiment '([^']+)'", text[:2000])
+        if found is None:
+            raise SystemExit(f"{path}: no \"Reproducing experiment 'NAME'\" line: not the output of `dvc exp run`")
+        logs[found.group(1)] = text
+    return logs
+
+
+def collect(
+    experiments: list[Experiment], baseline_times: dict[str, int], run_logs: dict[str, str] | None = None
+) -> dict[str, float | None]:
+    """Fill each experiment's metrics and stage times (from ``run_logs`` where it has the experiment's
+    output, else from the queue's log); return the workspace (baseline) metrics."""
+    run_logs = run_logs or {}
     rows = existing_experiments()
     workspace = next(row for row in exp_rows() if row.get("rev") == "workspace")
     for experiment in experiments:
@@ -116,7 +133,7 @@ def collect(experiments: list[Experiment], baseline_times: dict[str, int]) -> di
                 f"experiment {experiment.name!r} did not produce a result: see `dvc queue logs {experiment.name}`"
             )
         experiment.metrics = {column: metric(row, key) for column, key in METRICS.items()}
-        log = dvc("queue", "logs", experiment.name, capture=True)
+        log = run_logs.get(experiment.name) or dvc("queue", "logs", experiment.name, capture=True)
         own = stage_times(log)
         experiment.reran = list(own)
         experiment.stage_seconds = {**baseline_times, **own}

@@ -15,7 +15,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from common import measured_matmul_flops
-from experiments import METRICS, Experiment, collect, emit, parser, render, run_all, seed_summary, stage_times
+from experiments import (
+    METRICS,
+    Experiment,
+    collect,
+    emit,
+    experiment_logs,
+    parser,
+    render,
+    run_all,
+    seed_summary,
+    stage_times,
+)
 
 
 def main() -> None:
@@ -30,6 +41,14 @@ def main() -> None:
         help="the `dvc repro` logs, oldest first, of the runs that made the stages the baseline run reused "
         "(its log has no time for them)",
     )
+    p.add_argument(
+        "--run-logs",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="the output of seed experiments run outside the queue (`dvc exp run --temp -n seed-N-LABEL ... > log`): "
+        "their stage times come from these instead of `dvc queue logs`",
+    )
     args = p.parse_args()
     suffix = f"-{args.label}" if args.label else ""
     runs = [Experiment(f"seed-{seed}{suffix}", {"seed": str(seed)}) for seed in args.seeds]
@@ -41,7 +60,7 @@ def main() -> None:
     baseline_times = {}
     for log in [*args.earlier_logs, args.baseline_log]:  # the last run of each stage wins
         baseline_times |= stage_times(log.read_text())
-    baseline = collect(runs, baseline_times)
+    baseline = collect(runs, baseline_times, experiment_logs(args.run_logs))
     table = render(runs, baseline_times, baseline, "default seed")
     everyone = [baseline] + [run.metrics for run in runs]
     minutes = [sum(baseline_times.values())] + [sum(run.stage_seconds.values()) for run in runs]

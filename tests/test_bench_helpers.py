@@ -1,6 +1,7 @@
 """Helpers of the benchmark scripts: the FLOP count of fused attention with grouped key/value heads
 and the step profile's operator groups (bench/common.py), the comparison of two ``dvc.lock`` files
-(bench/lock_diff.py) and the evaluation's variance components (bench/probe_eval_variance.py)."""
+(bench/lock_diff.py), the evaluation's variance components (bench/probe_eval_variance.py) and the
+logs of experiments run outside the queue (bench/experiments.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the be
 
 import lock_diff  # noqa: E402
 from common import PROFILE_HEADERS, StepProfile, grouped_query_attention_formulas, op_group  # noqa: E402
+from experiments import experiment_logs  # noqa: E402
 from probe_eval_variance import standard_error, variance_components  # noqa: E402
 
 
@@ -104,3 +106,15 @@ def test_the_step_profile_counts_a_matrix_products_time_and_flops_apart_from_the
     assert profile.seconds["attention"] == 0
     assert any(name.startswith("aten::mul") for name, _ in profile.largest_other)
     assert len(profile.row()) == len(PROFILE_HEADERS)
+
+
+def test_an_experiment_run_outside_the_queue_is_found_by_the_name_its_log_reports(tmp_path):
+    """bench/seeds.py --run-logs: each log is keyed by its "Reproducing experiment 'NAME'" line; a file
+    without one (not the output of `dvc exp run`) stops the report, naming the file."""
+    log = tmp_path / "seed_2.log"
+    log.write_text("Reproducing experiment 'seed-2-bisect'\nRunning stage 'base_model':\n")
+    assert experiment_logs([log]) == {"seed-2-bisect": log.read_text()}
+    other = tmp_path / "repro.log"
+    other.write_text("Running stage 'base_model':\n")
+    with pytest.raises(SystemExit, match="repro.log"):
+        experiment_logs([log, other])
