@@ -342,6 +342,7 @@ OP_GROUPS = (
     ("attention", ("scaled_dot_product", "flash_attention", "efficient_attention")),
     ("optimizer step", ("adam", "_foreach_", "aten::linalg_vector_norm", "aten::clamp")),
 )
+GROUP_NAMES = (*(group for group, _ in OP_GROUPS), "other")
 
 
 def op_group(name: str) -> str:
@@ -376,17 +377,16 @@ class StepProfile:
             return
         self.wall = time.perf_counter() - self._started
         self.profiler.stop()
-        seconds = {group: 0.0 for group, _ in OP_GROUPS} | {"other": 0.0}
-        for event in self.profiler.key_averages():
-            group = op_group(event.key)
-            seconds[group] += event.self_cpu_time_total / 1e6
+        seconds = dict.fromkeys(GROUP_NAMES, 0.0)
+        other = []
+        # one aggregation, by op and input shapes: the groups sum it, and "other" is listed from it
+        for event in self.profiler.key_averages(group_by_input_shape=True):
+            group, event_seconds = op_group(event.key), event.self_cpu_time_total / 1e6
+            seconds[group] += event_seconds
             if group == "matrix products":
                 self.matmul_flops += event.flops or 0
-        other = [
-            (f"{event.key} {event.count}x {event.input_shapes[:2]}", event.self_cpu_time_total / 1e6)
-            for event in self.profiler.key_averages(group_by_input_shape=True)
-            if op_group(event.key) == "other"
-        ]
+            elif group == "other":
+                other.append((f"{event.key} {event.count}x {event.input_shapes[:2]}", event_seconds))
         self.largest_other = sorted(other, key=lambda item: -item[1])[:6]
         self.seconds, self.profiler = seconds, None
 
@@ -397,17 +397,10 @@ class StepProfile:
     def row(self) -> list[str]:
         """Cells for :data:`PROFILE_HEADERS`."""
         matmul = self.seconds["matrix products"]
-        cells = [f"{self.wall:.2f}"] + [f"{self.seconds[group]:.2f}" for group, _ in OP_GROUPS]
-        cells.append(f"{self.seconds['other']:.2f}")
+        cells = [f"{self.wall:.2f}", *(f"{self.seconds[group]:.2f}" for group in GROUP_NAMES)]
         cells.append(f"{self.matmul_flops / 1e9:.0f}")
         cells.append(f"{self.matmul_flops / matmul / 1e9:.0f}" if matmul else "n/a")
         return cells
 
 
-PROFILE_HEADERS = [
-    "profiled step s",
-    *(f"{group} s" for group, _ in OP_GROUPS),
-    "other s",
-    "matmul GFLOP",
-    "matmul GFLOP/s",
-]
+PROFILE_HEADERS = ["profiled step s", *(f"{group} s" for group in GROUP_NAMES), "matmul GFLOP", "matmul GFLOP/s"]
