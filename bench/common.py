@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlhf_pipeline import numerics
+from rlhf_pipeline import allocator, numerics
 
 BENCH_DIR = Path(__file__).resolve().parent
 CACHE_DIR = BENCH_DIR / ".cache"
@@ -154,6 +154,7 @@ def prepare(args):
     logging.getLogger("transformers").setLevel(logging.ERROR)
     hf_logging.set_verbosity_error()
     numerics.pin(args.cpu_numerics, THREADS)  # before the first torch operation, as a stage pins compute.cpu_numerics
+    allocator.keep_freed_memory()  # as a stage does: both sides of a comparison run with it
     setup(args.seed)
     model_dir = materialise_model(args.model)
     return model_dir, AutoTokenizer.from_pretrained(str(model_dir))
@@ -230,6 +231,7 @@ def environment_lines(model_name: str, device: str = "cpu") -> list[str]:
     return [
         where,
         f"cpu numerics: {numerics.describe(pin.record()) if pin else 'not pinned'}",
+        f"memory: {allocator.describe()}",
         f"versions: python {platform.python_version()}, torch {torch.__version__}, transformers "
         f"{transformers.__version__}, trl {trl_version}",
         f"model: {model_name}",

@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import gc
+import resource
 import statistics
 import sys
 import tempfile
@@ -56,6 +57,20 @@ def make_data(tokenizer, num_pairs: int, prompt_tokens: int, response_tokens: in
     return prompts, chosen, rejected
 
 
+def step_ended(args, steps_done: int, side: str) -> None:
+    """Called as each step of ``side`` ends (``steps_done`` counts them): note the process's page faults
+    and system time so far, and profile around the extra step."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    args.counters.setdefault(side, []).append((usage.ru_minflt, usage.ru_stime))
+    profile_around_extra_step(args, steps_done, side)
+
+
+def per_timed_step(counters: list[tuple[int, float]], steps: int) -> tuple[float, float]:
+    """The median minor page faults and system seconds of the timed steps (the steps after the warm-up's)."""
+    deltas = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(counters[:steps], counters[1 : steps + 1])]
+    return statistics.median(d[0] for d in deltas), statistics.median(d[1] for d in deltas)
+
+
 def profile_around_extra_step(args, steps_done: int, side: str) -> None:
     """With ``--profile``, profile the one step after the warm-up and timed ones (``steps_done`` counts
     the steps ended so far); its time is not among the timed steps'."""
@@ -84,7 +99,7 @@ def run_ours(model_dir: Path, tokenizer, data, args) -> list[float]:
 
     def step_end(record) -> None:
         stamps.append(time.perf_counter())
-        profile_around_extra_step(args, len(stamps), "ours")
+        step_ended(args, len(stamps), "ours")
 
     start = time.perf_counter()
     cfg = RewardTrainParams(lr=args.lr, batch_size=args.batch_pairs, microbatch_size=args.batch_pairs)
@@ -123,7 +138,7 @@ def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
 
         def on_step_end(self, *a, **k):
             self.stamps.append(time.perf_counter())
-            profile_around_extra_step(args, len(self.stamps), "trl")
+            step_ended(args, len(self.stamps), "trl")
 
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
@@ -175,7 +190,7 @@ def main(argv=None) -> None:
         "(matrix products, attention, optimizer step, other), the matrix products' GFLOP/s and the largest other ops",
     )
     args = parser.parse_args(argv)
-    args.profiles = {}
+    args.profiles, args.counters = {}, {}
 
     model_dir, tokenizer = prepare(args)
     num_pairs = args.batch_pairs * (args.steps + 1 + args.profile)
@@ -246,6 +261,13 @@ def main(argv=None) -> None:
         "interval between on_step_end callbacks.",
         "speed vs TRL = TRL seconds/step / implementation seconds/step (>1 means faster than TRL), from the mean "
         "and from the median of the timed steps.",
+        "page faults a timed step (median; minor faults, and the system time the process spent, on its threads "
+        "together): "
+        + "; ".join(
+            "{}: {:.0f} faults, {:.2f} s".format(name, *per_timed_step(args.counters[name], args.steps))
+            for name in results
+        )
+        + " (the memory line above says what malloc keeps).",
     ]
     if args.profiles:
         profile_rows = [[labels[name].split(" (")[0], *args.profiles[name].row()] for name in args.profiles]

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
-from rlhf_pipeline import numerics
+from rlhf_pipeline import allocator, numerics
 from rlhf_pipeline.errors import MissingPackageError, ParamsError, PipelineError, storage_error, storage_failure
 from rlhf_pipeline.io import sha256_file
 from rlhf_pipeline.params import StageParams, read_params_file, validate
@@ -339,6 +339,7 @@ def run_stage(name: str, body: Callable[[Any], None], schema: type[StageParams],
     args = parser.parse_args(argv)
     try:
         params = stage_params(name, args.params, project_root(), schema)
+        allocator.keep_freed_memory()  # a few % off a training step: see allocator.py
         if "compute" in schema.model_fields:  # before the stage's first torch operation: see numerics.py
             numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)
         declares_seed = not isinstance(params, DeclaredParams) or params.declares("seed")

@@ -1,7 +1,8 @@
 """Helpers of the benchmark scripts: the FLOP count of fused attention with grouped key/value heads
 and the step profile's operator groups (bench/common.py), the comparison of two ``dvc.lock`` files
-(bench/lock_diff.py), the evaluation's variance components (bench/probe_eval_variance.py) and the
-logs of experiments run outside the queue (bench/experiments.py)."""
+(bench/lock_diff.py), the evaluation's variance components (bench/probe_eval_variance.py), the
+logs of experiments run outside the queue (bench/experiments.py) and the reward bench's page faults
+a step (bench/reward_throughput.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import lock_diff  # noqa: E402
 from common import PROFILE_HEADERS, StepProfile, grouped_query_attention_formulas, op_group  # noqa: E402
 from experiments import experiment_logs  # noqa: E402
 from probe_eval_variance import standard_error, variance_components  # noqa: E402
+from reward_throughput import per_timed_step  # noqa: E402
 
 
 def test_grouped_key_value_heads_count_as_the_query_heads_they_serve():
@@ -118,3 +120,10 @@ def test_an_experiment_run_outside_the_queue_is_found_by_the_name_its_log_report
     other.write_text("Running stage 'base_model':\n")
     with pytest.raises(SystemExit, match="repro.log"):
         experiment_logs([log, other])
+
+
+def test_page_faults_a_step_count_the_timed_steps_only():
+    """Counters as each step ends: the warm-up's end, two timed steps, then the profiled extra step."""
+    counters = [(1000, 5.0), (1010, 5.1), (1040, 5.4), (9000, 50.0)]
+    faults, system = per_timed_step(counters, steps=2)
+    assert faults == 20 and system == pytest.approx(0.2)

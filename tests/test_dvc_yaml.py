@@ -306,11 +306,12 @@ def test_the_base_model_stage_runs_only_the_bottom_of_the_library():
     it carries, the base-model sources, the admission of a user's model folder and the model
     helpers they use, the entry point's offline environment, the tokenizer's prefix the card
     records, and the check of the model-dependent values (fit.py, with the four schemas whose keys
-    it checks: ppo, reward, data, task) as soon as the model is built, and the CPU numerics it pins
-    (numerics.py, params/compute.py)."""
+    it checks: ppo, reward, data, task) as soon as the model is built, the CPU numerics it pins
+    (numerics.py, params/compute.py) and the malloc settings it makes (allocator.py)."""
     found = {f for f in project_files(REPO / "stages/base_model.py") if f.startswith("rlhf_pipeline/")}
     assert found == {
         "rlhf_pipeline/__init__.py",
+        "rlhf_pipeline/allocator.py",
         "rlhf_pipeline/environment.py",
         "rlhf_pipeline/errors.py",
         "rlhf_pipeline/fit.py",
@@ -428,8 +429,8 @@ def test_the_pipeline_s_paths_are_dvc_yaml_s():
 # The library's floors, bottom up: a module imports only its own floor and those below it.
 LIBRARY_FLOORS = {
     # maths on tensors, I/O, git, the pipeline's names: no model, no params
-    0: "errors io json_stream gitrepo paths metric_keys offline logging functional decoding optim progress numerics "
-    "tokens model_folder ppo/advantages ppo/kl ppo/losses preferences/text_rules",
+    0: "errors allocator io json_stream gitrepo paths metric_keys offline logging functional decoding optim progress "
+    "numerics tokens model_folder ppo/advantages ppo/kl ppo/losses preferences/text_rules",
     # the params schema, section by section
     1: "params/__init__ params/base_model params/compute params/data params/evaluate params/labelling params/ppo "
     "params/promotion params/reward params/schedule params/task params/schema",

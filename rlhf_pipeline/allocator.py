@@ -1,0 +1,90 @@
+"""glibc's malloc, set for training: memory a step frees stays in the process for the next step.
+
+Why. A training step frees its activations and gradients and allocates them again the next step.
+With glibc's defaults a free block over the mmap threshold goes back to the OS at once, and so does
+the free top of the heap once it passes the trim threshold (glibc moves both up as it goes, to 32 and
+64 MiB at most); the next step's first write to those pages then faults, and the kernel zeroes each
+4 KiB page before handing it over. On this project's 2-core machine the reward model's training step
+(``bench/reward_throughput.py``, SmolLM2-135M's shapes) took 30,000 to 100,000 minor page faults a
+step, 0.15 to 0.75 s of system time. This module fixes the mmap threshold at the largest value glibc
+takes (32 MiB) and trims the heap only once 2 GiB lies free at its top, so the blocks a step frees
+serve the next one; findings and timings in ``bench/results/allocator.md``.
+
+It changes no byte: where a block lives never changes what a kernel computes (torch aligns every CPU
+block to 64 bytes either way). It costs memory only in that the process keeps what it freed, up to
+its peak, until it exits.
+
+Where it applies: glibc on Linux. Elsewhere (macOS, musl), when ``GLIBC_TUNABLES`` already sets a
+``glibc.malloc.*`` key (the user's own settings win) or with ``RLHF_MALLOC=system``, nothing is
+changed. Standard library only: the stage runner and the benchmarks call it before any model loads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Mapping
+
+from rlhf_pipeline.errors import SettingsError
+
+ENVIRONMENT_VARIABLE = "RLHF_MALLOC"
+KEEP, SYSTEM = "keep", "system"
+# mallopt's parameters (glibc's malloc.h) and the values set
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 * 2**20  # glibc refuses more on 64-bit hosts (half its largest heap)
+TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int: 2 GiB is the most it can say
+
+_kept = False
+
+
+def chosen(environ: Mapping[str, str]) -> str:
+    """``RLHF_MALLOC``'s value: ``keep`` (the default) or ``system`` (glibc's own behaviour)."""
+    value = environ.get(ENVIRONMENT_VARIABLE, KEEP)
+    if value not in (KEEP, SYSTEM):
+        raise SettingsError(
+            f"{ENVIRONMENT_VARIABLE}={value!r} is not one of {KEEP!r} (memory a training step frees stays in the "
+            f"process for the next step; the default) or {SYSTEM!r} (glibc's own malloc settings). Unset it or "
+            "set one of the two."
+        )
+    return value
+
+
+def glibc():
+    """This process's C library when it is glibc (it has ``gnu_get_libc_version``), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
+        return None
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.mallopt.restype = ctypes.c_int
+    return libc
+
+
+def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
+    """Set glibc's malloc so that freed blocks stay in the process (see the module's docstring);
+    True when it did, False where it leaves malloc alone (not glibc, the user's ``GLIBC_TUNABLES``
+    malloc keys, ``RLHF_MALLOC=system``). Calling it again changes nothing more."""
+    environ = os.environ if environ is None else environ
+    if chosen(environ) == SYSTEM or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+        return False
+    libc = glibc()
+    if libc is None:
+        return False
+    # mallopt returns 1 when it took the value; a glibc that refuses one keeps its own behaviour for it
+    global _kept
+    took_mmap = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    took_trim = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    _kept = took_mmap and took_trim
+    return _kept
+
+
+def describe() -> str:
+    """One line for a report: what this process's malloc does with freed memory."""
+    if _kept:
+        return (
+            "glibc's malloc keeps what the process frees (mmap threshold 32 MiB, trim beyond 2 GiB; "
+            f"{ENVIRONMENT_VARIABLE}=system: glibc's own settings)"
+        )
+    return "malloc as the C library sets it"

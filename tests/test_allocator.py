@@ -1,0 +1,81 @@
+"""glibc's malloc keeps the memory a training step frees (rlhf_pipeline/allocator.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_pipeline import allocator
+from rlhf_pipeline.errors import SettingsError
+from rlhf_pipeline.params import StageParams
+from rlhf_pipeline.runner import run_stage
+
+# A step's pattern: 40 blocks of 4 MiB written, then all freed, three times over. glibc's defaults
+# hand the freed 160 MiB back to the OS each time, so every later round faults its pages in again.
+ROUNDS = """
+import ctypes, json, resource, sys
+from rlhf_pipeline import allocator
+kept = allocator.keep_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+size = 4 * 2**20
+
+def one_round():
+    blocks = [libc.malloc(size) for _ in range(40)]
+    for block in blocks:
+        ctypes.memset(block, 1, size)
+    for block in blocks:
+        libc.free(block)
+
+one_round()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+one_round()
+one_round()
+print(json.dumps({"kept": kept, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+"""
+
+
+def later_rounds(malloc: str) -> dict:
+    # this checkout's package, whichever the environment's install points at
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RLHF_MALLOC": malloc}
+    done = subprocess.run([sys.executable, "-c", ROUNDS], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(allocator.glibc() is None, reason="glibc's malloc only: this C library is not glibc")
+def test_freed_blocks_serve_the_next_round_instead_of_faulting_in_again():
+    system, keep = later_rounds(allocator.SYSTEM), later_rounds(allocator.KEEP)
+    assert system["kept"] is False and keep["kept"] is True
+    pages = 2 * 40 * 4 * 2**20 // 4096  # what two rounds write
+    assert system["faults"] > pages // 2, system  # glibc's own settings gave the rounds' memory back
+    assert keep["faults"] < pages // 20, keep
+
+
+def test_the_user_s_own_malloc_settings_win():
+    assert allocator.keep_freed_memory({"RLHF_MALLOC": "system"}) is False
+    assert allocator.keep_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}) is False
+
+
+def test_an_unknown_rlhf_malloc_value_is_refused_naming_the_variable():
+    with pytest.raises(SettingsError, match=r"RLHF_MALLOC='jemalloc' is not one of 'keep' .* or 'system'"):
+        allocator.keep_freed_memory({"RLHF_MALLOC": "jemalloc"})
+
+
+class SeedOnly(StageParams):
+    pass
+
+
+def test_a_stage_under_an_unknown_rlhf_malloc_value_exits_2_before_its_body(tmp_path, monkeypatch, capsys):
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"probe": {"cmd": "true", "params": ["seed"]}}}))
+    (tmp_path / "params.yaml").write_text("seed: 5\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RLHF_MALLOC", "tcmalloc")
+    ran = []
+    with pytest.raises(SystemExit) as exit_:
+        run_stage("probe", lambda params: ran.append(params.seed), SeedOnly, argv=[])
+    assert exit_.value.code == 2 and ran == []
+    assert "stage probe: error: RLHF_MALLOC='tcmalloc' is not one of" in capsys.readouterr().err
