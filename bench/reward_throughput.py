@@ -287,6 +287,11 @@ def main(argv=None) -> None:
             f"largest other ops (calls, input shapes), {name}: {args.profiles[name].other_summary()}"
             for name in args.profiles
         ]
+        notes.append(
+            "the profiler's own cost: the profiled step against the timed steps' median, "
+            + "; ".join(f"{name} {args.profiles[name].wall:.2f} s against {med[name]:.2f} s" for name in args.profiles)
+            + " (where the two differ, the profiler has slowed the ops it timed, and their times above are inflated)"
+        )
     emit(
         render_report("Reward-model training throughput", environment_lines(model_name), table, notes, args.markdown),
         args.output,
