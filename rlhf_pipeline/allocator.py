@@ -66,6 +66,7 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
     """Set glibc's malloc so that freed blocks stay in the process (see the module's docstring);
     True when it did, False where it leaves malloc alone (not glibc, the user's ``GLIBC_TUNABLES``
     malloc keys, ``RLHF_MALLOC=system``). Calling it again changes nothing more."""
+    global _kept
     environ = os.environ if environ is None else environ
     if chosen(environ) == SYSTEM or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
         return False
@@ -73,7 +74,6 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
     if libc is None:
         return False
     # mallopt returns 1 when it took the value; a glibc that refuses one keeps its own behaviour for it
-    global _kept
     took_mmap = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
     took_trim = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     _kept = took_mmap and took_trim
@@ -84,7 +84,7 @@ def describe() -> str:
     """One line for a report: what this process's malloc does with freed memory."""
     if _kept:
         return (
-            "glibc's malloc keeps what the process frees (mmap threshold 32 MiB, trim beyond 2 GiB; "
-            f"{ENVIRONMENT_VARIABLE}=system: glibc's own settings)"
+            f"glibc's malloc keeps what the process frees (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim beyond "
+            f"{(TRIM_THRESHOLD + 1) >> 30} GiB; {ENVIRONMENT_VARIABLE}=system: glibc's own settings)"
         )
     return "malloc as the C library sets it"

@@ -35,6 +35,7 @@ from rlhf_pipeline.reward.normalization import task_scores
 from rlhf_pipeline.sampling import (
     ResponseSampler,
     iterate_batches,
+    response_hidden,
     response_logits,
     response_outputs,
     shared_lower_blocks,
@@ -117,6 +118,19 @@ class SampleSet:
     kl_exact: Tensor  # (n,) the same with each token's term exact over the vocabulary
     texts: list[str]
 
+    def first(self, n: int) -> SampleSet:
+        """The samples of the first ``n`` queries."""
+        return SampleSet(
+            responses=self.responses[:n],
+            valid=self.valid[:n],
+            proxy=self.proxy[:n],
+            gold=None if self.gold is None else self.gold[:n],
+            kl=self.kl[:n],
+            kl_k1=self.kl_k1[:n],
+            kl_exact=self.kl_exact[:n],
+            texts=self.texts[:n],
+        )
+
 
 @dataclass(kw_only=True)
 class Evaluation:
@@ -156,17 +170,18 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
         else:
             query_responses = torch.cat([queries[rows], out.responses], 1)
             temperature, pad = sampler.task.temperature, sampler.pad_token_id
-            args = (query_responses != pad, queries.shape[1], temperature, pad, shared, out.hidden.get(shared))
-            reference = response_outputs(base, query_responses, *args)
+            mask, trunk = query_responses != pad, out.hidden.get(shared)
+            reference = response_outputs(base, query_responses, mask, queries.shape[1], temperature, pad, shared, trunk)
             kls.append(sequence_kl(out.logprobs, reference.logprobs, out.mask, setup.kl_estimator))
             kls_k1.append(
                 kls[-1] if setup.kl_estimator == "k1" else sequence_kl(out.logprobs, reference.logprobs, out.mask)
             )
-            own = response_outputs(model, query_responses, *args)
+            # the model's own logprobs came with its samples: only its hidden states are needed here
+            own = response_hidden(model, query_responses, mask, queries.shape[1], shared, trunk)
             mine, theirs = (
                 partial(response_logits, m, temperature=temperature, pad_token_id=pad) for m in (model, base)
             )
-            kls_exact.append(exact_kl_by_rows(mine, theirs, own.hidden, reference.hidden, out.mask))
+            kls_exact.append(exact_kl_by_rows(mine, theirs, own, reference.hidden, out.mask))
         truncated.append(trunc)
         valids.append(valid)
         lines.update(rows.stop)
@@ -228,10 +243,21 @@ def _improvement(score: str, policy_scores, base_scores) -> dict:
     return {keys.gain(score): gain, keys.gain_se(score): stderr, **reason}
 
 
+def curve_queries(num_queries: int, wanted: int | None, batch_size: int) -> int:
+    """How many of the ``num_queries`` evaluation queries a curve checkpoint is sampled on
+    (``evaluate.curve_queries``): the first ``wanted`` rounded up to whole batches, so that each row
+    gets the uniform the base's row got (the sampler draws a batch's uniforms together); all when null."""
+    if wanted is None:
+        return num_queries
+    return min(num_queries, -(-wanted // batch_size) * batch_size)
+
+
 def curve_point(update: int, sample: SampleSet, base: SampleSet) -> dict:
     """One checkpoint on the over-optimisation curve: mean KL from the base (with its standard
     error), and proxy and gold as paired improvements over the base in base-std units (with
-    theirs), so the two scores share one comparable scale; raw means are kept too."""
+    theirs), so the two scores share one comparable scale; raw means are kept too. ``base`` holds
+    the base's samples on the queries ``sample`` was drawn on (the first ones: :meth:`SampleSet.first`)."""
+    base = base.first(len(sample.proxy))
     kl, kl_stderr = mean_and_stderr(sample.kl)
     kl_exact, kl_exact_stderr = mean_and_stderr(sample.kl_exact)
     point = {
@@ -243,6 +269,7 @@ def curve_point(update: int, sample: SampleSet, base: SampleSet) -> dict:
         "sqrt_kl": max(kl, 0.0) ** 0.5,
         "proxy": sample.proxy.mean().item(),
         "gold": None if sample.gold is None else float(sample.gold.mean()),
+        "queries": len(sample.proxy),
     }
     scored = {"proxy": (sample.proxy.numpy(), base.proxy.numpy())}
     if sample.gold is not None and base.gold is not None:

@@ -39,8 +39,14 @@ def sample_rows(query_texts: list[str], base_set: SampleSet, policy_set: SampleS
 
 
 def best_point(points: list[dict]) -> dict:
-    """The curve point with the best gold score, or the best proxy score where there is no gold."""
-    return max(points, key=lambda p: p["gold"] if p["gold"] is not None else p["proxy"])
+    """The curve point with the best gold score, or the best proxy score where there is no gold: as
+    improvements over the base on the point's own queries where every point has one (a checkpoint
+    sampled on fewer queries than the shipped policy, ``evaluate.curve_queries``, has a raw mean over
+    other queries), else as raw means."""
+    score = "gold" if all(p["gold"] is not None for p in points) else "proxy"
+    if all(p.get(f"{score}_std_units") is not None for p in points):
+        return max(points, key=lambda p: p[f"{score}_std_units"])
+    return max(points, key=lambda p: p[score])
 
 
 def write_evaluation(
@@ -102,12 +108,12 @@ def render_report(metrics: dict, points: list[dict], best: dict, rows: list[dict
         "Improvements are over the base model on the same queries, in base-std units, +- one paired standard error.",
         "KL is `ppo.kl.estimator`'s; exact KL sums each token's KL over the whole vocabulary (+- its standard error).",
         "",
-        "| update | KL | exact KL | proxy | gold | proxy improvement | gold improvement |",
-        "|---|---|---|---|---|---|---|",
+        "| update | KL | exact KL | proxy | gold | proxy improvement | gold improvement | queries |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {p['update']} | {p['kl']:.3f} | {_exact_kl(p)} | {p['proxy']:.3f} | {_fmt(p['gold'])} | "
-        f"{_with_error(p, 'proxy')} | {_with_error(p, 'gold')} |"
+        f"{_with_error(p, 'proxy')} | {_with_error(p, 'gold')} | {p.get('queries', metrics['queries'])} |"
         for p in points
     ]
     criterion = "gold" if best["gold"] is not None else "proxy"

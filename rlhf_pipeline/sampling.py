@@ -276,6 +276,22 @@ class ResponseOutputs:
     hidden: Tensor  # (B, R, H): the final hidden state that predicts each response token
 
 
+def response_hidden(
+    model: nn.Module,
+    query_responses: Tensor,
+    attention_mask: Tensor,
+    query_length: int,
+    start_layer: int = 0,
+    trunk: Tensor | None = None,
+) -> Tensor:
+    """(B, R, H) final hidden states of ``model`` at the positions that predict the response tokens (the
+    last query position and all response positions but the last), from block ``start_layer`` on given
+    the ``trunk`` entering it. Without the LM head: the exact KL turns them into logits a few rows at a
+    time (:func:`rlhf_pipeline.ppo.kl.exact_kl_by_rows`), so a caller that needs only them skips the
+    (B, R, V) projection."""
+    return hidden_from(model, query_responses, attention_mask, start_layer, trunk)[:, query_length - 1 : -1]
+
+
 def response_outputs(
     model: nn.Module,
     query_responses: Tensor,
@@ -291,7 +307,7 @@ def response_outputs(
     ``model`` at ``temperature`` (and their entropy when asked): from block ``start_layer`` on,
     given the ``trunk`` entering it, with the LM head on the response positions only. PPO's
     training forward, its reference pass and the evaluation's KL all go through it."""
-    hidden = hidden_from(model, query_responses, attention_mask, start_layer, trunk)[:, query_length - 1 : -1]
+    hidden = response_hidden(model, query_responses, attention_mask, query_length, start_layer, trunk)
     logits = response_logits(model, hidden, temperature, pad_token_id)
     labels = query_responses[:, query_length:]
     if entropy:

@@ -7,6 +7,7 @@ import _interpreter  # noqa: F401  (first: exit 6 when this Python lacks the pro
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the Hugging Face libraries load)
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from rlhf_pipeline import paths
@@ -14,6 +15,7 @@ from rlhf_pipeline.devices import resolve_compute
 from rlhf_pipeline.evaluation import (
     Evaluation,
     curve_point,
+    curve_queries,
     length_stats,
     load_snapshot,
     sample_and_score,
@@ -75,9 +77,9 @@ def main(params: Params) -> None:
     )
     queries = setup.queries
 
-    def evaluate(model, name: str):
+    def evaluate(model, name: str, on: Evaluation = setup):
         with plan.autocast():
-            return sample_and_score(model, setup, progress=f"evaluate {name}")
+            return sample_and_score(model, on, progress=f"evaluate {name}")
 
     base_set, policy_set = evaluate(base, "base"), evaluate(policy, "policy")
     metrics = summarize(base_set, policy_set)
@@ -89,6 +91,8 @@ def main(params: Params) -> None:
     # Over-optimisation curve: the base model at KL 0, every PPO snapshot; the last snapshot holds
     # the shipped policy's weights, so its sample set is the policy's.
     shipped_update = snapshot_update(snapshots[-1]) if snapshots and snapshot_matches(policy, snapshots[-1]) else None
+    # the other checkpoints on the first evaluate.curve_queries queries, paired with the base's samples there
+    curve_setup = replace(setup, queries=queries[: curve_queries(len(queries), cfg.curve_queries, cfg.batch_size)])
     points = [curve_point(0, base_set, base_set)]
     for snapshot in snapshots:
         update = snapshot_update(snapshot)
@@ -96,7 +100,7 @@ def main(params: Params) -> None:
             sample = policy_set
         else:
             load_snapshot(policy, snapshot)
-            sample = evaluate(policy, f"checkpoint {update}")
+            sample = evaluate(policy, f"checkpoint {update}", curve_setup)
         points.append(curve_point(update, sample, base_set))
     pad = tokenizer.pad_token_id
     query_texts = [tokenizer.decode([i for i in ids if i != pad], skip_special_tokens=True) for ids in queries.tolist()]

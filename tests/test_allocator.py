@@ -35,7 +35,8 @@ one_round()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 one_round()
 one_round()
-print(json.dumps({"kept": kept, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({"kept": kept, "faults": faults, "line": allocator.describe()}))
 """
 
 
@@ -53,6 +54,9 @@ def test_freed_blocks_serve_the_next_round_instead_of_faulting_in_again():
     pages = 2 * 40 * 4 * 2**20 // 4096  # what two rounds write
     assert system["faults"] > pages // 2, system  # glibc's own settings gave the rounds' memory back
     assert keep["faults"] < pages // 20, keep
+    # a report's memory line says the values mallopt took, and nothing where malloc was left alone
+    assert "mmap threshold 32 MiB, trim beyond 2 GiB" in keep["line"]
+    assert system["line"] == "malloc as the C library sets it"
 
 
 def test_the_user_s_own_malloc_settings_win():

@@ -9,6 +9,7 @@ import torch
 from rlhf_pipeline.evaluation import (
     SampleSet,
     curve_point,
+    curve_queries,
     length_stats,
     overoptimization_plot,
     paired_improvement,
@@ -121,6 +122,42 @@ def test_curve_point_puts_proxy_and_gold_on_the_base_std_scale():
     assert point["gold_std_units"] == pytest.approx(1.0) and point["gold_stderr"] == pytest.approx(2.0)
     origin = curve_point(0, base, base)
     assert origin["proxy_std_units"] == 0.0 and origin["gold_stderr"] == 0.0
+
+
+def test_a_checkpoint_on_the_first_queries_is_paired_with_the_base_there():
+    """evaluate.curve_queries: the base's samples on the queries the checkpoint was drawn on, and the
+    point says how many; the base's scale is the one of those queries."""
+    base = sample_set([0.0, 1.0, 5.0], [0.1, 0.3, 0.9], [0.0] * 3, [True] * 3, [[1], [1], [1]])
+    checkpoint = sample_set([2.0, 1.0], [0.4, 0.2], [1.0, 3.0], [True, True], [[1], [1]], kl_exact=[2.0, 3.0])
+    point = curve_point(3, checkpoint, base)
+    assert point["queries"] == 2 and curve_point(0, base, base)["queries"] == 3
+    assert point["proxy_std_units"] == pytest.approx(2.0)  # as against the first two rows alone (above)
+    assert point["gold_std_units"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "num_queries, wanted, batch_size, expected",
+    [(292, None, 96, 292), (292, 96, 96, 96), (292, 100, 96, 192), (50, 96, 96, 50), (292, 1, 32, 32)],
+)
+def test_curve_queries_are_whole_batches_of_the_first_queries(num_queries, wanted, batch_size, expected):
+    # whole batches: the sampler draws a batch's uniforms together, so each row gets the base's draw
+    assert curve_queries(num_queries, wanted, batch_size) == expected
+
+
+def test_the_best_checkpoint_is_the_best_improvement_on_its_own_queries():
+    """A checkpoint sampled on fewer queries has a raw mean over other queries than the rest: the best is
+    chosen by improvement over the base on the same queries; raw means where a point has none."""
+    from rlhf_pipeline.evaluation_report import best_point
+
+    points = [
+        {"update": 0, "proxy": 0.0, "gold": 0.1, "gold_std_units": 0.0},
+        {"update": 6, "proxy": 1.0, "gold": 0.5, "gold_std_units": 0.8, "queries": 96},  # easy queries
+        {"update": 9, "proxy": 1.5, "gold": 0.4, "gold_std_units": 0.9, "queries": 292},
+    ]
+    assert best_point(points)["update"] == 9
+    assert best_point([{**p, "gold_std_units": None} for p in points])["update"] == 6
+    no_gold = [{**p, "gold": None, "proxy_std_units": p["proxy"]} for p in points]
+    assert best_point(no_gold)["update"] == 9
 
 
 def test_a_base_without_spread_makes_base_std_units_undefined(tmp_path):

@@ -61,7 +61,8 @@ TINY_PARAMS = {
         "checkpoint_every": 2,
         "lr": 1.0e-4,
     },
-    "evaluate": {"num_queries": 16, "batch_size": 16, "num_table_rows": 8},
+    # the curve's checkpoint before the shipped one on the first batch only (evaluate.curve_queries)
+    "evaluate": {"num_queries": 16, "batch_size": 8, "curve_queries": 8, "num_table_rows": 8},
 }
 
 
@@ -220,6 +221,8 @@ def test_metrics_are_declared_and_sane(project):
     assert metrics["kl/exact_mean"] >= 0.0 and metrics["kl/exact_stderr"] >= 0.0  # exact: never negative
     points = json.loads((root / "evaluation/overoptimization.json").read_text())
     assert [p["update"] for p in points] == [0, 2, 4]
+    # base and shipped policy on every query, the checkpoint between them on evaluate.curve_queries
+    assert [p["queries"] for p in points] == [16, 8, 16]
     # strict JSON (no NaN/Infinity) in every metrics file: other tools' parsers refuse those
     for path in sorted((root / "metrics").glob("*.json")):
         json.loads(path.read_text(), parse_constant=lambda name, path=path: pytest.fail(f"{name} in {path.name}"))

@@ -126,3 +126,29 @@ def test_the_sampler_passes_the_kv_cache_by_its_current_name(tiny_model, tiny_to
         )
     assert out.responses.shape == (4, 4)
     assert "deprecated" not in caplog.text
+
+
+def test_response_hidden_is_response_outputs_hidden_without_the_head(tiny_model, tiny_tokenizer):
+    """The hidden states the exact KL reads are the same bytes whether or not the LM head runs after them,
+    from the embeddings or from a captured trunk."""
+    from rlhf_pipeline.sampling import response_hidden, response_outputs, sample_responses
+
+    pad = tiny_tokenizer.pad_token_id
+    queries = torch.tensor([[pad, pad, 5, 6, 7], [8, 9, 10, 11, 12]])
+    out = sample_responses(
+        tiny_model,
+        queries,
+        queries != pad,
+        6,
+        0.7,
+        pad,
+        generator=torch.Generator().manual_seed(0),
+        capture_layers=(1,),
+    )
+    full = torch.cat([queries, out.responses], dim=1)
+    with torch.no_grad():
+        for start, trunk in ((0, None), (1, out.hidden[1])):
+            args = (full, full != pad, queries.shape[1])
+            hidden = response_hidden(tiny_model, *args, start, trunk)
+            assert hidden.shape == (2, 6, tiny_model.config.hidden_size)
+            assert torch.equal(hidden, response_outputs(tiny_model, *args, 0.7, pad, start, trunk).hidden)

@@ -12,4 +12,13 @@ class EvaluateParams(Strict):
         256, gt=0, le=MAX_ROWS, description="Held-out test queries to sample (capped by the split)."
     )
     batch_size: int = Field(32, gt=0, le=MAX_BATCH)
+    curve_queries: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_ROWS,
+        description="Held-out queries each PPO checkpoint on the over-optimisation curve is sampled on: the "
+        "first N, rounded up to whole batches (each checkpoint then draws the base's random stream row for row, "
+        "and is paired with the base on the same queries); null: all of them. The base and the shipped policy are "
+        "measured on every query either way.",
+    )
     num_table_rows: int = Field(32, gt=0, le=MAX_SMALL, description="Rows in the sample table.")

@@ -71,7 +71,13 @@ from rlhf_pipeline.ppo.losses import policy_loss, value_loss
 from rlhf_pipeline.ppo.policy import PolicyWithValue
 from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.reward.normalization import task_scores
-from rlhf_pipeline.sampling import ResponseSampler, response_logits, response_outputs, supports_trunk_split
+from rlhf_pipeline.sampling import (
+    ResponseSampler,
+    response_hidden,
+    response_logits,
+    response_outputs,
+    supports_trunk_split,
+)
 from rlhf_pipeline.training import accumulate_and_step, mean_of, quarters, set_lr
 
 
@@ -321,7 +327,10 @@ class PPOTrainer:
         distributions at each response token): only with ``ppo.kl.budget``."""
         if self.cfg.kl.budget is None:
             return None
-        return self.response_outputs(self.policy.lm, query_responses, trunk).hidden
+        start = self.freeze if self.use_trunk else 0
+        return response_hidden(
+            self.policy.lm, query_responses, query_responses != self.pad_id, self.query_length, start, trunk
+        )
 
     def checked_kl(self, ro: Rollout, update: int) -> float:
         """The current policy's mean exact KL over its rollout's responses and ``kl.budget_check_responses``
