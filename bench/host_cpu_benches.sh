@@ -1,0 +1,53 @@
+#!/bin/bash
+# The CPU benchmarks on a many-core host (a lent GPU machine's Intel CPU, say) in one call: PPO's three sides
+# (shared, separate, TRL) at once, each pinned to 2 physical cores of its own at 2 torch threads under the
+# portable numerics `make bench` uses, then the reward-model bench on the shared side's cores once it is done.
+# The ratios come from separate processes: read them off the three reports (s/update), and note that once a
+# side ends, those still running have the memory system more to themselves.
+#
+#   bash bench/host_cpu_benches.sh [MODEL] [UPDATES] [RM_STEPS]    (smollm2-random 3 16)
+#   on a device host with .gpu/ from ../shared/gpu/make_kit.sh plus trl's wheel in .gpu/whl (carry [".gpu"]);
+#   TINY=1 also runs `.gpu/check.sh tiny` (the tiny pipeline on CUDA) on the cores left over
+#   a dry run here: PY3=.venv/bin/python SKIP_INSTALL=1 OUT=/tmp/out bash bench/host_cpu_benches.sh tiny 1 2
+# Reports and logs: $OUT (the .md files, and results.tgz with every log: a device call brings back 8 files).
+set -u
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+MODEL=${1:-smollm2-random}; UPDATES=${2:-3}; RM_STEPS=${3:-16}; LIMIT=${LIMIT:-470}
+FINAL=${OUT:-/tmp/out}; OUT=/tmp/host_cpu_benches; rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
+T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+PY3=${PY3:-/opt/torch/.venv/bin/python3}; [ -x "$PY3" ] || PY3=$(command -v python3)
+rm -rf /tmp/site2  # not check.sh's /tmp/site: that one removes and refills its own
+[ -n "${SKIP_INSTALL:-}" ] || timeout 180 "$PY3" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --target /tmp/site2 .gpu/whl/*.whl 2>&1 | tail -3
+export PYTHONPATH=/tmp/site2:$(pwd)
+log "installed"; grep -m1 "model name" /proc/cpuinfo; lscpu | grep -E "^(Thread|Core|Socket|CPU\(s\))"
+# one logical CPU per physical core, in core order: two processes never share a core's two threads
+mapfile -t CPUS < <(lscpu -p=CPU,CORE,SOCKET | grep -v '^#' | sort -t, -k3,3n -k2,2n -u | awk -F, '!seen[$2","$3]++ {print $1}')
+N=${#CPUS[@]}; echo "physical cores (one logical CPU each): ${CPUS[*]}"
+pair() { echo "${CPUS[$(( (2*$1) % N ))]},${CPUS[$(( (2*$1+1) % N ))]}"; }  # wraps only on a machine of < 6 cores
+"$PY3" -c "import sys; sys.path.insert(0, 'bench'); from common import materialise_model; print(materialise_model('$MODEL'))"
+log "model ready"  # materialised once, before the sides start: they would race to write it
+run_ppo() {  # side, cores
+  timeout "$LIMIT" taskset -c "$2" "$PY3" bench/ppo_throughput.py --model "$MODEL" --only "$1" --updates "$UPDATES" \
+    --markdown --output "$OUT/ppo_$1.md" > "$OUT/ppo_$1.log" 2>&1
+  echo "ppo $1 on cpus $2 rc=$? at $(( $(date +%s) - T0 )) s"
+}
+run_ppo trl "$(pair 0)" &
+run_ppo separate "$(pair 1)" &
+(
+  run_ppo shared "$(pair 2)"
+  timeout $(( LIMIT - ($(date +%s) - T0) + 20 )) taskset -c "$(pair 2)" "$PY3" bench/reward_throughput.py \
+    --model "$MODEL" --steps "$RM_STEPS" --markdown --output "$OUT/rm_portable.md" > "$OUT/rm_portable.log" 2>&1
+  echo "reward bench rc=$? at $(( $(date +%s) - T0 )) s"
+) &
+if [ -n "${TINY:-}" ] && [ "$N" -gt 8 ]; then
+  (
+    REST=$(IFS=,; echo "${CPUS[*]:6}")
+    OUT=$OUT/tiny PYTHONPATH= timeout "$LIMIT" taskset -c "$REST" bash .gpu/check.sh tiny > "$OUT/tiny_check.log" 2>&1
+    echo "tiny check on cpus $REST rc=$? at $(( $(date +%s) - T0 )) s"
+  ) &
+fi
+wait
+for f in "$OUT"/*.log; do echo "== $f"; grep -E "update times|step times|Traceback|Error" "$f" | tail -4; done
+log "end"
+cp "$OUT"/*.md "$FINAL"/ 2>/dev/null; tar -czf "$FINAL/results.tgz" -C "$OUT" .; ls -la "$FINAL"
