@@ -4,6 +4,7 @@ token per row, the rule that the pad token is never drawn, and positions that sk
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,16 @@ class SampleOutput:
     # captured layer -> (B, Q+R, d): the hidden state entering that block (index = number of blocks
     # below it; the number of blocks itself = the final, normed state) at every query and response position
     hidden: dict[int, Tensor] = field(default_factory=dict)
+
+    def rows(self, index: slice) -> SampleOutput:
+        """These rows' samples."""
+        return SampleOutput(
+            self.responses[index],
+            self.logprobs[index],
+            None if self.values is None else self.values[index],
+            self.mask[index],
+            {layer: states[index] for layer, states in self.hidden.items()},
+        )
 
 
 def never_pad(logits: Tensor, pad_token_id: int, inplace: bool = False) -> Tensor:
@@ -37,6 +48,7 @@ def sample_from_logits(
     generator: torch.Generator | None = None,
     block_size: int = 256,
     process_share: tuple[int, int] = (0, 1),
+    uniforms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One token per row of ``logits`` (B, V) drawn from softmax(logits), and its log-probability.
 
@@ -53,6 +65,8 @@ def sample_from_logits(
     ``process_share = (i, n)``: these rows are share ``i`` of a batch split evenly over ``n``
     processes; the uniforms are drawn for the whole batch and this share's taken, so every row
     gets the draw it gets when one process samples the whole batch.
+
+    ``uniforms`` (B, 1), float64: each row's u, given instead of drawn (:func:`chunk_uniforms`).
     """
     batch, vocab = logits.shape
     peak = logits.amax(-1, keepdim=True)
@@ -66,8 +80,11 @@ def sample_from_logits(
     # drawn where the generator lives: the sampling stages seed a CPU generator on every device, so
     # their uniforms are the same stream on a CPU and a GPU host (PPO's rollouts use one on the GPU)
     where = generator.device if generator is not None else logits.device
-    u = torch.rand((batch * count, 1), generator=generator, dtype=torch.float64, device=where)
-    u = u[index * batch : (index + 1) * batch].to(logits.device)
+    if uniforms is None:
+        u = torch.rand((batch * count, 1), generator=generator, dtype=torch.float64, device=where)
+        u = u[index * batch : (index + 1) * batch].to(logits.device)
+    else:
+        u = uniforms.to(device=logits.device, dtype=torch.float64)
     # u * total may round up to total itself; the largest float below it keeps the draw in the support
     target = torch.minimum(u * total, _just_below(total))
     block = torch.searchsorted(block_cdf, target, right=True)  # (B, 1): a block with positive mass
@@ -79,6 +96,27 @@ def sample_from_logits(
         logits.gather(-1, token[:, None]).squeeze(-1) - peak.squeeze(-1) - total.squeeze(-1).log().to(logits.dtype)
     )
     return token, logprob
+
+
+def chunk_uniforms(
+    generator: torch.Generator, chunk_rows: Sequence[int], steps: int, process_share: tuple[int, int] = (0, 1)
+) -> Tensor:
+    """(sum(chunk_rows), steps) float64: the uniforms :func:`sample_from_logits` draws for each row at each
+    decoding step when chunks of ``chunk_rows`` rows (this process's share of each) are sampled one call
+    after another from ``generator``, drawn here first, so that one call over all the chunks samples what
+    the calls would have (on a CPU, a decoding step over more rows is faster: up to 128 rows at least,
+    bench/results/default_run_time_levers.md).
+
+    A CPU generator only: it draws element after element, so ``rand((steps, n))`` is ``steps`` draws of
+    ``(n, 1)`` in turn; a CUDA generator's offsets would differ."""
+    if generator.device.type != "cpu":
+        raise ValueError(f"chunk_uniforms: a CPU generator's draws only (this one is on {generator.device})")
+    index, count = process_share
+    shares = []
+    for rows in chunk_rows:
+        drawn = torch.rand((steps, rows * count), generator=generator, dtype=torch.float64)
+        shares.append(drawn[:, index * rows : (index + 1) * rows].T)
+    return torch.cat(shares)
 
 
 def _just_below(x: Tensor) -> Tensor:

@@ -99,6 +99,7 @@ def sample_responses(
     num_samples: int = 1,
     capture_layers: Sequence[int] = (),
     process_share: tuple[int, int] = (0, 1),
+    uniforms: Tensor | None = None,
 ) -> SampleOutput:
     """Sample ``num_samples`` responses per query (rows repeat each query ``num_samples`` times).
 
@@ -112,6 +113,8 @@ def sample_responses(
     frozen lower part of the model never has to run again on these tokens.
 
     ``process_share``: see :func:`sample_from_logits` (the queries are that share of a batch).
+    ``uniforms`` (rows, response_length): each row's draw at each step, given instead of the generator's
+    (:func:`rlhf_pipeline.decoding.chunk_uniforms`: one call over several chunks of rows).
     """
     backbone = backbone_of(model)
     lm_head = model.get_output_embeddings()
@@ -125,7 +128,8 @@ def sample_responses(
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     for t in range(response_length):
         logits = never_pad(lm_head(state.hidden).float(), pad_token_id, inplace=True).div_(temperature)
-        token, logprob = sample_from_logits(logits, generator, process_share=process_share)
+        drawn = None if uniforms is None else uniforms[:, t : t + 1]
+        token, logprob = sample_from_logits(logits, generator, process_share=process_share, uniforms=drawn)
         if values is not None:
             values[:, t] = value_head(state.hidden).squeeze(-1).float()
         token = torch.where(alive, token, torch.full_like(token, pad_token_id))
@@ -168,10 +172,12 @@ def sample_on_device(
     num_samples: int = 1,
     capture_layers: Sequence[int] = (),
     process_share: tuple[int, int] = (0, 1),
+    uniforms: Tensor | None = None,
 ) -> SampleOutput:
     """:func:`sample_responses`, or on CUDA the static-cache sampler with the same draws
-    (:func:`samples_statically`): the one entry every sampling stage and PPO's rollouts go through."""
-    if samples_statically(queries.device, capture_layers, process_share):
+    (:func:`samples_statically`; it draws its own uniforms): the one entry every sampling stage and PPO's
+    rollouts go through."""
+    if uniforms is None and samples_statically(queries.device, capture_layers, process_share):
         return sample_responses_static(
             model,
             queries,
@@ -199,6 +205,7 @@ def sample_on_device(
         num_samples,
         capture_layers,
         process_share,
+        uniforms,
     )
 
 
@@ -358,6 +365,7 @@ class ResponseSampler:
         num_samples: int = 1,
         capture_layers: tuple[int, ...] = (),
         process_share: tuple[int, int] = (0, 1),
+        uniforms: Tensor | None = None,
     ):
         queries = queries.to(model_device(model))  # the caller's queries may sit on the CPU
         out = sample_on_device(
@@ -374,6 +382,7 @@ class ResponseSampler:
             num_samples=num_samples,
             capture_layers=capture_layers,
             process_share=process_share,
+            uniforms=uniforms,
         )
         truncated, valid = self.truncate(out.responses)
         return out, truncated, valid

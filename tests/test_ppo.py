@@ -338,6 +338,38 @@ def test_the_budget_reading_is_the_mean_over_more_responses_and_leaves_training_
     assert none_more.checked_kl(ro, 0) == ro.stats["objective/kl_exact"]
 
 
+@pytest.mark.parametrize("freeze_layers", [0, 1])
+def test_the_budget_reading_samples_its_chunks_in_one_pass_as_it_would_one_by_one(
+    tiny_base_dir, reward_model, queries, freeze_layers, monkeypatch
+):
+    """The reading's 40 responses come in chunks of ppo.batch_size (16, 16, 8); on a CPU one decoding pass
+    samples them all, with each chunk's uniforms drawn first: the reading is the one the chunks give one by
+    one (with the trunk split too, whose captured activations are sliced per chunk)."""
+    params = make_params(kl={"budget": 5.0, "budget_check_responses": 40}, freeze_layers=freeze_layers)
+    trainer = make_trainer(tiny_base_dir, reward_model, queries, params)
+    trainer.optimize(trainer.rollout(0), trainer.advantages(trainer.rollout(0)), 0)
+    passes = []
+    real_sample = PPOTrainer.sample
+
+    def counted(self, chunk, *args, **kwargs):
+        passes.append(len(chunk))
+        return real_sample(self, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(PPOTrainer, "sample", counted)
+    one_pass = trainer.extra_kl(1)
+    assert passes == [40]
+
+    def one_by_one(self, chunks, generator):
+        for chunk in chunks:
+            yield chunk, self.sample(chunk, generator, num_samples=1)[0]
+
+    passes.clear()
+    monkeypatch.setattr(PPOTrainer, "sample_chunks", one_by_one)
+    chunked = trainer.extra_kl(1)
+    assert passes == [16, 16, 8]
+    assert one_pass > 1e-4 and one_pass == pytest.approx(chunked, rel=1e-5)
+
+
 def test_critic_free_estimators_build_no_value_head_and_sample_query_groups(tiny_base_dir, reward_model, queries):
     """GRPO with 4 samples per query: no value head or value loss; the rollout holds 4 consecutive
     responses to each of batch_size / 4 queries, and each group's advantages sum to 0."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhf_pipeline.sampling import sample_from_logits
@@ -152,3 +153,34 @@ def test_response_hidden_is_response_outputs_hidden_without_the_head(tiny_model,
             hidden = response_hidden(tiny_model, *args, start, trunk)
             assert hidden.shape == (2, 6, tiny_model.config.hidden_size)
             assert torch.equal(hidden, response_outputs(tiny_model, *args, 0.7, pad, start, trunk).hidden)
+
+
+@pytest.mark.parametrize("process_share", [(0, 1), (1, 2)])
+def test_one_call_over_chunks_samples_what_the_chunks_sample_one_by_one(tiny_model, tiny_tokenizer, process_share):
+    """chunk_uniforms draws, chunk after chunk, what each chunk's call would draw step by step (this
+    process's share of each), so one call over all the rows gets every row its draw."""
+    from rlhf_pipeline.decoding import chunk_uniforms
+    from rlhf_pipeline.sampling import sample_responses
+
+    pad = tiny_tokenizer.pad_token_id
+    queries = torch.randint(0, 250, (7, 5), generator=torch.Generator().manual_seed(3))
+    queries[:2, :2] = pad
+    chunks = [queries[:3], queries[3:6], queries[6:]]
+
+    def sample(rows, generator, uniforms=None):
+        return sample_responses(
+            tiny_model, rows, rows != pad, 6, 0.7, pad, generator, process_share=process_share, uniforms=uniforms
+        )
+
+    generator = torch.Generator().manual_seed(11)
+    one_by_one = [sample(chunk, generator) for chunk in chunks]
+    generator = torch.Generator().manual_seed(11)
+    uniforms = chunk_uniforms(generator, [len(chunk) for chunk in chunks], 6, process_share)
+    assert uniforms.shape == (7, 6) and uniforms.dtype == torch.float64
+    together = sample(queries, generator, uniforms)
+    assert torch.equal(together.responses, torch.cat([out.responses for out in one_by_one]))
+    # the same draws; the logprobs to fp32 rounding: a matrix product over 7 rows may round unlike one over 3
+    # (on the default run's model, 128 rows and 4 x 32 gave the same bytes: default_run_time_levers.md)
+    torch.testing.assert_close(together.logprobs, torch.cat([out.logprobs for out in one_by_one]), atol=1e-4, rtol=1e-4)
+    second = together.rows(slice(3, 6))
+    assert torch.equal(second.responses, one_by_one[1].responses) and second.values is None
