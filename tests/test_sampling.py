@@ -58,24 +58,22 @@ def test_draw_queries_covers_the_pool_before_repeating():
     assert counts.min() == 2 and counts.max() == 3 and counts.sum() == 25
 
 
+def two_queries_sampled(model, pad: int, **options):
+    """Two queries (the first left-padded) and 6 tokens sampled for each at temperature 0.7, seed 0."""
+    from rlhf_pipeline.sampling import sample_responses
+
+    queries = torch.tensor([[pad, pad, 5, 6, 7], [8, 9, 10, 11, 12]])
+    generator = torch.Generator().manual_seed(0)
+    return queries, sample_responses(model, queries, queries != pad, 6, 0.7, pad, generator=generator, **options)
+
+
 def test_captured_hidden_states_equal_a_plain_forward(tiny_model, tiny_tokenizer):
     """The hidden states captured while sampling (prefill + decoding steps, best-of-2 with a shared
     prefix) are those of one forward over each left-padded query + response."""
-    from rlhf_pipeline.sampling import position_ids_from_mask, sample_responses
+    from rlhf_pipeline.sampling import position_ids_from_mask
 
     pad = tiny_tokenizer.pad_token_id
-    queries = torch.tensor([[pad, pad, 5, 6, 7], [8, 9, 10, 11, 12]])
-    out = sample_responses(
-        tiny_model,
-        queries,
-        queries != pad,
-        6,
-        0.7,
-        pad,
-        generator=torch.Generator().manual_seed(0),
-        num_samples=2,
-        capture_layers=(0, 2),
-    )
+    queries, out = two_queries_sampled(tiny_model, pad, num_samples=2, capture_layers=(0, 2))
     assert sorted(out.hidden) == [0, 2]
     full = torch.cat([queries.repeat_interleave(2, 0), out.responses], dim=1)
     mask = full != pad
@@ -132,20 +130,10 @@ def test_the_sampler_passes_the_kv_cache_by_its_current_name(tiny_model, tiny_to
 def test_response_hidden_is_response_outputs_hidden_without_the_head(tiny_model, tiny_tokenizer):
     """The hidden states the exact KL reads are the same bytes whether or not the LM head runs after them,
     from the embeddings or from a captured trunk."""
-    from rlhf_pipeline.sampling import response_hidden, response_outputs, sample_responses
+    from rlhf_pipeline.sampling import response_hidden, response_outputs
 
     pad = tiny_tokenizer.pad_token_id
-    queries = torch.tensor([[pad, pad, 5, 6, 7], [8, 9, 10, 11, 12]])
-    out = sample_responses(
-        tiny_model,
-        queries,
-        queries != pad,
-        6,
-        0.7,
-        pad,
-        generator=torch.Generator().manual_seed(0),
-        capture_layers=(1,),
-    )
+    queries, out = two_queries_sampled(tiny_model, pad, capture_layers=(1,))
     full = torch.cat([queries, out.responses], dim=1)
     with torch.no_grad():
         for start, trunk in ((0, None), (1, out.hidden[1])):
