@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import rlhf_pipeline.offline  # noqa: F401,I001  (first: offline before the Hugging Face libraries load)
 
+import sys
 import time
+from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rlhf_pipeline import allocator, numerics
-from rlhf_pipeline.sampling import sample_responses
+import torch  # noqa: E402
+from common import render_table  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
+
+from rlhf_pipeline import allocator, numerics  # noqa: E402
+from rlhf_pipeline.sampling import sample_responses  # noqa: E402
 
 BASE = "models/base"
 QUERY, RESPONSE = 24, 16
@@ -44,10 +49,12 @@ def rows_per_step(model, pad: int, queries: torch.Tensor) -> None:
         return sample_responses(model, queries[:n], mask, RESPONSE, 0.7, pad, generator, num_samples=4)
 
     call(16)  # warm-up
-    print("| queries x 4 samples | rows a step | s a call (best of 2) | ms a label |\n|---:|---:|---:|---:|")
+    rows = []
     for n in (16, 32, 64, 128):
         best = min(timed(lambda n=n: call(n)) for _ in range(2))
-        print(f"| {n} | {4 * n} | {best:.2f} | {1000 * best / n:.0f} |", flush=True)
+        rows.append([str(n), str(4 * n), f"{best:.2f}", f"{1000 * best / n:.0f}"])
+    headers = ["queries x 4 samples", "rows a step", "s a call (best of 2)", "ms a label"]
+    print(render_table(headers, rows, markdown=True), flush=True)
 
 
 def kl_reading(model, pad: int, queries: torch.Tensor) -> None:
@@ -62,9 +69,8 @@ def kl_reading(model, pad: int, queries: torch.Tensor) -> None:
     for _ in range(2):
         for chunk in times:
             times[chunk].append(timed(lambda chunk=chunk: reading(chunk)))
-    print("\n| 128 responses sampled | s (two runs, interleaved) |\n|---|---|")
-    for chunk, runs in times.items():
-        print(f"| chunks of {chunk} rows | {', '.join(f'{t:.2f}' for t in runs)} |", flush=True)
+    rows = [[f"chunks of {chunk} rows", ", ".join(f"{t:.2f}" for t in runs)] for chunk, runs in times.items()]
+    print("\n" + render_table(["128 responses sampled", "s (two runs, interleaved)"], rows, markdown=True), flush=True)
 
 
 @torch.no_grad()
@@ -91,8 +97,7 @@ def chunking_bytes(model, queries: torch.Tensor) -> None:
 def gathered_rows_bytes() -> None:
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, hidden_act="silu")
-    print("\n| rows x positions, read | forward | input gradient | weight gradients | largest weight-gradient diff |")
-    print("|---|---|---|---|---:|")
+    rows = []
     for batch, positions, read, label in (
         (16, 88, slice(63, 87), "PPO's response positions"),
         (16, 40, slice(23, 39), "the default's 24 + 16 tokens"),
@@ -110,10 +115,16 @@ def gathered_rows_bytes() -> None:
         (y1, gx1, g1), (y2, gx2, g2) = results
         diff = max((g1[n] - g2[n]).abs().max().item() for n in g1)
         equal = all(torch.equal(g1[n], g2[n]) for n in g1)
-        print(
-            f"| {batch} x {positions}, {label} | {torch.equal(y1, y2)} | {torch.equal(gx1, gx2)} | {equal} "
-            f"| {diff:.2e} |"
-        )
+        same = (torch.equal(y1, y2), torch.equal(gx1, gx2), equal)
+        rows.append([f"{batch} x {positions}, {label}", *map(str, same), f"{diff:.2e}"])
+    headers = [
+        "rows x positions, read",
+        "forward",
+        "input gradient",
+        "weight gradients",
+        "largest weight-gradient diff",
+    ]
+    print("\n" + render_table(headers, rows, markdown=True))
 
 
 def main() -> None:
