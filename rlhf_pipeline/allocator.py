@@ -1,14 +1,15 @@
-"""glibc's malloc, set for training: memory a step frees stays in the process for the next step.
+"""glibc's malloc, set for training and sampling: memory a step frees stays in the process for the next step.
 
-Why. A training step frees its activations and gradients and allocates them again the next step.
-With glibc's defaults a free block over the mmap threshold goes back to the OS at once, and so does
-the free top of the heap once it passes the trim threshold (glibc moves both up as it goes, to 32 and
-64 MiB at most); the next step's first write to those pages then faults, and the kernel zeroes each
-4 KiB page before handing it over. On this project's 2-core machine the reward model's training step
-(``bench/reward_throughput.py``, SmolLM2-135M's shapes) took 30,000 to 100,000 minor page faults a
-step, 0.15 to 0.75 s of system time. This module fixes the mmap threshold at the largest value glibc
-takes (32 MiB) and trims the heap only once 2 GiB lies free at its top, so the blocks a step frees
-serve the next one; findings and timings in ``bench/results/allocator.md``.
+Why. A training step frees its activations and gradients and allocates them again the next step, and
+a decoding step frees and reallocates its (rows, vocabulary) logits. With glibc's defaults a block over
+the mmap threshold (at most 32 MiB) is mapped apart and goes back to the OS when freed, and the free top
+of the heap goes back once it passes the trim threshold (at most 64 MiB); the next step's first write
+to those pages then faults, and the kernel zeroes each 4 KiB page before handing it over. On this
+project's 2-core machine the reward model's training step (``bench/reward_throughput.py``, SmolLM2-135M's
+shapes) took 30,000 to 100,000 minor page faults a step, 0.15 to 0.75 s of system time; one sampling
+call of 256 rows (each step's logits are 50 MB) about 650,000. This module maps no block apart (every
+block comes from the heap, whatever its size) and trims the heap only once 2 GiB lies free at its top,
+so the blocks a step frees serve the next one; findings and timings in ``bench/results/allocator.md``.
 
 It changes no byte: where a block lives never changes what a kernel computes (torch aligns every CPU
 block to 64 bytes either way). It costs memory only in that the process keeps what it freed, up to
@@ -31,8 +32,11 @@ from rlhf_pipeline.errors import SettingsError
 ENVIRONMENT_VARIABLE = "RLHF_MALLOC"
 KEEP, SYSTEM = "keep", "system"
 # mallopt's parameters (glibc's malloc.h) and the values set
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 32 * 2**20  # glibc refuses more on 64-bit hosts (half its largest heap)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+# No block mapped apart: a threshold cannot do it, since glibc takes at most 32 MiB for one on 64-bit
+# hosts and a step's largest blocks are bigger (the embedding's gradient, 113 MB; 256 rows of logits,
+# 50 MB). A request the heap cannot grow to still gets a mapping: glibc falls back to one itself.
+MMAP_MAX = 0
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int: 2 GiB is the most it can say
 
 _kept = False
@@ -74,7 +78,7 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
     if libc is None:
         return False
     # mallopt returns 1 when it took the value; a glibc that refuses one keeps its own behaviour for it
-    took_mmap = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    took_mmap = libc.mallopt(M_MMAP_MAX, MMAP_MAX) == 1
     took_trim = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     _kept = took_mmap and took_trim
     return _kept
@@ -84,7 +88,7 @@ def describe() -> str:
     """One line for a report: what this process's malloc does with freed memory."""
     if _kept:
         return (
-            f"glibc's malloc keeps what the process frees (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim beyond "
+            f"glibc's malloc keeps what the process frees (no block mapped apart: mmap max {MMAP_MAX}; trim beyond "
             f"{(TRIM_THRESHOLD + 1) >> 30} GiB; {ENVIRONMENT_VARIABLE}=system: glibc's own settings)"
         )
     return "malloc as the C library sets it"

@@ -76,13 +76,13 @@ def sample_from_logits(
     block_sums = blocks.sum(-1, dtype=torch.float64)
     block_cdf = block_sums.cumsum(-1)
     total = block_cdf[:, -1:]
-    index, count = process_share
+    count = process_share[1]
     # drawn where the generator lives: the sampling stages seed a CPU generator on every device, so
     # their uniforms are the same stream on a CPU and a GPU host (PPO's rollouts use one on the GPU)
     where = generator.device if generator is not None else logits.device
     if uniforms is None:
         u = torch.rand((batch * count, 1), generator=generator, dtype=torch.float64, device=where)
-        u = u[index * batch : (index + 1) * batch].to(logits.device)
+        u = u[share_rows(process_share, batch)].to(logits.device)
     else:
         u = uniforms.to(device=logits.device, dtype=torch.float64)
     # u * total may round up to total itself; the largest float below it keeps the draw in the support
@@ -111,12 +111,19 @@ def chunk_uniforms(
     ``(n, 1)`` in turn; a CUDA generator's offsets would differ."""
     if generator.device.type != "cpu":
         raise ValueError(f"chunk_uniforms: a CPU generator's draws only (this one is on {generator.device})")
-    index, count = process_share
+    count = process_share[1]
     shares = []
     for rows in chunk_rows:
         drawn = torch.rand((steps, rows * count), generator=generator, dtype=torch.float64)
-        shares.append(drawn[:, index * rows : (index + 1) * rows].T)
+        shares.append(drawn[:, share_rows(process_share, rows)].T)
     return torch.cat(shares)
+
+
+def share_rows(process_share: tuple[int, int], rows: int) -> slice:
+    """Share ``i`` of ``(i, n)``'s rows in a draw made for all ``n`` processes' ``rows`` each: every
+    process draws for the whole batch and takes its own, so a row's draw does not depend on ``n``."""
+    index, _ = process_share
+    return slice(index * rows, (index + 1) * rows)
 
 
 def _just_below(x: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_pipeline.decoding import share_rows
 from rlhf_pipeline.errors import LaunchConfigError, LostProcessError, PipelineError
 from rlhf_pipeline.functional import non_finite_tensors
 
@@ -166,8 +167,8 @@ def is_fsdp(accelerator) -> bool:
 
 def share(accelerator, rows: int) -> slice:
     """This process's contiguous share of ``rows`` batch rows (rows must split evenly)."""
-    size = rows // accelerator.num_processes
-    return slice(accelerator.process_index * size, (accelerator.process_index + 1) * size)
+    count = accelerator.num_processes
+    return share_rows((accelerator.process_index, count), rows // count)
 
 
 def gather_rows(accelerator, tensor: torch.Tensor) -> torch.Tensor:

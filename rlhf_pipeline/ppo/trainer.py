@@ -244,6 +244,11 @@ class PPOTrainer:
         if self.cfg.offload_frozen and module is not None:
             module.to(self.device if to_device else "cpu")
 
+    @property
+    def trunk_start(self) -> int:
+        """The block a forward from the trunk starts at: ``freeze_layers`` with the trunk split, else 0."""
+        return self.freeze if self.use_trunk else 0
+
     def batch_queries(self, update: int) -> Tensor:
         """This process's queries of an update: a seeded permutation per pass over the train queries,
         so the data position is a pure function of the update index (exact resume)."""
@@ -266,7 +271,7 @@ class PPOTrainer:
             self.query_length,
             self.task.temperature,
             self.pad_id,
-            self.freeze if self.use_trunk else 0,
+            self.trunk_start,
             trunk,
         )
 
@@ -353,9 +358,8 @@ class PPOTrainer:
         distributions at each response token): only with ``ppo.kl.budget``."""
         if self.cfg.kl.budget is None:
             return None
-        start = self.freeze if self.use_trunk else 0
         return response_hidden(
-            self.policy.lm, query_responses, query_responses != self.pad_id, self.query_length, start, trunk
+            self.policy.lm, query_responses, query_responses != self.pad_id, self.query_length, self.trunk_start, trunk
         )
 
     def checked_kl(self, ro: Rollout, update: int) -> float:
@@ -458,7 +462,7 @@ class PPOTrainer:
                 self.query_length,
                 self.task.temperature,
                 self.pad_id,
-                self.freeze if self.use_trunk else 0,
+                self.trunk_start,
                 ro.trunk[micro] if self.use_trunk else None,
             )
         mask = ro.mask[micro]
