@@ -124,12 +124,10 @@ def start_label_studio(data_dir: Path, timeout_s: float = 240.0) -> LabelStudio:
         str(port),
         "--data-dir",
         str(data_dir),
-        "--username",
-        email,
-        "--password",
-        password,
-        "--user-token",
-        token,
+        # "--flag=value": a random password may start with "-", which argparse would read as a flag
+        f"--username={email}",
+        f"--password={password}",
+        f"--user-token={token}",
         "--enable-legacy-api-token",  # 1.23 refuses --user-token's token without it
     ]
     env = {**os.environ, **QUIET, "HOME": str(data_dir), "LABEL_STUDIO_BASE_DATA_DIR": str(data_dir)}
@@ -149,8 +147,10 @@ def start_label_studio(data_dir: Path, timeout_s: float = 240.0) -> LabelStudio:
         except httpx.HTTPError:
             pass
         time.sleep(1)
+    exited = process.poll()
     stop(process)
-    raise RuntimeError(f"Label Studio did not answer {url}/health within {timeout_s:g} s:\n{log.read_text()[-3000:]}")
+    what = f"exited with code {exited}" if exited is not None else f"did not answer {url}/health within {timeout_s:g} s"
+    raise RuntimeError(f"Label Studio {what}:\n{log.read_text()[-3000:]}")
 
 
 def stop(process: subprocess.Popen) -> None:
