@@ -12,8 +12,9 @@ block comes from the heap, whatever its size) and trims the heap only once 2 GiB
 so the blocks a step frees serve the next one; findings and timings in ``bench/results/allocator.md``.
 
 It changes no byte: where a block lives never changes what a kernel computes (torch aligns every CPU
-block to 64 bytes either way). It costs memory only in that the process keeps what it freed, up to
-its peak, until it exits.
+block to 64 bytes either way). It costs memory: the process keeps what it freed until it exits, and
+since a large freed block cannot go back, the heap fragments and the peak itself can rise (seed 4's
+``evaluate`` stage: 2.98 GB against 2.69 GB with a 32 MiB mmap threshold, same inputs, run alone).
 
 Where it applies: glibc on Linux. Elsewhere (macOS, musl), when ``GLIBC_TUNABLES`` already sets a
 ``glibc.malloc.*`` key (the user's own settings win) or with ``RLHF_MALLOC=system``, nothing is
