@@ -7,12 +7,17 @@
 #
 #   bash bench/host_cpu_benches.sh [MODEL] [UPDATES] [RM_STEPS]    (smollm2-random 3 16)
 #   on a device host with .gpu/ from ../shared/gpu/make_kit.sh plus trl's wheel in .gpu/whl (carry [".gpu"]);
-#   TINY=1 also runs `.gpu/check.sh tiny` (the tiny pipeline on CUDA) on the cores left over
+#   NUMERICS=native runs every side with the CPU's own kernels (AVX-512 on such a host; default portable)
+#   RM=0 leaves out the reward bench, RM=only runs it alone (on an Intel host, ~6.6 s a step ours and
+#   ~10 s TRL's: 16 steps a side need ~330 s, more than is left after the PPO sides in one call)
+#   TINY=1 also runs `.gpu/check.sh tiny` (the tiny pipeline on CUDA) on the cores left over; beside the
+#   CPU benches its stages ran 1.3-1.7x slower and it hit check.sh's own 300 s limit: prefer its own call
 #   a dry run here: PY3=.venv/bin/python SKIP_INSTALL=1 OUT=/tmp/out bash bench/host_cpu_benches.sh tiny 1 2
 # Reports and logs: $OUT (the .md files, and results.tgz with every log: a device call brings back 8 files).
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 MODEL=${1:-smollm2-random}; UPDATES=${2:-3}; RM_STEPS=${3:-16}; LIMIT=${LIMIT:-470}
+NUMERICS=${NUMERICS:-portable}; RM=${RM:-1}
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/host_cpu_benches; rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL"
 T0=$(date +%s); log() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 PY3=${PY3:-/opt/torch/.venv/bin/python3}; [ -x "$PY3" ] || PY3=$(command -v python3)
@@ -29,17 +34,25 @@ pair() { echo "${CPUS[$(( (2*$1) % N ))]},${CPUS[$(( (2*$1+1) % N ))]}"; }  # wr
 log "model ready"  # materialised once, before the sides start: they would race to write it
 run_ppo() {  # side, cores
   timeout "$LIMIT" taskset -c "$2" "$PY3" bench/ppo_throughput.py --model "$MODEL" --only "$1" --updates "$UPDATES" \
-    --markdown --output "$OUT/ppo_$1.md" > "$OUT/ppo_$1.log" 2>&1
+    --cpu-numerics "$NUMERICS" --markdown --output "$OUT/ppo_$1.md" > "$OUT/ppo_$1.log" 2>&1
   echo "ppo $1 on cpus $2 rc=$? at $(( $(date +%s) - T0 )) s"
 }
-run_ppo trl "$(pair 0)" &
-run_ppo separate "$(pair 1)" &
-(
-  run_ppo shared "$(pair 2)"
-  timeout $(( LIMIT - ($(date +%s) - T0) + 20 )) taskset -c "$(pair 2)" "$PY3" bench/reward_throughput.py \
-    --model "$MODEL" --steps "$RM_STEPS" --markdown --output "$OUT/rm_portable.md" > "$OUT/rm_portable.log" 2>&1
+run_rm() {  # cores
+  timeout $(( LIMIT - ($(date +%s) - T0) + 20 )) taskset -c "$1" "$PY3" bench/reward_throughput.py \
+    --model "$MODEL" --steps "$RM_STEPS" --cpu-numerics "$NUMERICS" --markdown --output "$OUT/rm_$NUMERICS.md" \
+    > "$OUT/rm_$NUMERICS.log" 2>&1
   echo "reward bench rc=$? at $(( $(date +%s) - T0 )) s"
-) &
+}
+if [ "$RM" = only ]; then
+  run_rm "$(pair 0)" &
+else
+  run_ppo trl "$(pair 0)" &
+  run_ppo separate "$(pair 1)" &
+  (
+    run_ppo shared "$(pair 2)"
+    [ "$RM" = 0 ] || run_rm "$(pair 2)"
+  ) &
+fi
 if [ -n "${TINY:-}" ] && [ "$N" -gt 8 ]; then
   (
     REST=$(IFS=,; echo "${CPUS[*]:6}")
