@@ -24,6 +24,7 @@ from typing import Any
 
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import is_local_source, load_hub_dataset, read_table
+from rlhf_pipeline.preferences.text_rules import text_problem
 
 ROLES = ("system", "user", "assistant")
 MAX_LISTED = 10
@@ -70,6 +71,16 @@ def _prompt_end_problem(prompt: list) -> str | None:
     """A prompt must end with the user's turn: that is what the reply answers."""
     role = prompt[-1]["role"]
     return None if role == "user" else f"the prompt ends with a {role} turn; it must end with the user's"
+
+
+def _content_problem(messages: list) -> str | None:
+    """The first message whose content fails the data contract's text rule: the same rule that refuses
+    a preference file's texts, so a prompt file cannot bring into PPO what a label file may not hold."""
+    for i, message in enumerate(messages):
+        problem = text_problem(message["content"])
+        if problem:
+            return f"message {i} content fails the data contract's check '{problem}'"
+    return None
 
 
 def _refusal(header: str, problems: list[str]) -> DataContractError:
@@ -177,7 +188,7 @@ def read_prompts(source: str, where: str) -> list[list[dict]]:
         messages = [{"role": "user", "content": value}] if isinstance(value, str) else as_messages(value)
         problem = "is not a text or a list of messages" if messages is None else None
         problem = problem or ("is an empty list of messages" if not messages else _message_problem(messages))
-        problem = problem or _prompt_end_problem(messages)
+        problem = problem or _prompt_end_problem(messages) or _content_problem(messages)
         if problem:
             problems.append(f"row {index}, field prompt: {problem}")
         else:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from rlhf_pipeline.conversations import render_prompt
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.preferences.text_rules import text_problem
 from rlhf_pipeline.tokens import encode_start, special_prefix, without_prefix
 
 # Drop reasons, in the order the rules are applied; the stage's metrics count each one.
@@ -31,7 +32,10 @@ NO_START = "no_start"  # start_text does not occur in the passage
 NOTHING_AFTER_START = "nothing_after_start"  # its first occurrence is at the very end
 NO_END = "no_end"  # end_text does not occur in the first query_length tokens kept
 EMPTY = "empty"  # no token at all (empty passage, no start/end rule)
-DROP_REASONS = (NO_START, NOTHING_AFTER_START, NO_END, EMPTY)
+# The kept text fails the data contract's text rule (a control character, say): every preference
+# row on this query would be refused by validate_preferences, so the query is dropped here instead.
+BAD_TEXT = "bad_text"
+DROP_REASONS = (NO_START, NOTHING_AFTER_START, NO_END, EMPTY, BAD_TEXT)
 
 
 class QueryResult(NamedTuple):
@@ -141,12 +145,13 @@ def build_queries(
     ``query_ids`` (left-padded to ``query_length``: sampling continues from the last position, so
     every consumer reads queries in this layout) and ``query`` (decoded, no pads),
     and ``counts`` has ``passages``, ``kept``, ``dropped_<reason>``, ``train`` and ``test``.
+    A query whose decoded text fails the data contract's text rule is dropped (``bad_text``).
     """
     start_tokens = text_tokens(tokenizer, start_text, "data.queries.start_text")
     end_tokens = text_tokens(tokenizer, end_text, "data.queries.end_text")
     pad_id, prefix = tokenizer.pad_token_id, special_prefix(tokenizer)
     encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
-    kept: list[list[int]] = []
+    cut: list[list[int]] = []
     drops: Counter[str] = Counter()
     for tokens in encoded:
         # the passage's tokens fill what the prefix (a BOS) leaves of the query
@@ -154,7 +159,15 @@ def build_queries(
         if result.tokens is None:
             drops[result.reason] += 1
         else:
-            kept.append(result.tokens)
+            cut.append(result.tokens)
+    kept: list[list[int]] = []
+    kept_texts: list[str] = []
+    for tokens, text in zip(cut, tokenizer.batch_decode(cut, skip_special_tokens=False)):
+        if text_problem(text):
+            drops[BAD_TEXT] += 1
+        else:
+            kept.append(tokens)
+            kept_texts.append(text)
     counts = {"passages": len(encoded), "kept": len(kept), **{f"dropped_{r}": drops[r] for r in DROP_REASONS}}
     if len(kept) < 2:
         raise PipelineError(
@@ -167,12 +180,11 @@ def build_queries(
     train_idx, test_idx = split_indices(len(kept), test_fraction, seed)
     splits = {}
     for name, indices in (("train", train_idx), ("test", test_idx)):
-        rows = [kept[i] for i in indices]
         splits[name] = {
-            "query_ids": [pad_tokens(prefix + r, query_length, pad_id, "left") for r in rows],
-            "query": tokenizer.batch_decode(rows, skip_special_tokens=False),
+            "query_ids": [pad_tokens(prefix + kept[i], query_length, pad_id, "left") for i in indices],
+            "query": [kept_texts[i] for i in indices],
         }
-        counts[name] = len(rows)
+        counts[name] = len(indices)
     return splits, counts
 
 

@@ -13,6 +13,7 @@ from rlhf_pipeline.conversations import end_of_turn, render_prompt, to_text_pair
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.models import load_tokenizer
 from rlhf_pipeline.preferences.formats import CONVERSATIONAL, PAIRWISE, detect_format, to_flat_frame
+from rlhf_pipeline.preferences.text_rules import BAD_CHARACTER_CHECK, EMPTY_TEXT_CHECK
 
 
 def user(text):
@@ -235,14 +236,27 @@ def test_a_bad_prompt_file_is_refused_naming_row_and_field(tmp_path):
     from rlhf_pipeline.conversations import read_prompts
 
     path = tmp_path / "prompts.jsonl"
-    rows = [{"prompt": "Hello there."}, {"prompt": [user("Hi"), assistant("Hello")]}, {"prompt": 7}]
+    rows = [
+        {"prompt": "Hello there."},
+        {"prompt": [user("Hi"), assistant("Hello")]},
+        {"prompt": 7},
+        {"prompt": "Ring \x07 the bell."},
+        {"prompt": [{"role": "system", "content": "\u200b"}, user("Hi")]},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DataContractError, match="2 of 3 prompt") as caught:
+    with pytest.raises(DataContractError, match="4 of 5 prompt") as caught:
         read_prompts(str(path), "data.queries.prompts")
     assert "row 1, field prompt: the prompt ends with a assistant turn; it must end with the user's" in str(
         caught.value
     )
     assert "row 2, field prompt: is not a text or a list of messages" in str(caught.value)
+    # the data contract's text rule, as for a preference file's texts
+    assert f"row 3, field prompt: message 0 content fails the data contract's check '{BAD_CHARACTER_CHECK}'" in str(
+        caught.value
+    )
+    assert f"row 4, field prompt: message 0 content fails the data contract's check '{EMPTY_TEXT_CHECK}'" in str(
+        caught.value
+    )
 
 
 def test_the_guide_s_chat_example_reads_as_written(chat_tokenizer, tmp_path):

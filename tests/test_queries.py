@@ -6,15 +6,18 @@ import pytest
 from conftest import run_stage_script
 
 from rlhf_pipeline.queries import (
+    BAD_TEXT,
     NO_END,
     NO_START,
     NOTHING_AFTER_START,
+    build_queries,
     find_subsequence,
     pad_tokens,
     preprocess_query,
     rfind_subsequence,
     split_indices,
 )
+from rlhf_pipeline.tokens import special_prefix, without_prefix
 
 DOT = [9]
 
@@ -92,6 +95,27 @@ def test_split_is_seeded_and_disjoint():
     assert split_indices(20, 0.25, seed=3) == (train, test)
     assert split_indices(20, 0.25, seed=4) != (train, test)
     assert all(len(part) == 1 for part in split_indices(2, 0.01, 0))
+
+
+def test_a_query_that_breaks_the_data_contract_is_dropped_and_counted(tiny_tokenizer):
+    """A control character or a bidirectional override inside the kept window would make every
+    preference row on that query fail validate_preferences (exit 3); one after the end text is cut
+    away with the rest of the passage and harms nothing."""
+    passages = [
+        "A. Bell \x07 rang.",  # BEL inside the query
+        "A. Read \u202e it.",  # a right-to-left override inside the query
+        "A. Clean one.",
+        "A. Clean two. \x07 tail",  # BEL after the window's last '.': cut away with the tail
+        "A. Clean three.",
+    ]
+    splits, counts = build_queries(passages, tiny_tokenizer, 24, ".", ".", 0.5, seed=0)
+    assert counts[f"dropped_{BAD_TEXT}"] == 2 and counts["kept"] == 3 == counts["train"] + counts["test"]
+    texts = splits["train"]["query"] + splits["test"]["query"]
+    assert sorted(texts) == [" Clean one.", " Clean three.", " Clean two."]
+    prefix, pad = special_prefix(tiny_tokenizer), tiny_tokenizer.pad_token_id
+    for split in splits.values():  # each text is still its own ids, decoded
+        for ids, text in zip(split["query_ids"], split["query"]):
+            assert tiny_tokenizer.decode(without_prefix([t for t in ids if t != pad], prefix)) == text
 
 
 CORPUS = [
