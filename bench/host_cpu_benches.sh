@@ -10,8 +10,10 @@
 #   NUMERICS=native runs every side with the CPU's own kernels (AVX-512 on such a host; default portable)
 #   RM=0 leaves out the reward bench, RM=only runs it alone (on an Intel host, ~6.6 s a step ours and
 #   ~10 s TRL's: 16 steps a side need ~330 s, more than is left after the PPO sides in one call)
-#   TINY=1 also runs `.gpu/check.sh tiny` (the tiny pipeline on CUDA) on the cores left over; beside the
-#   CPU benches its stages ran 1.3-1.7x slower and it hit check.sh's own 300 s limit: prefer its own call
+#   RM_PROFILE=1 adds --profile to the reward bench (one more step a side, under torch's profiler)
+#   TINY=1 also runs `.gpu/check.sh tiny` (the tiny pipeline on CUDA) on the cores left over, with its
+#   `dvc repro` given LIMIT-55 s instead of check.sh's own 300 (beside the CPU benches its stages ran
+#   1.3-1.7x slower than alone: 257 s beside the `native` PPO sides, past 300 s beside the `portable` ones)
 #   a dry run here: PY3=.venv/bin/python SKIP_INSTALL=1 OUT=/tmp/out bash bench/host_cpu_benches.sh tiny 1 2
 # Reports and logs: $OUT (the .md files, and results.tgz with every log: a device call brings back 8 files).
 set -u
@@ -39,7 +41,7 @@ run_ppo() {  # side, cores
 }
 run_rm() {  # cores
   timeout $(( LIMIT - ($(date +%s) - T0) + 20 )) taskset -c "$1" "$PY3" bench/reward_throughput.py \
-    --model "$MODEL" --steps "$RM_STEPS" --cpu-numerics "$NUMERICS" --markdown --output "$OUT/rm_$NUMERICS.md" \
+    --model "$MODEL" --steps "$RM_STEPS" --cpu-numerics "$NUMERICS" ${RM_PROFILE:+--profile} --markdown --output "$OUT/rm_$NUMERICS.md" \
     > "$OUT/rm_$NUMERICS.log" 2>&1
   echo "reward bench rc=$? at $(( $(date +%s) - T0 )) s"
 }
@@ -56,7 +58,10 @@ fi
 if [ -n "${TINY:-}" ] && [ "$N" -gt 8 ]; then
   (
     REST=$(IFS=,; echo "${CPUS[*]:6}")
-    OUT=$OUT/tiny PYTHONPATH= timeout "$LIMIT" taskset -c "$REST" bash .gpu/check.sh tiny > "$OUT/tiny_check.log" 2>&1
+    # check.sh is the shared kit's, read-only: a copy whose `dvc repro` may run until this script's limit
+    sed "s/timeout 300 python -m dvc repro/timeout $(( LIMIT - 55 )) python -m dvc repro/" .gpu/check.sh > /tmp/check_tiny.sh
+    grep -q "timeout $(( LIMIT - 55 )) python -m dvc repro" /tmp/check_tiny.sh || echo "check.sh changed: its repro keeps 300 s"
+    OUT=$OUT/tiny PYTHONPATH= timeout "$LIMIT" taskset -c "$REST" bash /tmp/check_tiny.sh tiny > "$OUT/tiny_check.log" 2>&1
     echo "tiny check on cpus $REST rc=$? at $(( $(date +%s) - T0 )) s"
   ) &
 fi
