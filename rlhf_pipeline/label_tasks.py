@@ -14,6 +14,7 @@ from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.preferences.simulated import MAX_RESAMPLES, sample_clean_candidates, sample_problem
 from rlhf_pipeline.sampling import ResponseSampler
+from rlhf_pipeline.saved_datasets import read_split
 
 
 @torch.no_grad()
@@ -33,9 +34,7 @@ def export_tasks(
     sampled from ``model_dir`` with the task's sampling (as the preferences stage samples them).
     A query whose responses would break the data contract (e.g. two identical) is drawn again, up to
     :data:`MAX_RESAMPLES` times as the stage does, then left out."""
-    from datasets import load_from_disk
-
-    part = load_from_disk(str(queries_dir))[split]
+    part = read_split(queries_dir, split, "dvc repro queries")
     if num_queries > len(part):
         raise PipelineError(f"{queries_dir} ({split}) has {len(part)} queries; {num_queries} were asked for.")
     tokenizer = load_tokenizer(str(model_dir))

@@ -13,7 +13,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from datasets import load_from_disk
 
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.label_tasks import query_vocabulary_problem
@@ -22,6 +21,7 @@ from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.preferences.simulated import MAX_RESAMPLES, sample_clean_candidates, sample_problem
 from rlhf_pipeline.sampling import ResponseSampler
+from rlhf_pipeline.saved_datasets import read_split
 from rlhf_pipeline.side_by_side import CHALLENGER, INCUMBENT, Round, task_id
 
 
@@ -60,7 +60,7 @@ def sample_round(
     name)``, on the first ``num_queries`` queries of ``split``. A query either side cannot answer within
     the contract's text rule is left out. Which response is A is drawn per task with :mod:`secrets`
     (no seed an annotator could replay) and kept in the round only."""
-    part = load_from_disk(str(queries_dir))[split]
+    part = read_split(queries_dir, split, "dvc repro queries")
     if not 1 <= num_queries <= len(part):
         raise PipelineError(
             f"{queries_dir} ({split}) has {len(part)} queries; {num_queries} were asked for (from 1 to {len(part)})."

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import atomic_file
+from rlhf_pipeline.saved_datasets import read_split
 
 
 def to_pairwise(columns) -> pd.DataFrame:  # noqa: F821
@@ -29,18 +30,10 @@ def to_pairwise(columns) -> pd.DataFrame:  # noqa: F821
 def export_pairwise(source: str, split: str, target: str) -> int:
     """Write split ``split`` of the preference dataset at ``source`` to ``target`` (.jsonl or
     .parquet) in TRL's pairwise format; returns the number of pairs."""
-    from datasets import load_from_disk
-
     suffix = Path(target).suffix.lower()
     if suffix not in (".jsonl", ".parquet"):
         raise PipelineError(f"{target}: write .jsonl or .parquet (TRL's load_dataset reads both).")
-    try:
-        dataset = load_from_disk(source)
-    except FileNotFoundError:
-        raise PipelineError(f"{source} is missing; run `dvc repro preferences` first.") from None
-    if split not in dataset:
-        raise PipelineError(f"{source} has no split {split!r}; its splits are {sorted(dataset)}.")
-    pairs = to_pairwise(dataset[split])
+    pairs = to_pairwise(read_split(source, split, "dvc repro preferences"))
     with atomic_file(target, "wb") as handle:
         if suffix == ".jsonl":
             handle.write(pairs.to_json(orient="records", lines=True, force_ascii=False).encode())
