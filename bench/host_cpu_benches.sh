@@ -59,8 +59,9 @@ if [ -n "${TINY:-}" ] && [ "$N" -gt 8 ]; then
   (
     REST=$(IFS=,; echo "${CPUS[*]:6}")
     # check.sh is the shared kit's, read-only: a copy whose `dvc repro` may run until this script's limit
-    sed "s/timeout 300 python -m dvc repro/timeout $(( LIMIT - 55 )) python -m dvc repro/" .gpu/check.sh > /tmp/check_tiny.sh
-    grep -q "timeout $(( LIMIT - 55 )) python -m dvc repro" /tmp/check_tiny.sh || echo "check.sh changed: its repro keeps 300 s"
+    REPRO="timeout $(( LIMIT - 55 )) python -m dvc repro"
+    sed "s/timeout 300 python -m dvc repro/$REPRO/" .gpu/check.sh > /tmp/check_tiny.sh
+    grep -q "$REPRO" /tmp/check_tiny.sh || echo "check.sh changed: its repro keeps 300 s"
     OUT=$OUT/tiny PYTHONPATH= timeout "$LIMIT" taskset -c "$REST" bash /tmp/check_tiny.sh tiny > "$OUT/tiny_check.log" 2>&1
     echo "tiny check on cpus $REST rc=$? at $(( $(date +%s) - T0 )) s"
   ) &

@@ -71,6 +71,7 @@ def main() -> int:
         torch.set_num_threads(int(os.environ["PROBE_THREADS"]))
         print(json.dumps({workload: compare(workload) for workload in WORKLOADS}))
         return 0
+    differ = "**differ**" if args.markdown else "DIFFER"
     table = []
     for label, capability, threads in SETTINGS:
         env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "MKL_CBWR": "AVX2", "PROBE_THREADS": str(threads)}
@@ -80,9 +81,8 @@ def main() -> int:
             ).stdout
         )
         for workload, layers in result.items():
-            for layer, (outputs, input_grad, weight_grad) in layers.items():
-                same = lambda flag: "same" if flag else "**differ**" if args.markdown else "DIFFER"  # noqa: E731
-                table.append([label, workload, layer, same(outputs), same(input_grad), same(weight_grad)])
+            for layer, flags in layers.items():  # outputs, input gradient, weight gradient
+                table.append([label, workload, layer, *("same" if flag else differ for flag in flags)])
     headers = ["setting", "workload", "layer", "read rows' outputs", "their input gradient", "weight gradient"]
     notes = [
         "full: the layer on every row, then the read rows; subset: the layer on the read rows alone; the same inputs, "
