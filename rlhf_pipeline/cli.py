@@ -41,6 +41,31 @@ def check_params_file(path: str | os.PathLike, root: str | os.PathLike) -> None:
         raise ParamsError(str(path), problems)
 
 
+def project_of(given: str | None, command: str, required: bool = True) -> Path | None:
+    """The DVC project a command works on: the nearest folder holding ``.dvc/`` at or above ``given``
+    (``--root``), else at or above the working directory, found as `dvc` finds its own (DVC's
+    ``Repo.find_root``), so the command works from `data/` as from the project's root. None
+    when there is none and ``required`` is false (the caller falls back to the working directory);
+    else one paragraph naming where it looked, never an empty answer about the wrong folder."""
+    from dvc.exceptions import NotDvcRepoError  # loads part of DVC (about 0.5 s): only for the commands with --root
+    from dvc.repo import Repo
+
+    try:
+        return Path(Repo.find_root(given or os.curdir))
+    except NotDvcRepoError as error:
+        if given is None and not required:
+            return None
+        if given is not None and not Path(given).is_dir():
+            problem = f"--root {given} is not a folder"
+        else:
+            where = f"--root {given}" if given else f"the working directory, {Path.cwd()},"
+            problem = f"{where} is not in a DVC project: no .dvc folder in it or in any folder above it (DVC: {error})"
+        raise SettingsError(
+            f"{problem}. Run `rlhf {command}` in the project (the folder where `dvc init` ran, holding dvc.yaml) or "
+            "in one of its folders, or pass --root with it; nothing was read or written."
+        ) from None
+
+
 def check_fit_to_base_model(path: str | os.PathLike, root: Path) -> str | None:
     """The values that depend on the model (``ppo.freeze_layers``, ``ppo.lora``,
     ``reward.train.num_layers``, query + response length, ``task.truncate_token``) against ``root``/models/base when it
@@ -110,19 +135,23 @@ def cmd_profile(args) -> int:
 
 def cmd_environment(args) -> int:
     """The running environment against the lock: the record a model card gets; --check: exit 1 on a difference."""
-    params = Path(args.root, "params.yaml")
+    # outside any project (the Docker image's build step: a lock, no .dvc/) the working directory is the root
+    root = Path(args.root) if args.root else project_of(None, "environment", required=False) or Path(os.curdir)
+    if not root.is_dir():
+        raise SettingsError(f"rlhf environment: --root {args.root} is not a folder; pass the one that holds the lock.")
+    params = root / "params.yaml"
     compute = load_params(params).compute if params.is_file() else ComputeParams()
     try:  # what the stages would pin here, read back below
         numerics.pin(compute.cpu_numerics, compute.cpu_threads)
         refused = None
     except numerics.NumericsError as error:  # the packages can still be checked on such a host
         refused = f"cpu numerics: the stages would stop here: {error}"
-    record = environment_record(args.root)
+    record = environment_record(root)
     print("\n".join(line.removeprefix("- ") for line in record_lines(record)))
     print(refused or numerics.host_line())
     if args.check and (record["lock_sha256"] is None or record["differs_from_lock"]):
         print(
-            f"rlhf environment: the installed packages are not {Path(args.root, paths.REQUIREMENTS_LOCK)}: run "
+            f"rlhf environment: the installed packages are not {root / paths.REQUIREMENTS_LOCK}: run "
             "`make setup` (it installs exactly the lock), or `make lock` after changing pyproject.toml.",
             file=sys.stderr,
         )
@@ -136,7 +165,7 @@ def cmd_models(args) -> int:
 
     from rlhf_pipeline import models_command  # loads GTO (and, for the gate, torch): only when this command runs
 
-    root = Path(args.root)
+    root = project_of(args.root, "models")
     if args.action == "gate":
         result = models_command.gate(root, args.params)
         print(json.dumps(result, indent=2, default=str) if args.json else result["markdown"] or result["outcome"])
@@ -180,7 +209,7 @@ def cmd_lineage(args) -> int:
     from rlhf_pipeline.registry import declared_artifacts, resolve  # loads GTO: the same
 
     if args.diff:
-        result = diff_versions(args.root, *args.diff, namespace=args.namespace)
+        result = diff_versions(project_of(args.root, "lineage"), *args.diff, namespace=args.namespace)
         print(json.dumps(result, indent=2, default=str) if args.json else render_diff(result))
         return 0
     if not args.path:
@@ -189,9 +218,11 @@ def cmd_lineage(args) -> int:
     if len(path) > 4096 or not path.isprintable():
         raise SettingsError(f"rlhf lineage {quoted(path)}: not a path or a version (unprintable, or too long).")
     name = path.split("@")[0].split("#")[0]
-    if ("@" in path or "#" in path) and not Path(path).exists() and name in declared_artifacts(args.root):
-        version = resolve(args.root, path)  # a registry version: its artifact at its commit
-        path, rev = str(Path(args.root, declared_artifacts(args.root)[name]["path"])), version.commit
+    if ("@" in path or "#" in path) and not Path(path).exists():
+        root = project_of(args.root, "lineage")
+        if name in declared_artifacts(root):
+            version = resolve(root, path)  # a registry version: its artifact at its commit
+            path, rev = str(root / declared_artifacts(root)[name]["path"]), version.commit
     if args.verify:
         if rev:
             raise PipelineError("--verify checks the workspace's bytes; it takes no revision or version.")
@@ -343,9 +374,10 @@ def sampling_model(model: str) -> Iterator[tuple[str, str]]:
 
     from rlhf_pipeline import models_command, registry  # loads DVC and GTO: only for a registered version
 
-    version = registry.resolve(".", model)
-    with tempfile.TemporaryDirectory(prefix=".label-export-", dir=".") as scratch:
-        models_command.fetch(".", version.artifact, version.version, None, Path(scratch) / "model")
+    root = project_of(None, "label")
+    version = registry.resolve(root, model)
+    with tempfile.TemporaryDirectory(prefix=".label-export-", dir=root) as scratch:
+        models_command.fetch(root, version.artifact, version.version, None, Path(scratch) / "model")
         yield str(Path(scratch) / "model"), version.tag
 
 
@@ -377,13 +409,9 @@ def _open_export(labelling, path: str | None, project: int | None, limits) -> tu
 def cmd_plots_page(args) -> int:
     from rlhf_pipeline.plots_page import write_offline_page_template  # loads vl-convert: only when this runs
 
-    if not Path(args.root, ".dvc").is_dir():
-        raise PipelineError(
-            f"{args.root} is not a DVC project (it has no .dvc folder): run `rlhf plots-page` in the project's root, "
-            "or pass --root with it."
-        )
-    with writing(Path(args.root, ".dvc")):
-        path = write_offline_page_template(args.root)
+    root = project_of(args.root, "plots-page")
+    with writing(root / ".dvc"):
+        path = write_offline_page_template(root)
     print(f"{path}: `dvc plots show` and `dvc plots diff` now draw with no network (.dvc/config plots.html_template)")
     return 0
 
@@ -401,7 +429,11 @@ def _add_lineage_parser(sub) -> None:
         help="what changed from A to B (versions such as policy@v1, or PATH@REV): preference rows, params, "
         "code, packages, metrics",
     )
-    p.add_argument("--root", default=".", help="the project, for registry versions and --diff")
+    p.add_argument(
+        "--root",
+        default=None,
+        help="the project, for registry versions and --diff (default: the one holding the working directory)",
+    )
     p.add_argument("--json", action="store_true", help="emit an OpenLineage-shaped run event")
     p.add_argument(
         "--namespace",
@@ -434,8 +466,12 @@ def _add_models_parser(sub) -> None:
     p.add_argument("name", nargs="?", help="the artifact (policy, reward-model)")
     p.add_argument("version", nargs="?", help="assign, get: the version (v2 or v2.0.0; get: default latest)")
     p.add_argument("--stage", default="prod", help="assign: the stage to give (default prod)")
-    p.add_argument("--root", default=".", help="the project (a git + DVC repository)")
-    p.add_argument("--params", default="params.yaml", help="gate: the rule is promotion.* here")
+    p.add_argument(
+        "--root",
+        default=None,
+        help="the project, a git + DVC repository (default: the one holding the working directory)",
+    )
+    p.add_argument("--params", default="params.yaml", help="gate: the rule is promotion.* here (a path in the project)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--from-stage", dest="stage_filter", default=None, help="get: the version assigned this stage")
     p.add_argument("-o", "--out", default=None, help="get: the folder to write (must not exist)")
@@ -546,7 +582,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "environment", help="the installed packages against requirements.lock (what each model card records)"
     )
-    p.add_argument("--root", default=".", help="the project holding requirements.lock")
+    p.add_argument(
+        "--root",
+        default=None,
+        help="the folder holding requirements.lock (default: the DVC project holding the "
+        "working directory, else the working directory)",
+    )
     p.add_argument("--check", action="store_true", help="exit 1 when a package differs from the lock")
     p.set_defaults(func=cmd_environment)
 
@@ -579,7 +620,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plots-page", help="(re)write the page template that lets `dvc plots show` draw offline (vega inlined)"
     )
-    p.add_argument("--root", default=".", help="the DVC project (the template goes in its .dvc/plots/)")
+    p.add_argument(
+        "--root",
+        default=None,
+        help="the DVC project, the template goes in its .dvc/plots/ (default: the one holding the working directory)",
+    )
     p.set_defaults(func=cmd_plots_page)
     return parser
 

@@ -116,9 +116,48 @@ def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
 
 
 def test_plots_page_refuses_a_folder_that_is_not_a_dvc_project(tmp_path, capsys):
-    assert run_cli("plots-page", "--root", str(tmp_path / "none")) == 1
-    assert "is not a DVC project (it has no .dvc folder)" in capsys.readouterr().err
-    assert not (tmp_path / "none").exists()
+    assert run_cli("plots-page", "--root", str(tmp_path / "none")) == 2
+    assert f"--root {tmp_path / 'none'} is not a folder" in capsys.readouterr().err
+    assert run_cli("plots-page", "--root", str(tmp_path)) == 2
+    assert "is not in a DVC project: no .dvc folder in it or in any folder above it" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_commands_with_a_root_find_the_project_from_its_folders_and_refuse_a_root_outside_one(
+    tmp_path, monkeypatch, capsys
+):
+    """`rlhf models`, `lineage`, `environment` and `plots-page` work on the project holding the working
+    directory, found as `dvc` finds its own; they used to read the working directory itself, so from
+    `data/`, or with a mistyped --root, `rlhf models` said "no registered versions yet" and `rlhf
+    environment` "no requirements.lock (packages unlocked)": answers about the wrong folder."""
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    monkeypatch.chdir(project)
+    subprocess.run(["git", "init", "-q"], check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], check=True)
+    Path("dvc.yaml").write_text("artifacts:\n  policy:\n    path: models/policy\n    type: model\n")
+    shutil.copy(REPO / "requirements.lock", "requirements.lock")
+    subprocess.run(["git", "add", "-A"], check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "project"], check=True)
+    monkeypatch.chdir(project / "data")
+    assert run_cli("models", "assign", "policy", "v9") == 2  # the project's dvc.yaml declares policy
+    assert "policy has no version v9.0.0 (registered: none)" in capsys.readouterr().err
+    assert run_cli("lineage", "policy@v1") == 2
+    assert "policy has no version v1.0.0" in capsys.readouterr().err
+    assert run_cli("environment") == 0
+    assert "`requirements.lock` sha256" in capsys.readouterr().out
+    assert run_cli("models", "--root", str(project / "data")) == 0  # a folder inside the project names it
+    assert capsys.readouterr().out.startswith("no registered versions yet")
+    # outside any project, or a --root that is no folder: one paragraph, exit 2, nothing written
+    monkeypatch.chdir(tmp_path)
+    for argv in (["models"], ["lineage", "--diff", "policy@v1", "policy@v2"], ["models", "--root", "nope"]):
+        assert run_cli(*argv) == 2
+        err = capsys.readouterr().err
+        assert "Run `rlhf " in err and "nothing was read or written" in err and "Traceback" not in err
+        assert ("is not a folder" if "nope" in argv else f"{tmp_path}, is not in a DVC project") in err
+    assert run_cli("environment", "--root", "nope") == 2
+    assert "--root nope is not a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]
 
 
 REPO = Path(__file__).resolve().parents[1]
