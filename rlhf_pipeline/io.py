@@ -26,6 +26,7 @@ from rlhf_pipeline.errors import (
     DataContractError,
     ParamsError,
     PipelineError,
+    StorageError,
     storage_error,
     storage_failure,
 )
@@ -44,6 +45,10 @@ def atomic_dir(target: str | os.PathLike, checksums: bool = False) -> Iterator[P
     :class:`StorageError` naming ``target``. ``checksums``: record every file's sha256 in
     ``SHA256SUMS`` before the swap (:func:`verify_checksums` checks them when the folder is read)."""
     target = Path(target)
+    if target.exists() and not target.is_dir():  # os.replace would swap a file for the folder and hide it as .old
+        raise StorageError(
+            f"{target} is a file, not a folder: choose a folder's path for this output. Nothing was written."
+        )
     with storage_errors_name(target):
         target.parent.mkdir(parents=True, exist_ok=True)
         recover_interrupted_write(target)
@@ -308,6 +313,8 @@ def read_table(path: str | Path):
     import pandas as pd
 
     path = Path(path)
+    if path.is_dir():
+        raise PipelineError(f"{path} is a folder; give a .jsonl or .parquet file.")
     if not path.is_file():
         raise PipelineError(f"{path} not found (paths are relative to the project root, e.g. data/raw/corpus.jsonl).")
     suffix = path.suffix.lower()

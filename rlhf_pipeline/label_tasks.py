@@ -34,7 +34,7 @@ def export_tasks(
     sampled from ``model_dir`` with the task's sampling (as the preferences stage samples them).
     A query whose responses would break the data contract (e.g. two identical) is drawn again, up to
     :data:`MAX_RESAMPLES` times as the stage does, then left out."""
-    part = read_split(queries_dir, split, "dvc repro queries")
+    part = read_split(queries_dir, split, "dvc repro queries", columns=("query", "query_ids"))
     if num_queries > len(part):
         raise PipelineError(f"{queries_dir} ({split}) has {len(part)} queries; {num_queries} were asked for.")
     tokenizer = load_tokenizer(str(model_dir))

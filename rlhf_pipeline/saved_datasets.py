@@ -17,9 +17,10 @@ from datasets import Dataset, DatasetDict, load_from_disk
 from rlhf_pipeline.errors import PipelineError, plain
 
 
-def read_split(folder: str | os.PathLike, split: str, rebuild: str) -> Dataset:
-    """Split ``split`` of the dataset saved in ``folder``; ``rebuild`` is the command that writes the
-    folder again (``dvc repro queries``), for the error."""
+def read_split(folder: str | os.PathLike, split: str, rebuild: str, columns: tuple[str, ...] = ()) -> Dataset:
+    """Split ``split`` of the dataset saved in ``folder``, which must hold ``columns`` (another stage's
+    dataset, such as ``data/queries`` given for ``data/preferences``, does not); ``rebuild`` is the
+    command that writes the folder again (``dvc repro queries``), for the error."""
     where = Path(folder)
     name = plain(str(where), 200)  # a user's argument: escaped if it holds anything unprintable
     if not where.is_dir():
@@ -39,4 +40,11 @@ def read_split(folder: str | os.PathLike, split: str, rebuild: str) -> Dataset:
         )
     if split not in saved:
         raise PipelineError(f"{name} has no split {split!r}; its splits are {sorted(saved)}. Nothing was written.")
+    missing = [column for column in columns if column not in saved[split].column_names]
+    if missing:
+        raise PipelineError(
+            f"{name} is not the dataset asked for: its {split!r} split has no {' or '.join(map(repr, missing))} "
+            f"column (it has {', '.join(map(repr, saved[split].column_names))}); the folder `{rebuild}` writes has "
+            f"{' and '.join(map(repr, columns))}. Nothing was written."
+        )
     return saved[split]

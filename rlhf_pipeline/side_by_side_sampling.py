@@ -60,7 +60,7 @@ def sample_round(
     name)``, on the first ``num_queries`` queries of ``split``. A query either side cannot answer within
     the contract's text rule is left out. Which response is A is drawn per task with :mod:`secrets`
     (no seed an annotator could replay) and kept in the round only."""
-    part = read_split(queries_dir, split, "dvc repro queries")
+    part = read_split(queries_dir, split, "dvc repro queries", columns=("query", "query_ids"))
     if not 1 <= num_queries <= len(part):
         raise PipelineError(
             f"{queries_dir} ({split}) has {len(part)} queries; {num_queries} were asked for (from 1 to {len(part)})."

@@ -79,6 +79,30 @@ def test_read_split_reads_a_saved_split(saved):
     assert read_split(saved, "test", "dvc repro preferences")["query"] == ["Query 0.", "Query 1."]
 
 
+def test_another_stage_s_dataset_is_refused_by_its_columns(saved, tmp_path, capsys):
+    """`rlhf export-preferences --input data/queries` used to end in datasets' "Column 'samples' doesn't exist"
+    traceback."""
+    queries = tmp_path / "queries"
+    rows = [{"query": "Query.", "query_ids": [1, 2]}]
+    DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows)}).save_to_disk(queries)
+    with pytest.raises(PipelineError) as error:
+        read_split(queries, "test", "dvc repro preferences", columns=("query", "samples", "best"))
+    assert str(error.value) == (
+        f"{queries} is not the dataset asked for: its 'test' split has no 'samples' or 'best' column (it has "
+        "'query', 'query_ids'); the folder `dvc repro preferences` writes has 'query' and 'samples' and 'best'. "
+        "Nothing was written."
+    )
+    assert read_split(saved, "test", "dvc repro preferences", columns=("query", "samples", "best"))["best"] == [0, 1]
+    target = tmp_path / "pairs.jsonl"
+    with pytest.raises(SystemExit) as exit_:
+        main(["export-preferences", str(target), "--input", str(queries)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and "is not the dataset asked for" in err and "Traceback" not in err
+    assert not target.exists()
+    with pytest.raises(PipelineError, match="has no 'query_ids' column"):
+        export_tasks(tmp_path / "no_model", saved, TaskParams(), "test", 2, 2, 0, 1)
+
+
 @pytest.mark.parametrize("how", ["missing", "an arrow file cut short", "its index not JSON"])
 def test_export_preferences_refuses_a_bad_input_folder_and_writes_nothing(saved, tmp_path, capsys, how):
     folder, target = damaged(saved, tmp_path, how), tmp_path / "pairs.jsonl"

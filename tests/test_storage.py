@@ -11,8 +11,9 @@ import torch
 from conftest import run_stage_script
 from safetensors.torch import save_file
 
-from rlhf_pipeline.errors import StorageError, storage_failure
-from rlhf_pipeline.io import atomic_dir, write_json
+from rlhf_pipeline.cli import main
+from rlhf_pipeline.errors import PipelineError, StorageError, storage_failure
+from rlhf_pipeline.io import atomic_dir, read_table, write_json
 
 
 def mount_tmpfs(where: Path, options: str) -> Path:
@@ -94,6 +95,26 @@ def test_stage_with_a_read_only_output_folder_exits_5(project, capsys, tmp_path)
     assert code == StorageError.exit_code == 5
     assert "stage queries: error: could not write metrics/queries.json: Read-only file system." in err
     assert "Traceback" not in err
+
+
+def test_a_folder_output_never_replaces_a_file(tmp_path, capsys):
+    """`rlhf validate-preferences prefs.jsonl --docs prefs.jsonl`: the Data Docs folder used to take the
+    file's place, and the file went to a hidden `.prefs.jsonl.old-PID`; now nothing moves."""
+    target = tmp_path / "prefs.jsonl"
+    target.write_text("".join(f'{{"query": "q{i}", "sample0": "x", "sample1": "y", "best": 0}}\n' for i in range(4)))
+    with pytest.raises(StorageError, match=rf"{target} is a file, not a folder: .* Nothing was written\."):
+        with atomic_dir(target) as tmp:
+            (tmp / "index.html").write_text("docs")
+    with pytest.raises(SystemExit) as exit_:
+        main(["validate-preferences", str(target), "--docs", str(target)])
+    assert exit_.value.code == StorageError.exit_code
+    assert f"{target} is a file, not a folder" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["prefs.jsonl"] and target.read_text().startswith('{"query": "q0"')
+
+
+def test_a_folder_given_for_a_file_is_called_a_folder_not_missing(tmp_path):
+    with pytest.raises(PipelineError, match=rf"^{tmp_path} is a folder; give a .jsonl or .parquet file\.$"):
+        read_table(tmp_path)
 
 
 def test_an_output_folder_is_readable_by_everyone(tmp_path):

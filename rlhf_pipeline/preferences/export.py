@@ -33,7 +33,7 @@ def export_pairwise(source: str, split: str, target: str) -> int:
     suffix = Path(target).suffix.lower()
     if suffix not in (".jsonl", ".parquet"):
         raise PipelineError(f"{target}: write .jsonl or .parquet (TRL's load_dataset reads both).")
-    pairs = to_pairwise(read_split(source, split, "dvc repro preferences"))
+    pairs = to_pairwise(read_split(source, split, "dvc repro preferences", columns=("query", "samples", "best")))
     with atomic_file(target, "wb") as handle:
         if suffix == ".jsonl":
             handle.write(pairs.to_json(orient="records", lines=True, force_ascii=False).encode())
