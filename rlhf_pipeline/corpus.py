@@ -188,6 +188,8 @@ def column_texts(values, column: str, where: str) -> list[str]:
 
 def load_local_passages(source: str, text_column: str) -> list[str]:
     path = Path(source)
+    if path.is_dir():
+        raise PipelineError(f"data.corpus.source: {source} is a folder; give a .txt, .jsonl or .parquet file.")
     if not path.is_file():
         raise PipelineError(
             f"data.corpus.source: {source} not found (paths are relative to the project root; put corpora in "
@@ -200,6 +202,8 @@ def load_local_passages(source: str, text_column: str) -> list[str]:
             f"data.corpus.source: {source} has unsupported type {path.suffix!r}; use .txt, .jsonl or .parquet."
         )
     frame = read_table(path)
+    if frame.empty:
+        raise PipelineError(f"data.corpus.source: {source} holds no data: no row with any column.")
     if text_column not in frame.columns:
         raise PipelineError(
             f"data.corpus.text_column: column {text_column!r} is not in {source}; its columns are "

@@ -60,6 +60,12 @@ def test_missing_file_and_empty_corpus(tmp_path):
     with pytest.raises(PipelineError, match="unsupported"):
         (tmp_path / "c.csv").write_text("a\n")
         load_local_passages(str(tmp_path / "c.csv"), "text")
+    with pytest.raises(PipelineError, match=rf"^data.corpus.source: {tmp_path} is a folder; give a .txt, .jsonl or"):
+        load_local_passages(str(tmp_path), "text")
+    for rows in ("", "{}\n{}\n"):  # was: "column 'text' is not in ...; its columns are []"
+        (tmp_path / "e.jsonl").write_text(rows)
+        with pytest.raises(PipelineError, match="e.jsonl holds no data: no row with any column"):
+            load_local_passages(str(tmp_path / "e.jsonl"), "text")
 
 
 def test_hub_id_offline_fails_fast_and_clearly():
