@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_pipeline import __version__, labelling, numerics, paths, side_by_side
+from rlhf_pipeline.datadocs import check_docs_folder
 from rlhf_pipeline.environment import environment_record, record_lines
 from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, SettingsError, StorageError, quoted
 from rlhf_pipeline.io import atomic_file
@@ -196,6 +197,9 @@ def cmd_models(args) -> int:
 def cmd_validate_preferences(args) -> int:
     from rlhf_pipeline.contract import validate_file_cli  # loads Great Expectations: only when this command runs
 
+    never_over_inputs(args.result, args.path)
+    if args.docs:
+        check_docs_folder(args.docs)  # before the contract runs, not after it has printed its verdict
     with writing(args.result or args.docs or "the result"):
         return validate_file_cli(args.path, params_path=args.params, result_path=args.result, docs_dir=args.docs)
 
@@ -230,6 +234,26 @@ def cmd_lineage(args) -> int:
     return lineage_cli(path, as_json=args.json, namespace=args.namespace, rev=rev)
 
 
+def never_over_inputs(output: str | os.PathLike | None, *inputs: str | os.PathLike | None) -> None:
+    """Refuse an ``output`` that is one of the command's ``inputs`` or lies inside an input folder: the
+    write would replace or change what the command reads (`rlhf label import export.json export.json`
+    replaced Label Studio's export with its rows). SettingsError, before anything is written."""
+    if output is None:
+        return
+    target = Path(output).resolve()
+    for given in inputs:
+        source = None if given is None else Path(given).resolve()
+        if source is not None and (target == source or source in target.parents):
+            relation = (
+                f"is also this command's input ({given}): writing it would replace"
+                if target == source
+                else f"is inside {given}, which this command reads: writing it would change"
+            )
+            raise SettingsError(
+                f"{output} {relation} what the command reads. Choose another path; nothing was written."
+            )
+
+
 @contextmanager
 def writing(path: str | os.PathLike) -> Iterator[None]:
     """An OS error while writing a command's output (the path is under a file, in /proc, not
@@ -249,6 +273,7 @@ def cmd_export_preferences(args) -> int:
     # loads torch and datasets: only when this command runs
     from rlhf_pipeline.preferences.export import export_pairwise
 
+    never_over_inputs(args.output, args.input)
     with writing(args.output):
         count = export_pairwise(args.input, args.split, args.output)
     print(f"{args.output}: {count} pairs (prompt, chosen, rejected) from {args.input} [{args.split}]")
@@ -270,6 +295,7 @@ def cmd_label(args) -> int:
     if args.action == "verdicts":
         return _label_verdicts(args)
     if args.action == "export":
+        never_over_inputs(args.output, args.queries, args.model)
         params = load_params(args.params)
         numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
         task = params.task
@@ -322,6 +348,7 @@ def _label_compare(args) -> int:
 
     from rlhf_pipeline import side_by_side_sampling  # loads torch and transformers: only when this command runs
 
+    never_over_inputs(args.output, args.queries, args.challenger, args.incumbent)
     params = load_params(args.params)
     numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
     num = args.num if args.num is not None else params.promotion.human.num_queries
@@ -395,6 +422,7 @@ def _label_export(args, limits) -> tuple:
             "or --from-server PROJECT OUTPUT."
         )
     args.input, args.output = args.paths
+    never_over_inputs(args.output, args.input)
     return _open_export(labelling, args.input, None, limits)
 
 

@@ -16,6 +16,7 @@ import json
 import re
 from pathlib import Path
 
+from rlhf_pipeline.errors import SettingsError
 from rlhf_pipeline.io import atomic_dir
 
 # a tag that makes the browser fetch something: a stylesheet, script or image from a URL, or one
@@ -68,9 +69,28 @@ def render_result(result: dict, heading: str = "") -> str:
     return page
 
 
+def check_docs_folder(directory: str | Path) -> None:
+    """Data Docs replace their folder whole, so they go only to a new or empty folder or over earlier
+    Data Docs (``.html`` pages alone): ``rlhf validate-preferences data/labels/x.jsonl --docs data/labels``
+    used to empty the labels folder, the file it validated with it. SettingsError otherwise."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return  # new, or a file: atomic_dir refuses to put a folder where a file is
+    others = sorted(p.name for p in folder.iterdir() if not (p.is_file() and p.suffix == ".html"))
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise SettingsError(
+            f"{folder} holds what is not a Data Docs page ({shown}): Data Docs replace their folder whole, so they "
+            "are written to a new or empty folder, or over earlier Data Docs. Choose another folder; nothing was "
+            "written."
+        )
+
+
 def write_data_docs(results: dict[str, dict], directory: str | Path, title: str) -> Path:
-    """Data Docs for ``results`` (name -> GX result JSON, e.g. one per split) in ``directory``:
-    one page per result and an ``index.html`` with each verdict; written atomically. Returns the index."""
+    """Data Docs for ``results`` (name -> GX result JSON, e.g. one per split) in ``directory`` (see
+    :func:`check_docs_folder`): one page per result and an ``index.html`` with each verdict; written
+    atomically. Returns the index."""
+    check_docs_folder(directory)
     rows = []
     with atomic_dir(directory) as tmp:
         for name, result in results.items():

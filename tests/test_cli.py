@@ -215,3 +215,46 @@ def test_tiny_random_source_builds_a_two_block_model():
     model, tokenizer, provenance = load_source_model("tiny-llama")
     assert model.config.num_hidden_layers == 2 and tokenizer.eos_token_id is not None
     assert provenance["source"] == "tiny-llama"
+
+
+def test_no_command_writes_over_its_own_input(tmp_path, monkeypatch, capsys):
+    """An output that is the input, or inside an input folder, is refused before anything is read or
+    written; Data Docs go only to a new folder or over earlier Data Docs. Each of these used to lose data:
+    `--result FILE` replaced the file with GX's JSON, `--docs data/labels` emptied the labels folder,
+    `label import export.json export.json` replaced the export with its rows."""
+    monkeypatch.chdir(tmp_path)
+    labels = Path("labels")
+    labels.mkdir()
+    rows = "".join(f'{{"query": "q{i}", "sample0": "a{i}", "sample1": "b{i}", "best": 0}}\n' for i in range(8))
+    (labels / "round.jsonl").write_text(rows)
+    (labels / "notes.txt").write_text("mine\n")
+    DatasetDict({"train": Dataset.from_list([{"query": "q", "query_ids": [1]}])}).save_to_disk("queries")
+
+    def kept() -> dict[str, bytes]:
+        return {str(p): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+    before = kept()
+    refusals = {
+        (
+            "validate-preferences",
+            "labels/round.jsonl",
+            "--result",
+            "labels/round.jsonl",
+        ): "is also this command's input",
+        ("validate-preferences", "labels/round.jsonl", "--result", "./labels/../labels/round.jsonl"): "is also",
+        ("validate-preferences", "labels/round.jsonl", "--docs", "labels"): "labels holds what is not a Data Docs page",
+        ("label", "import", "labels/round.jsonl", "labels/round.jsonl"): "is also this command's input",
+        ("export-preferences", "queries/pairs.jsonl", "--input", "queries"): "is inside queries, which this command",
+        ("label", "export", "queries/tasks.json", "--queries", "queries", "--model", "m"): "is inside queries",
+        ("label", "compare", "m", "n", "m/tasks.json", "--queries", "queries"): "is inside m, which this command",
+    }
+    for argv, said in refusals.items():
+        assert run_cli(*argv) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and err.rstrip().endswith("nothing was written.") and "Traceback" not in err, err
+    assert kept() == before, "an input was changed"
+    # earlier Data Docs are replaced, as before
+    assert run_cli("validate-preferences", "labels/round.jsonl", "--docs", "docs") == 3  # 8 rows: under min_rows
+    (Path("docs") / "stale.html").write_text("old page")
+    assert run_cli("validate-preferences", "labels/round.jsonl", "--docs", "docs") == 3
+    assert sorted(p.name for p in Path("docs").iterdir()) == ["index.html", "round.html"]
