@@ -139,7 +139,7 @@ def cmd_environment(args) -> int:
     # outside any project (the Docker image's build step: a lock, no .dvc/) the working directory is the root
     root = Path(args.root) if args.root else project_of(None, "environment", required=False) or Path(os.curdir)
     if not root.is_dir():
-        raise SettingsError(f"rlhf environment: --root {args.root} is not a folder; pass the one that holds the lock.")
+        raise SettingsError(f"--root {args.root} is not a folder; pass the one that holds the lock.")
     params = root / "params.yaml"
     compute = load_params(params).compute if params.is_file() else ComputeParams()
     try:  # what the stages would pin here, read back below
