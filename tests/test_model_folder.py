@@ -75,7 +75,7 @@ def hostile_folders(root: Path) -> dict[str, tuple[Path, str, str]]:
 def test_hostile_model_folders_are_refused_before_loading_within_1_gb(tmp_path):
     cases = hostile_folders(tmp_path)
     script = (
-        "import json, resource, sys\n"
+        "import json, sys\n"
         "from rlhf_pipeline.errors import ParamsError\n"
         "from rlhf_pipeline.model_folder import admit_model_folder\n"
         "results = {}\n"
@@ -85,7 +85,10 @@ def test_hostile_model_folders_are_refused_before_loading_within_1_gb(tmp_path):
         "        results[name] = [0, 'admitted']\n"
         "    except ParamsError as error:\n"
         "        results[name] = [error.exit_code, str(error)]\n"
-        "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
+        # VmHWM, this process's own peak: ru_maxrss also counts the memory of the process that started it
+        # (Linux carries the parent's high-water mark across a fork or vfork and exec), so under xdist it
+        # read the pytest worker's 1 GB, not this check's 0.4
+        "peak = int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1]) / 1024\n"
         "print(json.dumps({'results': results, 'peak_mb': peak}))\n"
     )
     arguments = json.dumps({name: [str(folder), auto_class] for name, (folder, auto_class, _) in cases.items()})
