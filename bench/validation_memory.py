@@ -8,7 +8,7 @@ Usage (nothing else running; the 1 M-row file is ~190 MiB, written once under --
     .venv/bin/python bench/validation_memory.py --rows 1000000 --output bench/results/validation_memory.md
 
 Each run prints `ok: N rows passed ...` (the rows are valid); the table gives wall seconds and
-peak RSS (`getrusage` of the child) and their ratios to the reference.
+peak RSS (the child's own `VmHWM`) and their ratios to the reference.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 # the CLI in a child process, CHUNK_ROWS set first (None: as shipped); prints its peak RSS last
 CHILD = """
-import json, resource, sys
+import json, sys
 import rlhf_pipeline.contract as contract
 chunk = json.loads(sys.argv[1])
 if chunk is not None:
@@ -32,7 +32,10 @@ try:
     main(["validate-preferences", sys.argv[2], "--params", sys.argv[3]])
 except SystemExit as exit_:
     code = exit_.code
-print(json.dumps({"code": code, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# VmHWM, this child's own peak (ru_maxrss would also count this script's memory: Linux carries the
+# parent's high-water mark across fork and exec)
+peak_kb = int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM:")).split()[1])
+print(json.dumps({"code": code, "peak_mb": peak_kb / 1024}))
 """
 
 
