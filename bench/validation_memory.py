@@ -32,10 +32,8 @@ try:
     main(["validate-preferences", sys.argv[2], "--params", sys.argv[3]])
 except SystemExit as exit_:
     code = exit_.code
-# VmHWM, this child's own peak (ru_maxrss would also count this script's memory: Linux carries the
-# parent's high-water mark across fork and exec)
-peak_kb = int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM:")).split()[1])
-print(json.dumps({"code": code, "peak_mb": peak_kb / 1024}))
+from rlhf_pipeline.allocator import peak_rss_mb  # this child's own peak, not this script's as well
+print(json.dumps({"code": code, "peak_mb": peak_rss_mb()}))
 """
 
 

@@ -118,6 +118,11 @@ def cmd_check_params(args) -> int:
 def cmd_profile(args) -> int:
     """Show the profiles in ``params/`` next to the params file, or make one the params file."""
     folder = Path(args.params).resolve().parent / "params"
+    if not folder.is_dir():
+        raise SettingsError(
+            f"no profiles folder {folder}: the profiles live in params/ beside the params file, and --params "
+            f"{args.params} has none beside it. Run `rlhf profile` in the project, or pass its params.yaml."
+        )
     available = sorted(p.stem for p in folder.glob("*.yaml"))
     if args.name is None:
         print("\n".join(available) if available else f"no profiles in {folder}")

@@ -72,10 +72,17 @@ def render_result(result: dict, heading: str = "") -> str:
 def check_docs_folder(directory: str | Path) -> None:
     """Data Docs replace their folder whole, so they go only to a new or empty folder or over earlier
     Data Docs (``.html`` pages alone): ``rlhf validate-preferences data/labels/x.jsonl --docs data/labels``
-    used to empty the labels folder, the file it validated with it. SettingsError otherwise."""
+    used to empty the labels folder, the file it validated with it. SettingsError otherwise, and for a path
+    that is a file."""
     folder = Path(directory)
+    if folder.exists() and not folder.is_dir():
+        # atomic_dir would refuse it too, but only once the contract has run and printed its verdict
+        raise SettingsError(
+            f"{folder} is a file, not a folder: Data Docs are a folder of pages, and writing them there would "
+            "replace the file. Choose a folder's path; nothing was written."
+        )
     if not folder.is_dir():
-        return  # new, or a file: atomic_dir refuses to put a folder where a file is
+        return  # new: atomic_dir makes it
     others = sorted(p.name for p in folder.iterdir() if not (p.is_file() and p.suffix == ".html"))
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")

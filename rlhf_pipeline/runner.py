@@ -320,13 +320,6 @@ def seconds_since_process_start() -> float:
     return time.time() - psutil.Process().create_time()
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MB (Linux reports ru_maxrss in KiB)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def run_stage(name: str, body: Callable[[Any], None], schema: type[StageParams], argv: list[str] | None = None) -> None:
     """Parse ``--params``, validate the sections of ``schema``, restrict to the declared keys, seed,
     and call ``body(params)``; exit non-zero on user errors.
@@ -347,7 +340,8 @@ def run_stage(name: str, body: Callable[[Any], None], schema: type[StageParams],
         body(params)
         record_reads(name, params)
         print(
-            f"stage {name}: done in {seconds_since_process_start():.0f} s, peak RSS {peak_rss_mb():.0f} MB", flush=True
+            f"stage {name}: done in {seconds_since_process_start():.0f} s, peak RSS {allocator.peak_rss_mb():.0f} MB",
+            flush=True,
         )
     except PipelineError as error:
         sys.exit(report_error(error, f"stage {name}"))

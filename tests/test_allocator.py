@@ -88,3 +88,13 @@ def test_a_stage_under_an_unknown_rlhf_malloc_value_exits_2_before_its_body(tmp_
         run_stage("probe", lambda params: ran.append(params.seed), SeedOnly, argv=[])
     assert exit_.value.code == 2 and ran == []
     assert "stage probe: error: RLHF_MALLOC='tcmalloc' is not one of" in capsys.readouterr().err
+
+
+def test_the_peak_memory_read_is_this_process_s_own_not_its_parent_s():
+    """Linux's ru_maxrss starts a child at its parent's high-water mark (kept across fork and exec): the
+    stages' "peak RSS" lines and the hostile-folder memory check read a pytest worker's 1 GB that way."""
+    held = bytearray(600 << 20)  # the parent touches 600 MB (bytearray zero-fills it)
+    code = "from rlhf_pipeline.allocator import peak_rss_mb; import json; print(json.dumps(peak_rss_mb()))"
+    child = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 5 < child < 200, child  # the interpreter and one small module, not the parent's 600 MB
+    assert allocator.peak_rss_mb() >= 600 and len(held) == 600 << 20

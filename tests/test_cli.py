@@ -190,6 +190,13 @@ def test_profile_command_switches_params_and_refuses_a_broken_profile(tmp_path, 
     assert "ppo.lr" in capsys.readouterr().err
     assert Path("params.yaml").read_bytes() == Path("params/tiny.yaml").read_bytes(), "params.yaml was touched"
     assert run_cli("profile", "nope") == 1
+    capsys.readouterr()
+    # a --params with no params/ beside it used to list "no profiles" and exit 0
+    assert run_cli("profile", "--params", str(tmp_path / "nowhere" / "params.yaml")) == 2
+    assert f"no profiles folder {tmp_path / 'nowhere' / 'params'}" in capsys.readouterr().err
+    # a folder given for the params file is called a folder, not "not found"
+    assert run_cli("check-params", "params") == 2
+    assert "params is a folder; give a params file" in capsys.readouterr().err
 
 
 def test_check_params_and_profile_work_beside_a_dvc_added_file(tmp_path, monkeypatch, capsys):

@@ -85,11 +85,9 @@ def test_hostile_model_folders_are_refused_before_loading_within_1_gb(tmp_path):
         "        results[name] = [0, 'admitted']\n"
         "    except ParamsError as error:\n"
         "        results[name] = [error.exit_code, str(error)]\n"
-        # VmHWM, this process's own peak: ru_maxrss also counts the memory of the process that started it
-        # (Linux carries the parent's high-water mark across a fork or vfork and exec), so under xdist it
-        # read the pytest worker's 1 GB, not this check's 0.4
-        "peak = int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1]) / 1024\n"
-        "print(json.dumps({'results': results, 'peak_mb': peak}))\n"
+        # this process's own peak (not ru_maxrss, which under xdist read the pytest worker's 1 GB)
+        "from rlhf_pipeline.allocator import peak_rss_mb\n"
+        "print(json.dumps({'results': results, 'peak_mb': peak_rss_mb()}))\n"
     )
     arguments = json.dumps({name: [str(folder), auto_class] for name, (folder, auto_class, _) in cases.items()})
     done = subprocess.run([sys.executable, "-c", script, arguments], capture_output=True, text=True, timeout=300)

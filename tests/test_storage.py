@@ -12,7 +12,7 @@ from conftest import run_stage_script
 from safetensors.torch import save_file
 
 from rlhf_pipeline.cli import main
-from rlhf_pipeline.errors import PipelineError, StorageError, storage_failure
+from rlhf_pipeline.errors import PipelineError, SettingsError, StorageError, storage_failure
 from rlhf_pipeline.io import atomic_dir, read_table, write_json
 
 
@@ -107,8 +107,9 @@ def test_a_folder_output_never_replaces_a_file(tmp_path, capsys):
             (tmp / "index.html").write_text("docs")
     with pytest.raises(SystemExit) as exit_:
         main(["validate-preferences", str(target), "--docs", str(target)])
-    assert exit_.value.code == StorageError.exit_code
-    assert f"{target} is a file, not a folder" in capsys.readouterr().err
+    assert exit_.value.code == SettingsError.exit_code  # refused before the contract runs, so no verdict printed
+    out, err = capsys.readouterr()
+    assert f"{target} is a file, not a folder" in err and out == ""
     assert [p.name for p in tmp_path.iterdir()] == ["prefs.jsonl"] and target.read_text().startswith('{"query": "q0"')
 
 

@@ -138,6 +138,8 @@ class _StrictLoader(yaml.SafeLoader):
 def read_params_file(path: str | os.PathLike = "params.yaml") -> Any:
     """The raw YAML of ``path``, or a :class:`ParamsError` naming what is wrong with the file."""
     path = Path(path)
+    if path.is_dir():
+        raise ParamsError(str(path), [f"<file>: {path} is a folder; give a params file (params.yaml, or a profile)"])
     if not path.is_file():
         raise ParamsError(str(path), [f"<file>: {path} not found (run from the project root, or pass a path)"])
     data = path.read_bytes()
