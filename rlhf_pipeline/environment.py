@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline import numerics
+from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.paths import REQUIREMENTS_LOCK
 
 # installed beside the lock by `make setup` (torch: per-machine build) or the venv's own tooling
@@ -37,6 +38,24 @@ def canonical(name: str) -> str:
 def locked_versions(text: str) -> dict[str, str]:
     """``{package: version}`` from a pip requirements lock (``name==version`` lines)."""
     return {canonical(m.group(1)): m.group(2) for line in text.splitlines() if (m := _PIN.match(line.strip()))}
+
+
+def lock_pins(path: Path, data: bytes) -> dict[str, str]:
+    """:func:`locked_versions` of the lock file ``path`` holding ``data``; a PipelineError naming the file
+    when it is not UTF-8 text or pins no package (a damaged or emptied lock would otherwise be read as
+    "every installed package differs from it", or end in a UnicodeDecodeError traceback)."""
+    fix = "Regenerate it with `make lock`, or restore it with `git checkout -- requirements.lock`."
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise PipelineError(
+            f"{path} is not UTF-8 text (byte {data[error.start]:#04x} on line {line}), so it is not a pip lock. {fix}"
+        ) from None
+    pins = locked_versions(text)
+    if not pins:
+        raise PipelineError(f"{path} pins no package (no `name==version` line), so it is not a pip lock. {fix}")
+    return pins
 
 
 def installed_versions() -> dict[str, str]:
@@ -81,7 +100,7 @@ def environment_record(root: str | Path = ".") -> dict[str, Any]:
     return {
         "lock": REQUIREMENTS_LOCK,
         "lock_sha256": hashlib.sha256(data).hexdigest(),
-        "differs_from_lock": lock_differences(locked_versions(data.decode()), installed),
+        "differs_from_lock": lock_differences(lock_pins(path, data), installed),
         "outside_lock": outside,
         "cpu_numerics": cpu_numerics,
     }

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from rlhf_pipeline.cli import main
 from rlhf_pipeline.environment import (
     OUTSIDE_LOCK,
     canonical,
@@ -20,6 +21,7 @@ from rlhf_pipeline.environment import (
     locked_versions,
     record_lines,
 )
+from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.paths import REQUIREMENTS_LOCK
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,3 +128,28 @@ def test_a_card_s_lines_say_what_differs(tmp_path, with_lock):
     assert line.startswith("- environment: ")
     assert ("numpy" in line and "(locked 0.0.1)" in line) if with_lock else "no requirements.lock" in line
     assert "torch" in line
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"numpy==2.4.6\n\xff\xfe\n", r"is not UTF-8 text \(byte 0xff on line 2\), so it is not a pip lock"),
+        (b"", r"pins no package \(no `name==version` line\), so it is not a pip lock"),
+        (b"# a comment\nnot a pin ===\n", r"pins no package \(no `name==version` line\), so it is not a pip lock"),
+    ],
+)
+def test_a_damaged_or_emptied_lock_is_named_not_a_traceback_or_every_package_differing(
+    tmp_path, monkeypatch, capsys, content, message
+):
+    """`rlhf environment` on a lock with a stray byte ended in a UnicodeDecodeError traceback, and on an
+    emptied one listed every installed package as "locked none"; a stage writing a model card did the same."""
+    lock = tmp_path / REQUIREMENTS_LOCK
+    lock.write_bytes(content)
+    with pytest.raises(PipelineError, match=rf"^{lock} {message}\. Regenerate it with `make lock`"):
+        environment_record(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["environment"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and "Traceback" not in err and "so it is not a pip lock" in err
+    assert lock.read_bytes() == content
