@@ -263,6 +263,9 @@ def nesting_depth(value: Any, limit: int) -> int:
     return deepest
 
 
+# UTF-8 that skips one byte-order mark at the start of the file: a user's text file saved by Notepad or Excel
+# opens with one, which json.loads refuses ("Unexpected UTF-8 BOM") and a passage would keep as text
+UTF8_OPTIONAL_BOM = "utf-8-sig"
 # a preference row nests at most a list of messages of role/content mappings: 3 levels
 MAX_ROW_DEPTH = 8
 
@@ -272,11 +275,12 @@ def read_jsonl(path: Path) -> dict[str, list]:
     without a name holding NaN there (as pandas builds a frame from records); blank lines are
     skipped. Built column by column, not as a list of row dicts: a million rows then take their
     values' memory, not a dict each besides. Invalid UTF-8 bytes and lone surrogate escapes become
-    U+FFFD (visible to the data contract) instead of crashing. A line that is not a JSON object, or
+    U+FFFD (visible to the data contract) instead of crashing. A byte-order mark opening the file (Notepad
+    and Excel write one) is skipped, as pandas and PyYAML skip it. A line that is not a JSON object, or
     nests deeper than any row format, is refused (exit 3)."""
     columns: dict[str, list] = {}
     rows = 0
-    with open(path, encoding="utf-8", errors="replace") as handle:
+    with open(path, encoding=UTF8_OPTIONAL_BOM, errors="replace") as handle:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
@@ -386,8 +390,9 @@ def require_tracked_location(path: str | os.PathLike, key: str, folder: Path, wh
 
 
 def read_txt_passages(path: Path) -> list[str]:
-    """Paragraphs separated by blank lines; one passage per line if the file has no blank line."""
-    text = path.read_text(encoding="utf-8", errors="replace").strip()
+    """Paragraphs separated by blank lines; one passage per line if the file has no blank line (a
+    byte-order mark opening the file is skipped, not read as the first passage's first character)."""
+    text = path.read_text(encoding=UTF8_OPTIONAL_BOM, errors="replace").strip()
     paragraphs = re.split(r"\n\s*\n", text)
     if len(paragraphs) == 1:
         return text.splitlines()

@@ -33,7 +33,7 @@ from pathlib import Path
 from xml.sax.saxutils import quoteattr
 
 from rlhf_pipeline.errors import DataContractError, PipelineError, SettingsError, plain, quoted
-from rlhf_pipeline.io import read_jsonl, sha256_file
+from rlhf_pipeline.io import UTF8_OPTIONAL_BOM, read_jsonl, sha256_file
 from rlhf_pipeline.json_stream import iter_json_array
 from rlhf_pipeline.params.labelling import LabellingParams
 from rlhf_pipeline.preferences.text_rules import INVISIBLE_CHARACTERS, text_problem
@@ -208,7 +208,7 @@ def _download(base: str, project: int, token: str, limits: LabellingParams, wher
             f"{where}: the server did not answer ({type(error).__name__}: {error}); nothing written."
         ) from None
     spool.seek(0)
-    return io.TextIOWrapper(spool, encoding="utf-8", errors="replace")
+    return io.TextIOWrapper(spool, encoding=UTF8_OPTIONAL_BOM, errors="replace")
 
 
 def _refused(where: str) -> str:
@@ -298,7 +298,7 @@ def open_export_file(path: str | Path, limits: LabellingParams):
                 f"{path}: {size / (1 << 20):,.0f} MiB, over labelling.max_export_mb = {limits.max_export_mb:g} MiB. "
                 "Import it round by round, or raise the bound; nothing written."
             )
-        return open(path, encoding="utf-8", errors="replace")
+        return open(path, encoding=UTF8_OPTIONAL_BOM, errors="replace")
     except OSError as error:
         raise DataContractError(f"{path}: not a readable Label Studio JSON export ({error.strerror}).") from None
 

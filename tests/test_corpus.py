@@ -109,3 +109,18 @@ def test_corpus_stage_reports_missing_file(project, capsys):
     assert run_stage_script("corpus") == 1
     assert "data/raw/missing.jsonl not found" in capsys.readouterr().err
     assert not (project / "data" / "corpus").exists()
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_a_byte_order_mark_opening_a_file_is_skipped_not_read_as_text(tmp_path, suffix):
+    """Notepad and Excel save UTF-8 with a byte-order mark: json.loads refused the first line ("Unexpected
+    UTF-8 BOM") and a .txt corpus kept U+FEFF as its first passage's first character. One inside a text
+    stays, for the data contract's invisible-character rule to see."""
+    plain, marked = tmp_path / f"plain{suffix}", tmp_path / f"marked{suffix}"
+    if suffix == ".txt":
+        plain.write_text("First passage.\nSecond \ufeffpassage.\n")
+    else:
+        plain.write_text(json.dumps({"text": "First passage."}) + "\n" + json.dumps({"text": "Second \ufeffpassage."}))
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    passages = load_local_passages(str(marked), "text")
+    assert passages == load_local_passages(str(plain), "text") == ["First passage.", "Second \ufeffpassage."]

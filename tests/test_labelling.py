@@ -132,6 +132,15 @@ def test_import_writes_rows_that_pass_the_contract_and_refuses_low_agreement_wri
     twice = cli("validate-preferences", "twice.jsonl", cwd=tmp_path)
     assert twice.returncode == 3 and "one answer per task and annotator" in twice.stdout, twice.stdout
 
+    # an export and a labels file saved with a byte-order mark (Notepad, Excel) read as without one
+    (tmp_path / "marked.json").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "export.json").read_bytes())
+    marked = cli("label", "import", "marked.json", "marked.jsonl", "--min-agreement", "0.7", cwd=tmp_path)
+    assert marked.returncode == 0, marked.stderr
+    assert (tmp_path / "marked.jsonl").read_bytes() == (tmp_path / "labels.jsonl").read_bytes()
+    (tmp_path / "marked_labels.jsonl").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "labels.jsonl").read_bytes())
+    checked = cli("validate-preferences", "marked_labels.jsonl", cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
 
 @pytest.mark.e2e
 def test_export_samples_n_responses_per_query_tied_to_model_seed_and_round(tiny_run, tmp_path):
