@@ -27,6 +27,7 @@ from rlhf_pipeline.errors import (
     ParamsError,
     PipelineError,
     StorageError,
+    quoted,
     storage_error,
     storage_failure,
 )
@@ -251,6 +252,20 @@ def replace_surrogates(value):
     return _SURROGATES.sub("\ufffd", value) if isinstance(value, str) else value
 
 
+class _KeyGivenTwice(Exception):
+    """A JSON object naming one key twice (json.loads would keep the last value without a word)."""
+
+
+def _object_naming_each_key_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads' object hook: the object as a dict, or :class:`_KeyGivenTwice` with the first key given
+    twice (the same rule as params.yaml's: a labelling tool that writes ``chosen`` twice says two things)."""
+    made = dict(pairs)
+    if len(made) < len(pairs):
+        seen = set()
+        raise _KeyGivenTwice(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return made
+
+
 def nesting_depth(value: Any, limit: int) -> int:
     """How deep dicts and lists nest in ``value``, counted up to ``limit + 1`` (iteratively: a
     value nested 100,000 deep must not recurse)."""
@@ -276,8 +291,8 @@ def read_jsonl(path: Path) -> dict[str, list]:
     skipped. Built column by column, not as a list of row dicts: a million rows then take their
     values' memory, not a dict each besides. Invalid UTF-8 bytes and lone surrogate escapes become
     U+FFFD (visible to the data contract) instead of crashing. A byte-order mark opening the file (Notepad
-    and Excel write one) is skipped, as pandas and PyYAML skip it. A line that is not a JSON object, or
-    nests deeper than any row format, is refused (exit 3)."""
+    and Excel write one) is skipped, as pandas and PyYAML skip it. A line that is not a JSON object, names
+    a key twice in one object, or nests deeper than any row format, is refused (exit 3)."""
     columns: dict[str, list] = {}
     rows = 0
     with open(path, encoding=UTF8_OPTIONAL_BOM, errors="replace") as handle:
@@ -286,10 +301,15 @@ def read_jsonl(path: Path) -> dict[str, list]:
                 continue
             too_deep = f"{path}: line {number} nests values more than {MAX_ROW_DEPTH} levels deep; no row format does."
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=_object_naming_each_key_once)
             except json.JSONDecodeError as error:
                 raise DataContractError(
                     f"{path}: line {number} is not valid JSON ({error.msg}); each line must be one JSON object."
+                ) from None
+            except _KeyGivenTwice as twice:
+                raise DataContractError(
+                    f"{path}: line {number} gives the key {quoted(str(twice))} twice in one object, so which value "
+                    "it means is unknown (JSON readers keep the last silently); give each key once."
                 ) from None
             except RecursionError:  # the JSON decoder recurses once per level
                 raise DataContractError(too_deep) from None

@@ -343,6 +343,12 @@ def hostile_file(tmp_path, case: str):
         return path
     if case == "sample01 beside sample1":
         return write_jsonl(folder / "zeropad.jsonl", [{**r, "sample01": "x"} for r in best_of_n_rows()])
+    if case == "a key given twice":  # json.loads keeps the last `chosen` without a word
+        path = write_jsonl(folder / "twice.jsonl", pairs)
+        lines = path.read_text().splitlines(keepends=True)
+        lines[2] = lines[2].replace('"chosen": ', '"chosen": "the first answer", "chosen": ', 1)
+        path.write_text("".join(lines))
+        return path
     raise ValueError(case)
 
 
@@ -351,6 +357,7 @@ FILE_CASES = {
     "nested 100,000 deep": "line 1 nests values more than 8 levels deep",
     "best as lists": "column 'best' must hold integers",
     "sample01 beside sample1": "column(s) sample01 look like sample columns but are not named sample0",
+    "a key given twice": "line 3 gives the key 'chosen' twice in one object",
 }
 
 
