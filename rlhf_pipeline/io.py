@@ -333,7 +333,8 @@ def read_jsonl(path: Path) -> dict[str, list]:
 
 
 def read_table(path: str | Path):
-    """A .jsonl or .parquet file as a pandas DataFrame (PipelineError if missing or unreadable)."""
+    """A .jsonl or .parquet file as a pandas DataFrame: PipelineError if missing, DataContractError (exit 3)
+    if unreadable or naming a column twice."""
     import pandas as pd
 
     path = Path(path)
@@ -346,10 +347,21 @@ def read_table(path: str | Path):
         columns = read_jsonl(path)
         return pd.DataFrame(columns) if columns else pd.DataFrame()
     if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
         try:
-            return pd.read_parquet(path)
-        except Exception as error:  # pyarrow raises several unrelated types
-            raise PipelineError(f"{path} is not a readable Parquet file: {error}") from None
+            names = pq.read_schema(path).names
+            twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+            if twice is None:
+                return pd.read_parquet(path)
+        except Exception as error:  # pyarrow raises several unrelated types, some with the schema over lines
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise DataContractError(f"{path} is not a readable Parquet file: {first_line}") from None
+        # Arrow keeps both columns of one name, and pandas would then fail on the name
+        raise DataContractError(
+            f"{path} has two columns named {quoted(twice)}, so which one holds the data is unknown; give each "
+            "column one name."
+        )
     raise PipelineError(f"{path}: unsupported file type {suffix!r}; use .jsonl or .parquet.")
 
 

@@ -12,7 +12,7 @@ from conftest import run_stage_script
 from safetensors.torch import save_file
 
 from rlhf_pipeline.cli import main
-from rlhf_pipeline.errors import PipelineError, SettingsError, StorageError, storage_failure
+from rlhf_pipeline.errors import DataContractError, PipelineError, SettingsError, StorageError, storage_failure
 from rlhf_pipeline.io import atomic_dir, read_table, write_json
 
 
@@ -116,6 +116,23 @@ def test_a_folder_output_never_replaces_a_file(tmp_path, capsys):
 def test_a_folder_given_for_a_file_is_called_a_folder_not_missing(tmp_path):
     with pytest.raises(PipelineError, match=rf"^{tmp_path} is a folder; give a .jsonl or .parquet file\.$"):
         read_table(tmp_path)
+
+
+def test_an_unreadable_parquet_file_is_a_malformed_data_file_named_in_one_line(tmp_path):
+    """Exit 3 (a malformed file, which the retrain flow does not retry), not 1; one line, not Arrow's schema
+    dump; and a file with two columns of one name (Arrow writes it) is named as such."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    twice = tmp_path / "twice.parquet"
+    texts = pa.array(["a b c", "d e f"])
+    pq.write_table(pa.Table.from_arrays([texts, texts, texts], names=["prompt", "chosen", "chosen"]), twice)
+    with pytest.raises(DataContractError, match=r"twice\.parquet has two columns named 'chosen', so which one"):
+        read_table(twice)
+    for name, content in {"random.parquet": bytes(range(256)) * 8, "empty.parquet": b""}.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(DataContractError, match=rf"^{tmp_path / name} is not a readable Parquet file: [^\n]+$"):
+            read_table(tmp_path / name)
 
 
 def test_an_output_folder_is_readable_by_everyone(tmp_path):
