@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_pipeline import __version__, labelling, numerics, paths, side_by_side
+from rlhf_pipeline.arguments import fraction, whole_number
 from rlhf_pipeline.datadocs import check_docs_folder
 from rlhf_pipeline.environment import environment_record, record_lines
 from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, SettingsError, StorageError, quoted
@@ -521,11 +522,17 @@ def _add_models_parser(sub) -> None:
     p.set_defaults(func=cmd_models)
 
 
+# what `rlhf label import` accepts back in a task (labelling.task_data), so an export never makes a task it refuses
+RESPONSES = whole_number(2, labelling.MAX_SAMPLES)
+SEED = whole_number(0, labelling.INTEGER_FIELDS["seed"] - 1)
+ROUND = whole_number(0, labelling.INTEGER_FIELDS["round"] - 1)
+
+
 def _add_label_parser(sub) -> None:
     p = sub.add_parser("label", help="people label: Label Studio tasks out, annotations in (best-of-N rows)")
     label = p.add_subparsers(dest="action", required=True)
     q = label.add_parser("config", help="print the Label Studio labelling interface (XML) for best-of-N")
-    q.add_argument("--n", type=int, default=4, help="responses per task (4: OpenAI's best-of-4; 2: pairwise)")
+    q.add_argument("--n", type=RESPONSES, default=4, help="responses per task (4: OpenAI's best-of-4; 2: pairwise)")
     q.add_argument("--side-by-side", action="store_true", help="the interface of `rlhf label compare`'s tasks")
     q = label.add_parser(
         "compare",
@@ -535,14 +542,18 @@ def _add_label_parser(sub) -> None:
     q.add_argument("incumbent", help="a model folder or a registered version (policy#prod, models/base)")
     q.add_argument("output", help="the tasks (JSON) to import into Label Studio")
     q.add_argument("--queries", default=paths.QUERIES)
-    q.add_argument("--num", type=int, default=None, help="held-out queries (default: promotion.human.num_queries)")
-    q.add_argument("--seed", type=int, default=None, help="the sampling seed (default: promotion.human.seed)")
+    q.add_argument(
+        "--num", type=whole_number(1), default=None, help="held-out queries (default: promotion.human.num_queries)"
+    )
+    q.add_argument("--seed", type=SEED, default=None, help="the sampling seed (default: promotion.human.seed)")
     q.add_argument("--params", default="params.yaml")
     q = label.add_parser(
         "verdicts", help="people's answers to side-by-side tasks (an export file, or pulled) -> their round's file"
     )
     q.add_argument("input", nargs="?", default=None, help="Label Studio's JSON export (not with --from-server)")
-    q.add_argument("--from-server", type=int, default=None, metavar="PROJECT", help="pull project PROJECT's answers")
+    q.add_argument(
+        "--from-server", type=whole_number(1), default=None, metavar="PROJECT", help="pull project PROJECT's answers"
+    )
     q.add_argument("--params", default="params.yaml")
     q = label.add_parser("export", help="sample N responses per query from a model; write Label Studio tasks (JSON)")
     q.add_argument("output")
@@ -556,10 +567,10 @@ def _add_label_parser(sub) -> None:
     )
     q.add_argument("--queries", default=paths.QUERIES)
     q.add_argument("--split", default="train", choices=["train", "test"])
-    q.add_argument("--num", type=int, default=64, help="queries (the first NUM of the split)")
-    q.add_argument("--n", type=int, default=4)
-    q.add_argument("--seed", type=int, default=0, help="the sampling seed (recorded in each task)")
-    q.add_argument("--round", type=int, default=1, help="the labelling round (recorded in each task and row)")
+    q.add_argument("--num", type=whole_number(1), default=64, help="queries (the first NUM of the split)")
+    q.add_argument("--n", type=RESPONSES, default=4, help="responses per query, as `rlhf label config --n`")
+    q.add_argument("--seed", type=SEED, default=0, help="the sampling seed (recorded in each task)")
+    q.add_argument("--round", type=ROUND, default=1, help="the labelling round (recorded in each task and row)")
     q.add_argument("--params", default="params.yaml", help="the task section's sampling (temperature, length)")
     q = label.add_parser(
         "import",
@@ -570,14 +581,14 @@ def _add_label_parser(sub) -> None:
     )
     q.add_argument(
         "--from-server",
-        type=int,
+        type=whole_number(1),
         default=None,
         metavar="PROJECT",
         help="pull project PROJECT's annotations from the server at $LABEL_STUDIO_URL with $LABEL_STUDIO_API_KEY",
     )
     q.add_argument(
         "--min-agreement",
-        type=float,
+        type=fraction,
         default=None,
         help="refuse below this agreement (default: data.validation.min_agreement)",
     )

@@ -355,7 +355,7 @@ def annotation_choice(annotation: dict, where: str) -> list[str] | None:
 
 
 # the whole-number fields `rlhf label export` writes, each with its exclusive upper bound
-_INTEGER_FIELDS = {"query_index": 2**31, "seed": 2**32, "round": 10**6}
+INTEGER_FIELDS = {"query_index": 2**31, "seed": 2**32, "round": 10**6}
 _HEX = frozenset("0123456789abcdef")
 INVISIBLE = re.compile(f"[{INVISIBLE_CHARACTERS}]")
 MAX_SAMPLES = 64
@@ -382,7 +382,7 @@ def task_data(item, position: int, where: str) -> tuple[dict, int, str]:
     problems = []
     if n > MAX_SAMPLES or any(k not in data for k in samples):
         problems.append(f"its responses are not sample0 to sample{n - 1} (at most {MAX_SAMPLES})")
-    for name, bound in _INTEGER_FIELDS.items():
+    for name, bound in INTEGER_FIELDS.items():
         value = data[name]
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
             problems.append(f"{name} is {quoted(str(value), 40)}, not a whole number from 0 to {bound - 1:,}")

@@ -265,3 +265,30 @@ def test_no_command_writes_over_its_own_input(tmp_path, monkeypatch, capsys):
     (Path("docs") / "stale.html").write_text("old page")
     assert run_cli("validate-preferences", "labels/round.jsonl", "--docs", "docs") == 3
     assert sorted(p.name for p in Path("docs").iterdir()) == ["index.html", "round.html"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("label", "export", "t.json", "--n", "100000"), "argument --n: 100,000 is not a whole number from 2 to 64"),
+        (("label", "export", "t.json", "--n", "1"), "argument --n: 1 is not a whole number from 2 to 64"),
+        (("label", "export", "t.json", "--num", "0"), "argument --num: 0 is not a whole number of at least 1"),
+        (("label", "export", "t.json", "--seed", "-1"), "argument --seed: -1 is not a whole number from 0 to"),
+        (("label", "export", "t.json", "--round", "-2"), "argument --round: -2 is not a whole number from 0 to"),
+        (("label", "config", "--n", "x"), "argument --n: 'x' is not a whole number"),
+        (("label", "compare", "a", "b", "c.json", "--num", "0"), "argument --num: 0 is not a whole number"),
+        (("label", "import", "e.json", "o.jsonl", "--min-agreement", "nan"), "'nan' is not a share from 0 to 1"),
+        (("label", "import", "--from-server", "0", "o.jsonl"), "argument --from-server: 0 is not a whole number"),
+    ],
+)
+def test_a_number_argument_out_of_its_range_is_a_usage_error_before_anything_runs(
+    tmp_path, monkeypatch, capsys, argv, message
+):
+    """`label export --n 100000` sampled until the kernel killed it; `--num 0` and `--n 0` ended in
+    tracebacks; `--n 1`, `--round -2` and `--seed -1` wrote tasks `rlhf label import` refuses back;
+    `--min-agreement nan` would pass any export."""
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(*argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []

@@ -874,3 +874,20 @@ def test_labelling_from_an_unreachable_label_studio_is_retried_then_fails_with_n
     both = retrain(repo=str(project), incoming=str(incoming), push=False, return_state=True, **FAST)
     assert both.is_failed() and "the incoming file" in both.message and "would be left out" in both.message
     assert (project / labels).read_text() == '{"chosen": "kept", "rejected": "x"}\n'
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--retries", "-1"], "argument --retries: -1 is not a whole number of at least 0"),
+        (["run", "--retry-delay", "nan"], "argument --retry-delay: 'nan' is not a finite number of seconds"),
+        (["run", "--lock-timeout", "-3"], "argument --lock-timeout: '-3' is not a finite number of seconds"),
+        (["deploy", "--pool", "p", "--heartbeat-seconds", "10"], "10 is not a whole number of at least 30"),
+    ],
+)
+def test_the_flow_s_number_options_are_checked_by_its_parser(capsys, argv, message):
+    from flows.retrain.__main__ import _parser
+
+    with pytest.raises(SystemExit) as exit_:
+        _parser(argv[0]).parse_args(argv[1:])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -8,6 +8,7 @@ import os
 import sys
 
 from flows.retrain.flow import DEPLOYMENT_NAME, build_deployment, retrain
+from rlhf_pipeline.arguments import seconds, whole_number
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.runner import report_error
 
@@ -44,9 +45,9 @@ def _parser(command: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-push", dest="push", action="store_false")
     if command == "run":
-        parser.add_argument("--retries", type=int, default=3)
-        parser.add_argument("--retry-delay", type=float, default=30.0, help="first retry delay in seconds, doubling")
-        parser.add_argument("--lock-timeout", type=float, default=3600.0)
+        parser.add_argument("--retries", type=whole_number(0), default=3)
+        parser.add_argument("--retry-delay", type=seconds, default=30.0, help="first retry delay in seconds, doubling")
+        parser.add_argument("--lock-timeout", type=seconds, default=3600.0)
         return parser
     parser.add_argument("--cron", default=None, help="default: params.yaml schedule.cron")
     parser.add_argument(
@@ -54,8 +55,12 @@ def _parser(command: str) -> argparse.ArgumentParser:
     )
     if command == "deploy":
         parser.add_argument("--pool", required=True, help="process work pool (made when missing)")
-        parser.add_argument("--heartbeat-seconds", type=int, default=60, help=">= 30; a run silent 3x this is Crashed")
-        parser.add_argument("--crash-restarts", type=int, default=2, help="times a crashed run is scheduled again")
+        parser.add_argument(
+            "--heartbeat-seconds", type=whole_number(30), default=60, help=">= 30; a run silent 3x this is Crashed"
+        )
+        parser.add_argument(
+            "--crash-restarts", type=whole_number(0), default=2, help="times a crashed run is scheduled again"
+        )
     return parser
 
 
