@@ -12,13 +12,22 @@ block comes from the heap, whatever its size) and trims the heap only once 2 GiB
 so the blocks a step frees serve the next one; findings and timings in ``bench/results/allocator.md``.
 
 It changes no byte: where a block lives never changes what a kernel computes (torch aligns every CPU
-block to 64 bytes either way). It costs memory: the process keeps what it freed until it exits, and
-since a large freed block cannot go back, the heap fragments and the peak itself can rise (seed 4's
-``evaluate`` stage: 2.98 GB against 2.69 GB with a 32 MiB mmap threshold, same inputs, run alone).
+block to 64 bytes either way).
 
-Where it applies: glibc on Linux. Elsewhere (macOS, musl), when ``GLIBC_TUNABLES`` already sets a
-``glibc.malloc.*`` key (the user's own settings win) or with ``RLHF_MALLOC=system``, nothing is
-changed. Standard library only: the stage runner and the benchmarks call it before any model loads.
+It keeps at most :data:`KEPT_BOUND` (2 GiB) of freed memory resident. With no block mapped apart, a
+large freed block cannot leave the heap, and smaller requests split it, so the next large request
+grows the heap instead: on Gemma 3's 262k-token vocabulary, whose logits blocks are 1.6 GB, a run of
+``evaluate`` once peaked at 12.4 GB against 6.5 GB under glibc's own settings, and a probe with the
+same blocks on a tiny model at 9.8 GB against 3.7 GB. So a thread checks every
+:data:`CHECK_SECONDS` how much anonymous resident memory malloc holds but does not hand out, and past
+the bound calls ``malloc_trim(0)``, which gives every freed page back (the heap's top, the holes in
+its middle, every thread's arena); the probe then peaked at 5.7 GB. SmolLM2's stages keep well under
+the bound, so there it never fires (each stage's last line counts the times it did).
+
+Where it applies: glibc 2.33 or later (``mallinfo2``) on Linux. Elsewhere (macOS, musl, an older
+glibc), when ``GLIBC_TUNABLES`` already sets a ``glibc.malloc.*`` key (the user's own settings win) or
+with ``RLHF_MALLOC=system``, nothing is changed. Standard library only: the stage runner and the
+benchmarks call it before any model loads.
 
 It also reads the process's own peak memory (:func:`peak_rss_mb`), the figure each stage's log line gives.
 """
@@ -28,6 +37,8 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
+import time
 from collections.abc import Mapping
 
 from rlhf_pipeline.errors import SettingsError
@@ -41,8 +52,32 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 # 50 MB). A request the heap cannot grow to still gets a mapping: glibc falls back to one itself.
 MMAP_MAX = 0
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int: 2 GiB is the most it can say
+# freed memory kept resident anywhere in the process, not only at the heap's top: the same 2 GiB
+KEPT_BOUND = 2**31
+CHECK_SECONDS = 0.25  # a 1.6 GB logits block takes longer than this to compute
 
 _kept = False
+_given_back = 0  # how many times the bound was passed and the freed memory given back
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (malloc.h): byte counts over all arenas, as ``size_t``."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def chosen(environ: Mapping[str, str]) -> str:
@@ -62,11 +97,55 @@ def glibc():
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(None)
-    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
-        return None
+    if not all(hasattr(libc, name) for name in ("gnu_get_libc_version", "mallopt", "mallinfo2", "malloc_trim")):
+        return None  # not glibc, or one older than 2.33: no mallinfo2 to bound what is kept
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     libc.mallopt.restype = ctypes.c_int
+    libc.mallinfo2.argtypes = []
+    libc.mallinfo2.restype = _MallInfo2
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
     return libc
+
+
+def resident_anonymous_bytes() -> int | None:
+    """This process's resident anonymous memory (Linux's ``RssAnon``): the malloc heaps and mappings, the
+    interpreter's own arenas, thread stacks; not the pages of mapped files such as safetensors weights."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("RssAnon:")) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def kept_bytes(libc) -> int:
+    """Resident anonymous memory that malloc holds but has not handed out: ``RssAnon`` less the bytes in
+    use (heap chunks, ``uordblks``, and blocks mapped apart, ``hblkhd``). It counts the interpreter's
+    own arenas and the threads' stacks too, a few hundred MB at most; never below 0."""
+    info = libc.mallinfo2()
+    return max(0, (resident_anonymous_bytes() or 0) - info.uordblks - info.hblkhd)
+
+
+def give_back_beyond(libc, bound: int = KEPT_BOUND) -> bool:
+    """``malloc_trim(0)`` when more than ``bound`` bytes are kept (:func:`kept_bytes`); True when it did."""
+    if kept_bytes(libc) <= bound:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+def _bound_what_is_kept(libc, bound: int, seconds: float) -> None:
+    global _given_back
+    while True:
+        time.sleep(seconds)
+        if give_back_beyond(libc, bound):
+            _given_back += 1
+
+
+def times_given_back() -> int | None:
+    """How many times this process passed :data:`KEPT_BOUND` and gave its freed memory back; None when
+    malloc is left as the C library sets it."""
+    return _given_back if _kept else None
 
 
 def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
@@ -77,13 +156,20 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
     environ = os.environ if environ is None else environ
     if chosen(environ) == SYSTEM or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
         return False
+    if _kept:
+        return True
     libc = glibc()
-    if libc is None:
-        return False
+    if libc is None or resident_anonymous_bytes() is None:
+        return False  # without both, what is kept could not be bounded
     # mallopt returns 1 when it took the value; a glibc that refuses one keeps its own behaviour for it
     took_mmap = libc.mallopt(M_MMAP_MAX, MMAP_MAX) == 1
     took_trim = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     _kept = took_mmap and took_trim
+    if _kept:  # a daemon thread: it never holds the interpreter's exit, and sleeps between checks
+        bound = threading.Thread(
+            target=_bound_what_is_kept, args=(libc, KEPT_BOUND, CHECK_SECONDS), name="malloc-bound", daemon=True
+        )
+        bound.start()
     return _kept
 
 
@@ -92,7 +178,8 @@ def describe() -> str:
     if _kept:
         return (
             f"glibc's malloc keeps what the process frees (no block mapped apart: mmap max {MMAP_MAX}; trim beyond "
-            f"{(TRIM_THRESHOLD + 1) >> 30} GiB; {ENVIRONMENT_VARIABLE}=system: glibc's own settings)"
+            f"{(TRIM_THRESHOLD + 1) >> 30} GiB; all given back past {KEPT_BOUND >> 30} GiB kept; "
+            f"{ENVIRONMENT_VARIABLE}=system: glibc's own settings)"
         )
     return "malloc as the C library sets it"
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from rlhf_pipeline import numerics
 from rlhf_pipeline.errors import PipelineError
+from rlhf_pipeline.io import NotUTF8Error, decode_utf8
 from rlhf_pipeline.paths import REQUIREMENTS_LOCK
 
 # installed beside the lock by `make setup` (torch: per-machine build) or the venv's own tooling
@@ -46,12 +47,9 @@ def lock_pins(path: Path, data: bytes) -> dict[str, str]:
     "every installed package differs from it", or end in a UnicodeDecodeError traceback)."""
     fix = "Regenerate it with `make lock`, or restore it with `git checkout -- requirements.lock`."
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise PipelineError(
-            f"{path} is not UTF-8 text (byte {data[error.start]:#04x} on line {line}), so it is not a pip lock. {fix}"
-        ) from None
+        text = decode_utf8(path, data)
+    except NotUTF8Error as error:
+        raise PipelineError(f"{error}, so it is not a pip lock. {fix}") from None
     pins = locked_versions(text)
     if not pins:
         raise PipelineError(f"{path} pins no package (no `name==version` line), so it is not a pip lock. {fix}")

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,20 @@ def nesting_depth(value: Any, limit: int) -> int:
     return deepest
 
 
+class NotUTF8Error(ValueError):
+    """A file that should be UTF-8 text holds a byte that is not; the message names the file, byte and line."""
+
+
+def decode_utf8(path: str | os.PathLike, data: bytes) -> str:
+    """``data``, the bytes of the file ``path``, as UTF-8 text; a :class:`NotUTF8Error` naming the first
+    bad byte and its line otherwise. The one wording of that problem: each caller adds its own fix."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise NotUTF8Error(f"{path} is not UTF-8 text (byte {data[error.start]:#04x} on line {line})") from None
+
+
 # UTF-8 that skips one byte-order mark at the start of the file: a user's text file saved by Notepad or Excel
 # opens with one, which json.loads refuses ("Unexpected UTF-8 BOM") and a passage would keep as text
 UTF8_OPTIONAL_BOM = "utf-8-sig"
@@ -351,7 +366,7 @@ def read_table(path: str | Path):
 
         try:
             names = pq.read_schema(path).names
-            twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+            twice = next((name for name, count in Counter(names).items() if count > 1), None)
             if twice is None:
                 return pd.read_parquet(path)
         except Exception as error:  # pyarrow raises several unrelated types, some with the schema over lines

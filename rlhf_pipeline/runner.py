@@ -339,8 +339,10 @@ def run_stage(name: str, body: Callable[[Any], None], schema: type[StageParams],
         seed_everything(params.seed if declares_seed else UNDECLARED_SEED)
         body(params)
         record_reads(name, params)
+        given_back = allocator.times_given_back()
         print(
-            f"stage {name}: done in {seconds_since_process_start():.0f} s, peak RSS {allocator.peak_rss_mb():.0f} MB",
+            f"stage {name}: done in {seconds_since_process_start():.0f} s, peak RSS {allocator.peak_rss_mb():.0f} MB"
+            + ("" if given_back is None else f", freed memory past the bound given back {given_back} times"),
             flush=True,
         )
     except PipelineError as error:

@@ -26,7 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlhf_pipeline.errors import ParamsError
-from rlhf_pipeline.io import nesting_depth
+from rlhf_pipeline.io import NotUTF8Error, decode_utf8, nesting_depth
 
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1, description="numpy's seeds are 32-bit.")]
 
@@ -144,13 +144,9 @@ def read_params_file(path: str | os.PathLike = "params.yaml") -> Any:
         raise ParamsError(str(path), [f"<file>: {path} not found (run from the project root, or pass a path)"])
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise ParamsError(
-            str(path),
-            [f"<file>: {path} is not UTF-8 text (byte {data[error.start]:#04x} on line {line}); save it as UTF-8"],
-        ) from None
+        text = decode_utf8(path, data)
+    except NotUTF8Error as error:
+        raise ParamsError(str(path), [f"<file>: {error}; save it as UTF-8"]) from None
     too_deep = f"<file>: {path} nests values more than {MAX_DEPTH} levels deep (params.yaml needs 4)"
     try:
         raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
