@@ -1,0 +1,155 @@
+"""Peak memory and time of an evaluation's large blocks under each malloc setting: what keeping freed
+memory costs on a 262k-token vocabulary (Gemma 3's), and what the bound on it gives back.
+
+Each setting runs in its own process, on the same tiny random ``gemma3_text`` model whose only large
+part is Gemma's vocabulary (hidden size 64, 2 blocks): ``--rounds`` times, a perturbed copy of the base
+samples ``--rows`` queries for ``--response-length`` tokens, then the base's reference pass and the exact
+KL by rows run on the responses, as ``evaluate`` does for each checkpoint. Its (rows, 16, 262,144) fp32
+logits are 1.6 GB a block; sampling's (rows, 262,144) are 100 MB a step. Settings:
+
+- ``system``, the reference: glibc's own malloc settings (``RLHF_MALLOC=system``);
+- ``keep, unbounded``: no block mapped apart, trim at 2 GiB, no bound on what is kept (as shipped on
+  2026-11-28; ``allocator.KEPT_BOUND`` raised past any memory);
+- ``keep, bounded``: as shipped, at most ``allocator.KEPT_BOUND`` kept.
+
+The table gives each process's peak RSS (its own ``VmHWM``), wall seconds, minor page faults, system
+seconds, the times the bound gave memory back, ratios to the reference, and a hash of the KLs (the
+setting must change no byte).
+
+Usage (nothing else running; about 6 minutes on 2 cores):
+
+    .venv/bin/python bench/allocator_large_vocab.py --markdown --output bench/results/allocator_large_vocab.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import cpu_name, emit, measured_matmul_flops, render_report, render_table
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = """
+import copy, hashlib, json, resource, sys
+from functools import partial
+from rlhf_pipeline import allocator
+rounds, rows, response_length, bounded = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+if not bounded:
+    allocator.KEPT_BOUND = 1 << 60  # the 2026-11-28 allocator: everything freed is kept
+kept = allocator.keep_freed_memory()
+import rlhf_pipeline.offline
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from rlhf_pipeline import numerics
+from rlhf_pipeline.ppo.kl import exact_kl_by_rows
+from rlhf_pipeline.sampling import response_hidden, response_logits, response_outputs, sample_on_device
+numerics.pin(numerics.PORTABLE, 2)
+vocab, query_length, pad, temperature = 262_144, 64, 0, 0.7
+config = AutoConfig.for_model(
+    "gemma3_text", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256, sliding_window=512,
+)
+torch.manual_seed(0)
+base = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+generator = torch.Generator().manual_seed(0)
+queries = torch.randint(1, vocab, (rows, query_length), generator=generator)
+digest = hashlib.sha256()
+with torch.no_grad():
+    for _ in range(rounds):
+        policy = copy.deepcopy(base)
+        for weight in policy.parameters():
+            weight.add_(0.01 * torch.randn(weight.shape, generator=generator))
+        out = sample_on_device(
+            policy, queries, queries != pad, response_length, temperature, pad, generator=generator,
+            eos_token_id=None, stop_at_eos=False,
+        )
+        query_responses = torch.cat([queries, out.responses], 1)
+        mask = query_responses != pad
+        reference = response_outputs(base, query_responses, mask, query_length, temperature, pad)
+        own = response_hidden(policy, query_responses, mask, query_length)
+        mine, theirs = (partial(response_logits, m, temperature=temperature, pad_token_id=pad) for m in (policy, base))
+        kl = exact_kl_by_rows(mine, theirs, own, reference.hidden, out.mask)
+        digest.update(out.responses.numpy().tobytes() + kl.numpy().tobytes())
+usage = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({
+    "kept": kept, "peak_mb": allocator.peak_rss_mb(), "faults": usage.ru_minflt, "system_s": usage.ru_stime,
+    "given_back": allocator.times_given_back(), "digest": digest.hexdigest()[:12],
+}))
+"""
+
+SETTINGS = {  # name: (RLHF_MALLOC, bounded)
+    "system (reference)": ("system", True),
+    "keep, unbounded": ("keep", False),
+    "keep, bounded (shipped)": ("keep", True),
+}
+
+
+def measure(malloc: str, bounded: bool, args) -> dict:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "RLHF_MALLOC": malloc, "HOME": "/tmp"}
+    command = [
+        sys.executable,
+        "-c",
+        CHILD,
+        str(args.rounds),
+        str(args.rows),
+        str(args.response_length),
+        str(int(bounded)),
+    ]
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1]) | {"seconds": time.perf_counter() - start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="checkpoints evaluated, each a sample and a KL")
+    parser.add_argument("--rows", type=int, default=96, help="queries in the batch (the gemma profile: 96)")
+    parser.add_argument("--response-length", type=int, default=16)
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--output")
+    args = parser.parse_args()
+    env = [f"device: CPU ({cpu_name()}), 2 threads; 2048x2048 fp32 product {measured_matmul_flops() / 1e9:.0f} GFLOP/s"]
+    runs = {name: measure(malloc, bounded, args) for name, (malloc, bounded) in SETTINGS.items()}
+    reference = runs["system (reference)"]
+    headers = ["setting", "peak RSS MB", "wall s", "minor faults", "system s", "given back", "peak / ref", "time / ref"]
+    rows = [
+        [
+            name,
+            f"{run['peak_mb']:,.0f}",
+            f"{run['seconds']:.1f}",
+            f"{run['faults']:,}",
+            f"{run['system_s']:.1f}",
+            "-" if run["given_back"] is None else str(run["given_back"]),
+            f"{run['peak_mb'] / reference['peak_mb']:.2f}",
+            f"{run['seconds'] / reference['seconds']:.2f}",
+        ]
+        for name, run in runs.items()
+    ]
+    same = len({run["digest"] for run in runs.values()}) == 1
+    notes = [
+        f"{args.rounds} rounds of {args.rows} queries x {args.response_length} tokens on a tiny gemma3_text with "
+        "262,144 tokens; each setting in its own process, one after another",
+        f"responses and KLs the same bytes under every setting: {'yes' if same else 'NO'} "
+        f"({', '.join(run['digest'] for run in runs.values())})",
+    ]
+    emit(
+        render_report(
+            "Malloc settings on a 262k vocabulary",
+            env,
+            render_table(headers, rows, args.markdown),
+            notes,
+            args.markdown,
+        ),
+        args.output,
+    )
+    if not same:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
