@@ -21,7 +21,7 @@ grows the heap instead: on Gemma 3's 262k-token vocabulary, whose logits blocks 
 same blocks on a tiny model at 9.8 GB against 3.7 GB. So a thread checks every
 :data:`CHECK_SECONDS` how much anonymous resident memory malloc holds but does not hand out, and past
 the bound calls ``malloc_trim(0)``, which gives every freed page back (the heap's top, the holes in
-its middle, every thread's arena); the probe then peaked at 5.7 GB. SmolLM2's stages keep well under
+its middle, every thread's arena); the probe then peaked at 5.4 GB. SmolLM2's stages keep well under
 the bound, so there it never fires (each stage's last line counts the times it did).
 
 Where it applies: glibc 2.33 or later (``mallinfo2``) on Linux. Elsewhere (macOS, musl, an older
@@ -57,6 +57,7 @@ KEPT_BOUND = 2**31
 CHECK_SECONDS = 0.25  # a 1.6 GB logits block takes longer than this to compute
 
 _kept = False
+_trim_set = False  # whether mallopt took TRIM_THRESHOLD; without it glibc trims the heap's top as it would
 _given_back = 0  # how many times the bound was passed and the freed memory given back
 
 
@@ -93,7 +94,8 @@ def chosen(environ: Mapping[str, str]) -> str:
 
 
 def glibc():
-    """This process's C library when it is glibc (it has ``gnu_get_libc_version``), else None."""
+    """This process's C library when it is glibc 2.33 or later (it has ``gnu_get_libc_version``, and
+    ``mallinfo2`` and ``malloc_trim`` to bound what is kept), else None."""
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(None)
@@ -108,14 +110,20 @@ def glibc():
     return libc
 
 
+def _status_kib(field: str) -> int | None:
+    """One ``kB`` field of Linux's ``/proc/self/status`` (``RssAnon``, ``VmHWM``); None where there is none."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def resident_anonymous_bytes() -> int | None:
     """This process's resident anonymous memory (Linux's ``RssAnon``): the malloc heaps and mappings, the
     interpreter's own arenas, thread stacks; not the pages of mapped files such as safetensors weights."""
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("RssAnon:")) * 1024
-    except (OSError, StopIteration, ValueError):
-        return None
+    kib = _status_kib("RssAnon")
+    return None if kib is None else kib * 1024
 
 
 def kept_bytes(libc) -> int:
@@ -126,7 +134,7 @@ def kept_bytes(libc) -> int:
     return max(0, (resident_anonymous_bytes() or 0) - info.uordblks - info.hblkhd)
 
 
-def give_back_beyond(libc, bound: int = KEPT_BOUND) -> bool:
+def give_back_beyond(libc, bound: int) -> bool:
     """``malloc_trim(0)`` when more than ``bound`` bytes are kept (:func:`kept_bytes`); True when it did."""
     if kept_bytes(libc) <= bound:
         return False
@@ -152,7 +160,7 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
     """Set glibc's malloc so that freed blocks stay in the process (see the module's docstring);
     True when it did, False where it leaves malloc alone (not glibc, the user's ``GLIBC_TUNABLES``
     malloc keys, ``RLHF_MALLOC=system``). Calling it again changes nothing more."""
-    global _kept
+    global _kept, _trim_set
     environ = os.environ if environ is None else environ
     if chosen(environ) == SYSTEM or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
         return False
@@ -162,9 +170,10 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
     if libc is None or resident_anonymous_bytes() is None:
         return False  # without both, what is kept could not be bounded
     # mallopt returns 1 when it took the value; a glibc that refuses one keeps its own behaviour for it
-    took_mmap = libc.mallopt(M_MMAP_MAX, MMAP_MAX) == 1
-    took_trim = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    _kept = took_mmap and took_trim
+    # No block mapped apart is what keeps freed blocks, whatever the trim threshold: the heap's top is kept
+    # (and bounded) only when that took, and the bound runs whenever it did.
+    _kept = libc.mallopt(M_MMAP_MAX, MMAP_MAX) == 1
+    _trim_set = _kept and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     if _kept:  # a daemon thread: it never holds the interpreter's exit, and sleeps between checks
         bound = threading.Thread(
             target=_bound_what_is_kept, args=(libc, KEPT_BOUND, CHECK_SECONDS), name="malloc-bound", daemon=True
@@ -176,10 +185,10 @@ def keep_freed_memory(environ: Mapping[str, str] | None = None) -> bool:
 def describe() -> str:
     """One line for a report: what this process's malloc does with freed memory."""
     if _kept:
+        trim = f"trim beyond {(TRIM_THRESHOLD + 1) >> 30} GiB" if _trim_set else "glibc's own trim threshold"
         return (
-            f"glibc's malloc keeps what the process frees (no block mapped apart: mmap max {MMAP_MAX}; trim beyond "
-            f"{(TRIM_THRESHOLD + 1) >> 30} GiB; all given back past {KEPT_BOUND >> 30} GiB kept; "
-            f"{ENVIRONMENT_VARIABLE}=system: glibc's own settings)"
+            f"glibc's malloc keeps what the process frees (no block mapped apart: mmap max {MMAP_MAX}; {trim}; "
+            f"all given back past {KEPT_BOUND >> 30} GiB kept; {ENVIRONMENT_VARIABLE}=system: glibc's own settings)"
         )
     return "malloc as the C library sets it"
 
@@ -189,11 +198,10 @@ def peak_rss_mb() -> float:
     on Linux starts from the high-water mark of the process that started this one (it carries over
     across fork and exec): a check run under a pytest worker holding 1 GB read 1,029 MB for its own
     0.4 GB. Elsewhere, ``ru_maxrss`` (bytes on macOS, KiB on the BSDs)."""
-    try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration, ValueError):
-        import resource
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib / 1024
+    import resource  # Unix only: imported where it is needed, after Linux's own figure
 
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024

@@ -120,6 +120,48 @@ def test_freed_memory_past_the_bound_is_given_back(how):
         assert result["times"] >= 1, result
 
 
+# A glibc that refuses one of the two mallopt values. Refusing M_TRIM_THRESHOLD: blocks are still kept (none
+# is mapped apart), so what is kept must still be bounded, and the report must not claim the trim threshold.
+# Refusing M_MMAP_MAX: nothing is kept, so the trim threshold must not be raised either.
+ONE_REFUSED = """
+import json, sys, threading
+from rlhf_pipeline import allocator
+real = allocator.glibc()
+refused = getattr(allocator, sys.argv[1])
+asked = []
+
+class OneRefused:
+    def __getattr__(self, name):
+        return getattr(real, name)
+
+    def mallopt(self, param, value):
+        asked.append(param)
+        return 0 if param == refused else real.mallopt(param, value)
+
+allocator.glibc = OneRefused
+kept = allocator.keep_freed_memory()
+threads = [thread.name for thread in threading.enumerate()]
+line, times = allocator.describe(), allocator.times_given_back()
+print(json.dumps({"kept": kept, "threads": threads, "line": line, "times": times, "asked": asked}))
+"""
+
+
+@pytest.mark.skipif(allocator.glibc() is None, reason="glibc 2.33 or later only: this C library is not one")
+@pytest.mark.parametrize("refused", ["M_TRIM_THRESHOLD", "M_MMAP_MAX"])
+def test_a_refused_mallopt_value_leaves_nothing_kept_without_a_bound(refused):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RLHF_MALLOC": "keep"}
+    command = [sys.executable, "-c", ONE_REFUSED, refused]
+    result = json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
+    if refused == "M_TRIM_THRESHOLD":
+        assert result["kept"] is True and result["times"] == 0, result
+        assert "malloc-bound" in result["threads"], result
+        assert "mmap max 0; glibc's own trim threshold; all given back past 2 GiB kept" in result["line"], result
+    else:
+        assert result["kept"] is False and result["times"] is None, result
+        assert result["asked"] == [allocator.M_MMAP_MAX], result  # the heap's top left as glibc trims it
+        assert "malloc-bound" not in result["threads"] and result["line"] == "malloc as the C library sets it"
+
+
 def test_the_user_s_own_malloc_settings_win():
     assert allocator.keep_freed_memory({"RLHF_MALLOC": "system"}) is False
     assert allocator.keep_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}) is False
