@@ -45,12 +45,16 @@ print(json.dumps({"kept": kept, "faults": faults, "line": allocator.describe()})
 """
 
 
-def later_rounds(malloc: str, count: int, mib: int) -> dict:
+def run_child(script: str, *args: str, malloc: str = allocator.KEEP) -> dict:
+    """``script`` in a fresh Python under ``RLHF_MALLOC=malloc``; the JSON it prints."""
     # this checkout's package, whichever the environment's install points at
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RLHF_MALLOC": malloc}
-    command = [sys.executable, "-c", ROUNDS, str(count), str(mib)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout)
+
+
+def later_rounds(malloc: str, count: int, mib: int) -> dict:
+    return run_child(ROUNDS, str(count), str(mib), malloc=malloc)
 
 
 @pytest.mark.skipif(allocator.glibc() is None, reason="glibc's malloc only: this C library is not glibc")
@@ -99,18 +103,12 @@ print(json.dumps({"kept": kept, "held": held, "after": allocator.kept_bytes(libc
 """
 
 
-def holes(how: str) -> dict:
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RLHF_MALLOC": "keep"}
-    done = subprocess.run([sys.executable, "-c", HOLES, how], env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout)
-
-
 @pytest.mark.skipif(allocator.glibc() is None, reason="glibc 2.33 or later only: this C library is not one")
 @pytest.mark.parametrize("how", ["by hand", "thread"])
 def test_freed_memory_past_the_bound_is_given_back(how):
     """What keeping costs is bounded: freed blocks held in the heap's middle (192 MiB, past a 64 MiB
     bound) are given back by malloc_trim, by one check or by the stage's thread; under the bound, not."""
-    result = holes(how)
+    result = run_child(HOLES, how)
     assert result["kept"] is True
     assert result["held"] > 180 << 20, result  # the four freed blocks stayed resident
     assert result["after"] < 64 << 20, result  # given back
@@ -149,9 +147,7 @@ print(json.dumps({"kept": kept, "threads": threads, "line": line, "times": times
 @pytest.mark.skipif(allocator.glibc() is None, reason="glibc 2.33 or later only: this C library is not one")
 @pytest.mark.parametrize("refused", ["M_TRIM_THRESHOLD", "M_MMAP_MAX"])
 def test_a_refused_mallopt_value_leaves_nothing_kept_without_a_bound(refused):
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RLHF_MALLOC": "keep"}
-    command = [sys.executable, "-c", ONE_REFUSED, refused]
-    result = json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
+    result = run_child(ONE_REFUSED, refused)
     if refused == "M_TRIM_THRESHOLD":
         assert result["kept"] is True and result["times"] == 0, result
         assert "malloc-bound" in result["threads"], result
