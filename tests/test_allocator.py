@@ -158,6 +158,37 @@ def test_a_refused_mallopt_value_leaves_nothing_kept_without_a_bound(refused):
         assert "malloc-bound" not in result["threads"] and result["line"] == "malloc as the C library sets it"
 
 
+WALKS = """
+import json
+from rlhf_pipeline import allocator
+real, walks = allocator.glibc(), []
+
+class Counted:
+    def __getattr__(self, name):
+        return getattr(real, name)
+
+    def mallinfo2(self):
+        walks.append(1)
+        return real.mallinfo2()
+
+libc = Counted()
+anonymous = allocator.resident_anonymous_bytes()
+under = allocator.give_back_beyond(libc, anonymous + (64 << 20)), len(walks)
+over = allocator.give_back_beyond(libc, 0), len(walks)
+print(json.dumps({"under": under, "over": over}))
+"""
+
+
+@pytest.mark.skipif(allocator.glibc() is None, reason="glibc 2.33 or later only: this C library is not one")
+def test_a_check_within_the_bound_skips_mallinfo2_s_walk():
+    """Kept bytes never exceed RssAnon: while RssAnon is within the bound, a check reads /proc alone."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RLHF_MALLOC": "system"}
+    done = subprocess.run([sys.executable, "-c", WALKS], env=env, capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout)
+    assert result["under"] == [False, 0], result  # no walk
+    assert result["over"][1] == 1, result  # over the bound in RssAnon: walked once
+
+
 def test_the_user_s_own_malloc_settings_win():
     assert allocator.keep_freed_memory({"RLHF_MALLOC": "system"}) is False
     assert allocator.keep_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}) is False
