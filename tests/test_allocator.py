@@ -182,9 +182,7 @@ print(json.dumps({"under": under, "over": over}))
 @pytest.mark.skipif(allocator.glibc() is None, reason="glibc 2.33 or later only: this C library is not one")
 def test_a_check_within_the_bound_skips_mallinfo2_s_walk():
     """Kept bytes never exceed RssAnon: while RssAnon is within the bound, a check reads /proc alone."""
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RLHF_MALLOC": "system"}
-    done = subprocess.run([sys.executable, "-c", WALKS], env=env, capture_output=True, text=True, check=True)
-    result = json.loads(done.stdout)
+    result = run_child(WALKS, malloc=allocator.SYSTEM)
     assert result["under"] == [False, 0], result  # no walk
     assert result["over"][1] == 1, result  # over the bound in RssAnon: walked once
 
