@@ -126,12 +126,15 @@ def resident_anonymous_bytes() -> int | None:
     return None if kib is None else kib * 1024
 
 
-def kept_bytes(libc) -> int:
+def kept_bytes(libc, anonymous: int | None = None) -> int:
     """Resident anonymous memory that malloc holds but has not handed out: ``RssAnon`` less the bytes in
     use (heap chunks, ``uordblks``, and blocks mapped apart, ``hblkhd``). It counts the interpreter's
-    own arenas and the threads' stacks too, a few hundred MB at most; never below 0."""
+    own arenas and the threads' stacks too, a few hundred MB at most; never below 0. ``anonymous``: an
+    ``RssAnon`` the caller has just read (:func:`resident_anonymous_bytes`), else it is read here."""
     info = libc.mallinfo2()
-    return max(0, (resident_anonymous_bytes() or 0) - info.uordblks - info.hblkhd)
+    if anonymous is None:
+        anonymous = resident_anonymous_bytes() or 0
+    return max(0, anonymous - info.uordblks - info.hblkhd)
 
 
 def give_back_beyond(libc, bound: int) -> bool:
@@ -141,7 +144,7 @@ def give_back_beyond(libc, bound: int) -> bool:
     anonymous = resident_anonymous_bytes()
     if anonymous is not None and anonymous <= bound:
         return False
-    if kept_bytes(libc) <= bound:
+    if kept_bytes(libc, anonymous) <= bound:  # the same RssAnon: /proc is read once a check
         return False
     libc.malloc_trim(0)
     return True

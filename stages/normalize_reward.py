@@ -22,16 +22,17 @@ from rlhf_pipeline import paths
 from rlhf_pipeline.devices import resolve_compute
 from rlhf_pipeline.io import atomic_dir, write_json
 from rlhf_pipeline.labelers import gold_labeler
-from rlhf_pipeline.modelcard import held_out_result, preference_data_line, write_card
-from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir, save_tokenizer
+from rlhf_pipeline.modelcard import held_out_result, preference_data_line
+from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.reward import RewardParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.queries import draw_queries, load_queries
+from rlhf_pipeline.reward.folder import write_reward_folder
 from rlhf_pipeline.reward.normalization import normalize_on_base_samples, score_query_responses
-from rlhf_pipeline.reward.persistence import HEAD_FILE, load_reward_model, save_reward_model
+from rlhf_pipeline.reward.persistence import HEAD_FILE, load_reward_model
 from rlhf_pipeline.runner import run_stage
 from rlhf_pipeline.sampling import ResponseSampler
 
@@ -119,14 +120,12 @@ def main(params: Params) -> None:
         )
 
     with atomic_dir(OUT, checksums=True) as tmp:
-        save_reward_model(model, tmp)
-        save_tokenizer(tokenizer, tmp)
-        write_card(
+        write_reward_folder(
             tmp,
+            model,
+            tokenizer,
+            chat=params.task.chat,
             target=OUT,
-            chat_template=tokenizer.chat_template if params.task.chat else None,
-            kind="reward",
-            reward_pooling=model.pooling,
             title="Reward model",
             summary=f"The trained reward model of `{TRAINED}` with gain {gain:.4f} and bias {bias:.4f} fitted so that "
             f"rewards of {len(fit_queries)} base-model samples have mean {cfg.target_mean} and std {cfg.target_std} "

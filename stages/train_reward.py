@@ -19,8 +19,8 @@ from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import atomic_dir, local_model_dir, read_json, write_json
 from rlhf_pipeline.logging import open_live, step_logger
 from rlhf_pipeline.model_folder import admit_model_folder
-from rlhf_pipeline.modelcard import held_out_result, preference_data_line, write_card
-from rlhf_pipeline.models import freeze_lower_layers, load_causal_lm, load_tokenizer, require_dir, save_tokenizer
+from rlhf_pipeline.modelcard import held_out_result, preference_data_line
+from rlhf_pipeline.models import freeze_lower_layers, load_causal_lm, load_tokenizer, require_dir
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import DataParams
@@ -28,9 +28,9 @@ from rlhf_pipeline.params.reward import RewardParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.queries import load_queries
 from rlhf_pipeline.reward.adoption import adopt_sequence_classifier, reward_model_on_base
+from rlhf_pipeline.reward.folder import write_reward_folder
 from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.reward.normalization import normalize_on_base_samples
-from rlhf_pipeline.reward.persistence import save_reward_model
 from rlhf_pipeline.reward.training import (
     Labels,
     best_of_n_accuracy,
@@ -166,14 +166,12 @@ def main(params: Params) -> None:
         test_accuracy = best_of_n_accuracy(model.to(plan.device), *test[:3], params.reward.normalize.batch_size)
     metrics = {"device": plan.describe(), **training_metrics(history, test_accuracy, len(test.best), trainable)}
     with atomic_dir(OUT, checksums=True) as tmp:
-        save_reward_model(model, tmp)
-        save_tokenizer(tokenizer, tmp)
-        write_card(
+        write_reward_folder(
             tmp,
+            model,
+            tokenizer,
+            chat=params.task.chat,
             target=OUT,
-            chat_template=tokenizer.chat_template if params.task.chat else None,
-            kind="reward",
-            reward_pooling=model.pooling,
             title="Reward model (before normalisation)",
             **card_text(params, train, test, test_accuracy),
             base_dir=BASE,
