@@ -1,9 +1,9 @@
 """A reward-model stage's output folder: the model (:func:`~rlhf_pipeline.reward.persistence.save_reward_model`),
 its tokenizer and its model card, written together by :func:`write_reward_folder`.
 
-Its own module, not :mod:`rlhf_pipeline.reward.persistence`: the stages that only load a reward model
-(``train_policy``, ``evaluate``) would otherwise depend on the model card's code too, and an edit to
-the card would rerun them.
+Its own module, not :mod:`rlhf_pipeline.reward.persistence`: ``evaluate``, which only loads a reward
+model and writes no card, would otherwise depend on the model card's code too, and an edit to the card
+would rerun it.
 """
 
 from __future__ import annotations
