@@ -48,6 +48,8 @@ from common import (
     trl_cpu_arguments,
 )  # noqa: E402
 
+from rlhf_pipeline import allocator  # noqa: E402
+
 
 def make_data(tokenizer, num_pairs: int, prompt_tokens: int, response_tokens: int, seed: int):
     g = torch.Generator().manual_seed(seed)
@@ -61,14 +63,16 @@ def step_ended(args, steps_done: int, side: str) -> None:
     """Called as each step of ``side`` ends (``steps_done`` counts them): note the process's page faults
     and system time so far, and profile around the extra step."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    args.counters.setdefault(side, []).append((usage.ru_minflt, usage.ru_stime))
+    args.counters.setdefault(side, []).append((usage.ru_minflt, usage.ru_stime, allocator.times_given_back() or 0))
     profile_around_extra_step(args, steps_done, side)
 
 
-def per_timed_step(counters: list[tuple[int, float]], steps: int) -> tuple[float, float]:
-    """The median minor page faults and system seconds of the timed steps (the steps after the warm-up's)."""
+def per_timed_step(counters: list[tuple[int, float, int]], steps: int) -> tuple[float, float, int]:
+    """The median minor page faults and system seconds of the timed steps (the steps after the warm-up's),
+    and how many times the bound on kept memory gave freed memory back during them in all."""
     deltas = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(counters[:steps], counters[1 : steps + 1])]
-    return statistics.median(d[0] for d in deltas), statistics.median(d[1] for d in deltas)
+    given_back = counters[steps][2] - counters[0][2]
+    return statistics.median(d[0] for d in deltas), statistics.median(d[1] for d in deltas), given_back
 
 
 def profile_around_extra_step(args, steps_done: int, side: str) -> None:
@@ -264,10 +268,12 @@ def main(argv=None) -> None:
         "page faults a timed step (median; minor faults, and the system time the process spent, on its threads "
         "together): "
         + "; ".join(
-            "{}: {:.0f} faults, {:.2f} s".format(name, *per_timed_step(args.counters[name], args.steps))
+            "{}: {:.0f} faults, {:.2f} s, kept memory given back {} times over the timed steps".format(
+                name, *per_timed_step(args.counters[name], args.steps)
+            )
             for name in results
         )
-        + " (the memory line above says what malloc keeps).",
+        + " (the memory line above says what malloc keeps and when it gives it back).",
     ]
     if args.profiles:
         profile_rows = [[labels[name].split(" (")[0], *args.profiles[name].row()] for name in args.profiles]

@@ -123,7 +123,8 @@ def test_an_experiment_run_outside_the_queue_is_found_by_the_name_its_log_report
 
 
 def test_page_faults_a_step_count_the_timed_steps_only():
-    """Counters as each step ends: the warm-up's end, two timed steps, then the profiled extra step."""
-    counters = [(1000, 5.0), (1010, 5.1), (1040, 5.4), (9000, 50.0)]
-    faults, system = per_timed_step(counters, steps=2)
-    assert faults == 20 and system == pytest.approx(0.2)
+    """Counters as each step ends: the warm-up's end, two timed steps, then the profiled extra step
+    (faults, system seconds, and the times the bound on kept memory gave it back so far)."""
+    counters = [(1000, 5.0, 1), (1010, 5.1, 1), (1040, 5.4, 4), (9000, 50.0, 9)]
+    faults, system, given_back = per_timed_step(counters, steps=2)
+    assert faults == 20 and system == pytest.approx(0.2) and given_back == 3
