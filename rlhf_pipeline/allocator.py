@@ -137,12 +137,19 @@ def kept_bytes(libc, anonymous: int | None = None) -> int:
     return max(0, anonymous - info.uordblks - info.hblkhd)
 
 
-def give_back_beyond(libc, bound: int) -> bool:
-    """``malloc_trim(0)`` when more than ``bound`` bytes are kept (:func:`kept_bytes`); True when it did.
+def give_back_beyond(libc, bound: int, peak: int = 0) -> bool:
+    """``malloc_trim(0)`` when more than ``bound`` bytes are kept (:func:`kept_bytes`) and ``RssAnon`` is
+    above ``peak`` (the highest the caller has seen); True when it did.
+
+    Why only above the peak: what is kept costs memory only when it makes the process larger than it has
+    been. A training step that frees 2.8 GB and takes the same blocks again the next step keeps its size;
+    giving the blocks back there only makes the next step fault them in again (the reward bench: 400k
+    faults a step, ``bench/results/allocator.md``). Blocks that no longer serve (Gemma's 1.6 GB logits
+    among smaller holes) make the heap grow past its peak, and that is where they go back.
     While ``RssAnon`` itself is within the bound, what is kept cannot pass it, so ``mallinfo2``'s walk over
-    every free chunk (2 to 7 ms in SmolLM2's ``evaluate``; ``bench/results/allocator.md``) is skipped."""
+    every free chunk (2 to 7 ms in SmolLM2's ``evaluate``) is skipped."""
     anonymous = resident_anonymous_bytes()
-    if anonymous is not None and anonymous <= bound:
+    if anonymous is not None and (anonymous <= bound or anonymous <= peak):
         return False
     if kept_bytes(libc, anonymous) <= bound:  # the same RssAnon: /proc is read once a check
         return False
@@ -152,10 +159,12 @@ def give_back_beyond(libc, bound: int) -> bool:
 
 def _bound_what_is_kept(libc, bound: int, seconds: float) -> None:
     global _given_back
+    peak = 0  # the highest RssAnon a check has seen: only growth past it can be what is kept
     while True:
         time.sleep(seconds)
-        if give_back_beyond(libc, bound):
+        if give_back_beyond(libc, bound, peak):
             _given_back += 1
+        peak = max(peak, resident_anonymous_bytes() or 0)
 
 
 def times_given_back() -> int | None:

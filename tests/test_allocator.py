@@ -89,17 +89,29 @@ large, small = [], []
 for _ in range(4):
     large.append(libc.malloc(size))
     ctypes.memset(large[-1], 1, size)
-    small.append(libc.malloc(4096))
+    small.append(libc.malloc(1 << 20))  # from the top, right after it: the hole cannot coalesce
+if by_thread:
+    time.sleep(0.2)  # the thread sees the blocks in use: the process's peak
 for block in large:
     libc.free(block)
 held = allocator.kept_bytes(libc)
+plateau = None
 if by_thread:
-    time.sleep(1.0)
+    time.sleep(0.5)  # the process is no larger than it has been: what it keeps stays
+    plateau = [allocator.times_given_back(), allocator.kept_bytes(libc)]
+    grow = libc.malloc(256 << 20)  # too large for the holes: the process grows past its peak
+    ctypes.memset(grow, 1, 256 << 20)
+    time.sleep(0.5)
     given = None
 else:
-    given = [allocator.give_back_beyond(libc, 1 << 40), allocator.give_back_beyond(libc, allocator.KEPT_BOUND)]
+    at_peak = allocator.resident_anonymous_bytes()
+    given = [
+        allocator.give_back_beyond(libc, 1 << 40),
+        allocator.give_back_beyond(libc, allocator.KEPT_BOUND, at_peak),
+        allocator.give_back_beyond(libc, allocator.KEPT_BOUND),
+    ]
 print(json.dumps({"kept": kept, "held": held, "after": allocator.kept_bytes(libc), "given": given,
-                  "times": allocator.times_given_back()}))
+                  "times": allocator.times_given_back(), "plateau": plateau}))
 """
 
 
@@ -107,15 +119,19 @@ print(json.dumps({"kept": kept, "held": held, "after": allocator.kept_bytes(libc
 @pytest.mark.parametrize("how", ["by hand", "thread"])
 def test_freed_memory_past_the_bound_is_given_back(how):
     """What keeping costs is bounded: freed blocks held in the heap's middle (192 MiB, past a 64 MiB
-    bound) are given back by malloc_trim, by one check or by the stage's thread; under the bound, not."""
+    bound) are given back by malloc_trim, by one check or by the stage's thread, once the process grows
+    past its peak; under the bound, or while it is no larger than it has been, they stay for reuse."""
     result = run_child(HOLES, how)
     assert result["kept"] is True
     assert result["held"] > 180 << 20, result  # the four freed blocks stayed resident
     assert result["after"] < 64 << 20, result  # given back
     if how == "by hand":
-        assert result["given"] == [False, True] and result["times"] == 0, result  # a 1 TiB bound: nothing to do
+        # a 1 TiB bound, then the process at its peak: nothing to do; then past the bound with no peak: trimmed
+        assert result["given"] == [False, False, True] and result["times"] == 0, result
     else:
-        assert result["times"] >= 1, result
+        times_at_plateau, kept_at_plateau = result["plateau"]
+        assert times_at_plateau == 0 and kept_at_plateau > 180 << 20, result  # kept while no larger than before
+        assert result["times"] >= 1, result  # given back once the process grew past its peak
 
 
 # A glibc that refuses one of the two mallopt values. Refusing M_TRIM_THRESHOLD: blocks are still kept (none
