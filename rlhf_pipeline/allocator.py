@@ -20,9 +20,12 @@ grows the heap instead: on Gemma 3's 262k-token vocabulary, whose logits blocks 
 ``evaluate`` once peaked at 12.4 GB against 6.5 GB under glibc's own settings, and a probe with the
 same blocks on a tiny model at 9.8 GB against 3.7 GB. So a thread checks every
 :data:`CHECK_SECONDS` how much anonymous resident memory malloc holds but does not hand out, and past
-the bound calls ``malloc_trim(0)``, which gives every freed page back (the heap's top, the holes in
-its middle, every thread's arena); the probe then peaked at 5.4 GB. SmolLM2's stages keep well under
-the bound, so there it never fires (each stage's last line counts the times it did).
+the bound, when the process has grown past the largest it has been, calls ``malloc_trim(0)``, which
+gives every freed page back (the heap's top, the holes in its middle, every thread's arena); the probe
+then peaked at 5.4 GB. Kept memory that does not make the process larger stays: a training step that
+frees 2.8 GB and takes the same blocks again the next step is not made to fault them in each step.
+SmolLM2's stages keep well under the bound, so there it never fires (each stage's last line counts
+the times it did).
 
 Where it applies: glibc 2.33 or later (``mallinfo2``) on Linux. Elsewhere (macOS, musl, an older
 glibc), when ``GLIBC_TUNABLES`` already sets a ``glibc.malloc.*`` key (the user's own settings win) or
