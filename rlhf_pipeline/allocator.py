@@ -140,9 +140,10 @@ def kept_bytes(libc, anonymous: int | None = None) -> int:
     return max(0, anonymous - info.uordblks - info.hblkhd)
 
 
-def give_back_beyond(libc, bound: int, peak: int = 0) -> bool:
+def give_back_beyond(libc, bound: int, peak: int = 0, anonymous: int | None = None) -> bool:
     """``malloc_trim(0)`` when more than ``bound`` bytes are kept (:func:`kept_bytes`) and ``RssAnon`` is
-    above ``peak`` (the highest the caller has seen); True when it did.
+    above ``peak`` (the highest the caller has seen); True when it did. ``anonymous``: an ``RssAnon`` the
+    caller has just read, else it is read here.
 
     Why only above the peak: what is kept costs memory only when it makes the process larger than it has
     been. A training step that frees 2.8 GB and takes the same blocks again the next step keeps its size;
@@ -151,7 +152,8 @@ def give_back_beyond(libc, bound: int, peak: int = 0) -> bool:
     among smaller holes) make the heap grow past its peak, and that is where they go back.
     While ``RssAnon`` itself is within the bound, what is kept cannot pass it, so ``mallinfo2``'s walk over
     every free chunk (2 to 7 ms in SmolLM2's ``evaluate``) is skipped."""
-    anonymous = resident_anonymous_bytes()
+    if anonymous is None:
+        anonymous = resident_anonymous_bytes()
     if anonymous is not None and (anonymous <= bound or anonymous <= peak):
         return False
     if kept_bytes(libc, anonymous) <= bound:  # the same RssAnon: /proc is read once a check
@@ -160,14 +162,24 @@ def give_back_beyond(libc, bound: int, peak: int = 0) -> bool:
     return True
 
 
+def bound_check(libc, bound: int, peak: int) -> tuple[bool, int]:
+    """One check of the bound's thread: whether it gave memory back (:func:`give_back_beyond`), and the
+    highest ``RssAnon`` seen so far (after a give-back, what the trim left). ``/proc`` is read once a
+    check, and once more after a give-back."""
+    anonymous = resident_anonymous_bytes()
+    gave_back = give_back_beyond(libc, bound, peak, anonymous)
+    if gave_back:
+        anonymous = resident_anonymous_bytes()
+    return gave_back, max(peak, anonymous or 0)
+
+
 def _bound_what_is_kept(libc, bound: int, seconds: float) -> None:
     global _given_back
     peak = 0  # the highest RssAnon a check has seen: only growth past it can be what is kept
     while True:
         time.sleep(seconds)
-        if give_back_beyond(libc, bound, peak):
-            _given_back += 1
-        peak = max(peak, resident_anonymous_bytes() or 0)
+        gave_back, peak = bound_check(libc, bound, peak)
+        _given_back += gave_back
 
 
 def times_given_back() -> int | None:

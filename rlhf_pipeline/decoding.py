@@ -76,13 +76,8 @@ def sample_from_logits(
     block_sums = blocks.sum(-1, dtype=torch.float64)
     block_cdf = block_sums.cumsum(-1)
     total = block_cdf[:, -1:]
-    count = process_share[1]
-    # drawn where the generator lives: the sampling stages seed a CPU generator on every device, so
-    # their uniforms are the same stream on a CPU and a GPU host (PPO's rollouts use one on the GPU)
-    where = generator.device if generator is not None else logits.device
     if uniforms is None:
-        u = torch.rand((batch * count, 1), generator=generator, dtype=torch.float64, device=where)
-        u = u[share_rows(process_share, batch)].to(logits.device)
+        u = step_uniforms(generator, batch, process_share, logits.device).to(logits.device)
     else:
         u = uniforms.to(device=logits.device, dtype=torch.float64)
     # u * total may round up to total itself; the largest float below it keeps the draw in the support
@@ -98,25 +93,33 @@ def sample_from_logits(
     return token, logprob
 
 
+def step_uniforms(
+    generator: torch.Generator | None, rows: int, process_share: tuple[int, int] = (0, 1), device=None
+) -> Tensor:
+    """(rows, 1) float64: one decoding step's u for each of this process's ``rows``, drawn for all ``n``
+    processes' rows and this share's taken (:func:`share_rows`); the one draw every sampler makes.
+
+    Drawn where the generator lives (``device`` without one): the sampling stages seed a CPU generator on
+    every device, so their uniforms are the same stream on a CPU and a GPU host (PPO's rollouts use one
+    on the GPU)."""
+    where = generator.device if generator is not None else device
+    u = torch.rand((rows * process_share[1], 1), generator=generator, dtype=torch.float64, device=where)
+    return u[share_rows(process_share, rows)]
+
+
 def chunk_uniforms(
     generator: torch.Generator, chunk_rows: Sequence[int], steps: int, process_share: tuple[int, int] = (0, 1)
 ) -> Tensor:
-    """(sum(chunk_rows), steps) float64: the uniforms :func:`sample_from_logits` draws for each row at each
-    decoding step when chunks of ``chunk_rows`` rows (this process's share of each) are sampled one call
-    after another from ``generator``, drawn here first, so that one call over all the chunks samples what
-    the calls would have (on a CPU, a decoding step over more rows is faster: up to 128 rows at least,
-    bench/results/default_run_time_levers.md).
-
-    A CPU generator only: it draws element after element, so ``rand((steps, n))`` is ``steps`` draws of
-    ``(n, 1)`` in turn; a CUDA generator's offsets would differ."""
-    if generator.device.type != "cpu":
-        raise ValueError(f"chunk_uniforms: a CPU generator's draws only (this one is on {generator.device})")
-    count = process_share[1]
-    shares = []
-    for rows in chunk_rows:
-        drawn = torch.rand((steps, rows * count), generator=generator, dtype=torch.float64)
-        shares.append(drawn[:, share_rows(process_share, rows)].T)
-    return torch.cat(shares)
+    """(sum(chunk_rows), steps) float64, on the generator's device: the uniforms :func:`sample_from_logits`
+    draws for each row at each decoding step when chunks of ``chunk_rows`` rows (this process's share of
+    each) are sampled one call after another from ``generator``, drawn here first by the same calls, so
+    that the rows can be sampled in other groupings and still each get its draw: one call over all the
+    chunks (on a CPU a decoding step over more rows is faster: up to 128 rows at least,
+    bench/results/default_run_time_levers.md), or one chunk's rows in several calls
+    (``ppo.rollout_microbatch_size``)."""
+    return torch.cat(
+        [torch.cat([step_uniforms(generator, rows, process_share) for _ in range(steps)], 1) for rows in chunk_rows]
+    )
 
 
 def share_rows(process_share: tuple[int, int], rows: int) -> slice:

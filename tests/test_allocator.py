@@ -193,7 +193,10 @@ reads, read = [], allocator._status_kib
 allocator._status_kib = lambda field: reads.append(field) or read(field)
 under = allocator.give_back_beyond(libc, anonymous + (64 << 20)), len(walks), len(reads)
 over = allocator.give_back_beyond(libc, 0), len(walks), len(reads)
-print(json.dumps({"under": under, "over": over}))
+# the thread's check: RssAnon read once and handed on; once more after a give-back, for the peak
+quiet = allocator.bound_check(libc, 1 << 40, 0), len(walks), len(reads)
+trimmed = allocator.bound_check(libc, 0, 0), len(walks), len(reads)
+print(json.dumps({"under": under, "over": over, "quiet": quiet, "trimmed": trimmed}))
 """
 
 
@@ -203,6 +206,10 @@ def test_a_check_within_the_bound_skips_mallinfo2_s_walk():
     result = run_child(WALKS, malloc=allocator.SYSTEM)
     assert result["under"] == [False, 0, 1], result  # no walk; /proc read once
     assert result["over"][1:] == [1, 2], result  # over the bound in RssAnon: walked once, /proc read once more
+    (gave_back, peak), walked, read = result["quiet"]
+    assert (gave_back, walked, read) == (False, 1, 3) and peak > 0, result  # within: one read, no walk
+    (gave_back, peak), walked, read = result["trimmed"]
+    assert (gave_back, walked, read) == (True, 2, 5) and peak > 0, result  # a walk, the read, the read after
 
 
 def test_the_user_s_own_malloc_settings_win():

@@ -41,8 +41,10 @@ LAUNCH = {
 }
 PORTS = {"ddp": 29611, "fsdp": 29623}
 # 6 updates of 16 episodes; each process's share of a minibatch (16 / 2 / 2) is one microbatch of 4;
-# the lowest block frozen, so the trunk split runs too
-PPO_RUN = {"total_episodes": 96, "checkpoint_every": 1, "freeze_layers": 1}
+# the lowest block frozen, so the trunk split runs too. The rollout's forwards take 8 rows on one process
+# too: a CPU whose products round a row differently in a batch of 16 than of 8 (an Intel Xeon's MKL at
+# these widths) would otherwise sample other tokens on one process than on two (docs/distributed.md)
+PPO_RUN = {"total_episodes": 96, "checkpoint_every": 1, "freeze_layers": 1, "rollout_microbatch_size": 8}
 
 
 def launch_env(cwd: Path) -> dict[str, str]:

@@ -104,6 +104,12 @@ def broken(path: str, value, **also):
         ("ppo.advantage", "rloo", "ppo.samples_per_query: must be >= 2 for ppo.advantage 'rloo'"),
         ("ppo.advantage", "ppo2", "ppo.advantage: Input should be 'gae', 'rloo' or 'grpo'"),
         ("ppo.samples_per_query", 3, "ppo.samples_per_query: must divide ppo.batch_size (32)"),
+        (
+            "ppo.rollout_microbatch_size",
+            12,
+            "ppo.rollout_microbatch_size: must be a multiple of ppo.samples_per_query (1",
+        ),
+        ("ppo.rollout_microbatch_size", 0, "ppo.rollout_microbatch_size: Input should be greater than 0"),
         ("ppo.lora", {"rank": 0}, "ppo.lora.rank: Input should be greater than 0"),
         ("ppo.lora", {"rank": 4, "target_modules": "all"}, "ppo.lora.target_modules"),
         # an empty list adapts nothing (peft's NoMatchingPeftModuleError at the stage, retried by the flow)

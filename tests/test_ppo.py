@@ -804,6 +804,64 @@ def test_lora_alpha_and_process_split_are_refused_by_the_schema_and_the_launch(t
     rloo = make_params(advantage="rloo", samples_per_query=2, batch_size=6, nminibatches=1, microbatch_size=2).ppo
     assert rloo.process_split_problem(1) is None
     assert "its 3 queries (of ppo.samples_per_query 2 responses each) evenly" in rloo.process_split_problem(2)
+    pieces = make_params(rollout_microbatch_size=8, microbatch_size=2).ppo  # a batch of 16
+    assert pieces.process_split_problem(2) is None
+    assert "ppo.rollout_microbatch_size (8) must divide each process's share of ppo.batch_size (16 over 4" in (
+        pieces.process_split_problem(4)
+    )
+    with pytest.raises(ValidationError, match=r"multiple of ppo\.samples_per_query \(2"):
+        make_params(advantage="rloo", samples_per_query=2, rollout_microbatch_size=3)
+
+
+@pytest.mark.parametrize("samples_per_query", [1, 2])
+def test_a_rollout_in_pieces_runs_its_forwards_on_the_pieces_and_gives_each_row_its_one_pass_draw(
+    tiny_base_dir, reward_model, queries, samples_per_query, monkeypatch
+):
+    """ppo.rollout_microbatch_size 4 of a batch of 16: the sampling pass and the reward model's forward run
+    on 4 rows at a time, each row's uniform at each step is the one a single pass over the batch gives it
+    (so the pieces sample what that pass samples wherever the products over 4 and 16 rows round alike), and
+    the rows come back in the one pass's order, whole groups of a query's samples together."""
+    from rlhf_pipeline import decoding, sampling
+
+    def rollout(pieces):
+        draws, scored = [], []
+
+        def recorded(logits, generator=None, block_size=256, process_share=(0, 1), uniforms=None):
+            if uniforms is None:  # what sample_from_logits would draw itself
+                uniforms = decoding.step_uniforms(generator, len(logits), process_share, logits.device)
+            draws.append(uniforms)
+            return decoding.sample_from_logits(logits, generator, block_size, process_share, uniforms)
+
+        def scores(self, rows, truncated, valid):
+            scored.append(len(rows))
+            return real_scores(self, rows, truncated, valid)
+
+        monkeypatch.setattr(sampling, "sample_from_logits", recorded)
+        monkeypatch.setattr(PPOTrainer, "scores", scores)
+        overrides = {"rollout_microbatch_size": pieces, "samples_per_query": samples_per_query}
+        trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(**overrides))
+        ro = trainer.rollout(0)
+        steps = TASK["response_length"]
+        # the draws of each sampling call (one per decoding step), piece after piece: (16, steps)
+        per_call = [torch.cat(draws[i : i + steps], 1) for i in range(0, len(draws), steps)]
+        return ro, torch.cat(per_call), scored
+
+    real_scores = PPOTrainer.scores
+    whole, whole_draws, whole_scored = rollout(None)
+    pieces, piece_draws, piece_scored = rollout(4)
+    assert whole_scored == [16] and piece_scored == [4, 4, 4, 4]
+    assert piece_draws.shape == whole_draws.shape == (16, TASK["response_length"])
+    assert torch.equal(piece_draws, whole_draws)
+    assert torch.equal(pieces.queries, whole.queries) and pieces.scores.shape == (16,)
+    if samples_per_query == 2:  # each query's two responses are consecutive rows
+        assert torch.equal(pieces.queries[0::2], pieces.queries[1::2])
+    for name in ("responses", "logprobs", "ref_logprobs", "values", "scores", "trunk"):
+        assert (getattr(pieces, name) is None) == (getattr(whole, name) is None), name
+    # where the pieces sampled the one pass's tokens, their logprobs are its logprobs to rounding
+    same = (pieces.responses == whole.responses).all(1)
+    assert same.any()
+    torch.testing.assert_close(pieces.logprobs[same], whole.logprobs[same], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pieces.ref_logprobs[same], whole.ref_logprobs[same], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("case", ["a target naming no module", "every block frozen with LoRA"])

@@ -177,6 +177,19 @@ class PPOParams(Strict):
         "With N processes it must divide batch_size/nminibatches/N (reference: no accumulation, "
         f"{DETAILS}#L54).",
     )
+    rollout_microbatch_size: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_BATCH,
+        description="Responses per forward in a rollout, on one process: the sampling pass and the value, "
+        "reference and reward-model forwards run over the process's share of batch_size in pieces of this many "
+        "rows, one after another (less memory at once; each row still gets its own sampling draw, so the "
+        "responses are the ones one pass samples, to the rounding of products over fewer rows). null: the whole "
+        "share in one pass, as the reference samples its batch. A one-process run with this at batch_size/N "
+        "computes every row in the shapes N processes do, so it samples what they sample on any CPU, even one "
+        "whose matrix products round a row differently in a larger batch (docs/distributed.md). Must be a "
+        "multiple of samples_per_query and divide batch_size/N.",
+    )
     ppo_epochs: int = Field(
         4,
         gt=0,
@@ -311,6 +324,16 @@ class PPOParams(Strict):
                     self.microbatch_size,
                 )
             )
+        rollout_rows = self.rollout_microbatch_size
+        if rollout_rows is not None and (rollout_rows % self.samples_per_query or self.batch_size % rollout_rows):
+            problems.append(
+                (
+                    "rollout_microbatch_size",
+                    f"must be a multiple of ppo.samples_per_query ({self.samples_per_query}: a piece holds whole "
+                    f"groups of a query's samples) and divide ppo.batch_size ({self.batch_size})",
+                    rollout_rows,
+                )
+            )
         if self.total_episodes < self.batch_size:
             problems.append(("total_episodes", f"must be >= ppo.batch_size ({self.batch_size})", self.total_episodes))
         if self.advantage in CRITIC_FREE and self.samples_per_query < 2:
@@ -358,6 +381,12 @@ class PPOParams(Strict):
                 f"{world_size} processes"
             )
         if not rest and not share % self.microbatch_size and not queries % world_size:
+            rollout_rows = self.rollout_microbatch_size
+            if rollout_rows is not None and (self.batch_size // world_size) % rollout_rows:
+                return (
+                    f"ppo.rollout_microbatch_size ({rollout_rows}) must divide each process's share of "
+                    f"ppo.batch_size ({self.batch_size} over {world_size} process(es))"
+                )
             return None
         return (
             f"ppo.batch_size ({self.batch_size}) must split into ppo.nminibatches ({self.nminibatches}) minibatches, "

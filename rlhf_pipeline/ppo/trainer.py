@@ -117,6 +117,13 @@ class Advantages:
     returns: Tensor | None  # the value head's targets (GAE); None without a critic
 
 
+def cat_or_none(parts: Sequence[Tensor | None]) -> Tensor | None:
+    """The pieces' rows in order (no copy of a single piece); None where the pieces have none."""
+    if parts[0] is None:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
+
+
 def minibatch_indices(
     batch_size: int,
     nminibatches: int,
@@ -341,7 +348,7 @@ class PPOTrainer:
         uniforms drawn chunk by chunk first (:func:`chunk_uniforms`): a decoding step over 128 rows costs
         less than four over 32 (11.2 s against 15.7 s for the KL reading's 128 responses,
         bench/results/default_run_time_levers.md), and every row gets the same draw."""
-        if generator.device.type != "cpu" or len(chunks) < 2:
+        if generator.device.type != "cpu" or len(chunks) < 2 or self.cfg.rollout_microbatch_size:
             for chunk in chunks:
                 yield chunk, self.sample(chunk, generator, num_samples=1)[0]
             return
@@ -383,7 +390,7 @@ class PPOTrainer:
         queries = self.queries[rows[distributed.share(self.accelerator, extra)]].to(self.device)
         generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_033 + update * 10_007 + draw)
         exact = []
-        chunks = queries.split(self.cfg.batch_size // self.world_size)  # the KL's forwards: a rollout's memory
+        chunks = queries.split(self.cfg.rollout_microbatch_size or self.cfg.batch_size // self.world_size)
         with self._ctx(), distributed.full_weights(self.accelerator, self.policy):
             for chunk, sampled in self.sample_chunks(chunks, generator):
                 query_responses = torch.cat([chunk, sampled.responses], 1)
@@ -395,13 +402,45 @@ class PPOTrainer:
     # ---- 1: rollout -------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, update: int) -> Rollout:
-        t0 = time.perf_counter()
+        """This process's share of the update's episodes, in pieces of ``ppo.rollout_microbatch_size``
+        responses (null: one piece), then every process's share gathered in batch order."""
         queries = self.batch_queries(update)
         generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + update * 1_009)
         self.policy.eval()
+        rows = len(queries) * self.samples_per_query
+        piece_rows = self.cfg.rollout_microbatch_size or rows
+        uniforms: Sequence[Tensor | None] = [None]
+        if piece_rows < rows:
+            # every row's draws first, as one pass over the share draws them: a row's response does not
+            # depend on the piece it is sampled in
+            share = (self.rank, self.world_size)
+            uniforms = chunk_uniforms(generator, [rows], self.task.response_length, share).split(piece_rows)
+        piece_queries = queries.split(piece_rows // self.samples_per_query)
+        pieces = [self.rollout_piece(part, generator, drawn) for part, drawn in zip(piece_queries, uniforms)]
+        local = {name: cat_or_none([piece[name] for piece, _ in pieces]) for name in pieces[0][0]}
+        timings = {name: sum(times[name] for _, times in pieces) for name in pieces[0][1]}
+        # every process's share, in batch order: the rest of the update sees the whole batch
+        whole = {
+            name: None if part is None else distributed.gather_rows(self.accelerator, part)
+            for name, part in local.items()
+        }
+        stats = {} if whole["gold"] is None else {"objective/gold": whole["gold"].mean().item()}
+        if whole["exact"] is not None:
+            stats["objective/kl_exact"] = whole["exact"].mean().item()
+        episodes = {name: part for name, part in whole.items() if name not in ("gold", "exact")}
+        return Rollout(**episodes, stats=stats, timings=timings)
+
+    def rollout_piece(
+        self, queries: Tensor, generator: torch.Generator, uniforms: Tensor | None
+    ) -> tuple[dict[str, Tensor | None], dict[str, float]]:
+        """One piece of this process's rollout, rows as :class:`Rollout`'s (and each response's ``gold``
+        score and ``exact`` KL when they are read): the responses to ``queries`` sampled (``uniforms``:
+        their draws, else drawn from ``generator``), their old logprobs and values, reference logprobs
+        and scores; and the seconds each phase took."""
+        t0 = time.perf_counter()
         with self._ctx(), distributed.full_weights(self.accelerator, self.policy):
             value_head = self.policy.value_head if self.policy.critic and self.policy.shared else None
-            sampled, truncated, valid = self.sample(queries, generator, value_head)
+            sampled, truncated, valid = self.sample(queries, generator, value_head, uniforms=uniforms)
             # sampling ends here: a separate value model's forward below counts with the reference's
             # (the frozen forwards over query + response), as TRL's timings count it
             t1 = time.perf_counter()
@@ -416,25 +455,21 @@ class PPOTrainer:
         t2 = time.perf_counter()
         scores, gold = self.scores(queries, truncated, valid)
         timings = {"time/generation": t1 - t0, "time/reference": t2 - t1, "time/scoring": time.perf_counter() - t2}
-        # every process's share, in batch order: the rest of the update sees the whole batch
-        whole = partial(distributed.gather_rows, self.accelerator)
-        stats = {} if gold is None else {"objective/gold": whole(gold.to(self.device)).mean().item()}
-        if exact is not None:
-            stats["objective/kl_exact"] = whole(exact).mean().item()
-        return Rollout(
-            queries=whole(queries),
-            responses=whole(sampled.responses),
-            truncated=whole(truncated),
-            valid=whole(valid),
-            logprobs=whole(sampled.logprobs),
-            ref_logprobs=whole(ref_logprobs),
-            values=whole(values) if values is not None else None,
-            scores=whole(scores),
-            mask=whole(sampled.mask),
-            trunk=whole(trunk) if trunk is not None else None,
-            stats=stats,
-            timings=timings,
-        )
+        piece = {
+            "queries": queries,
+            "responses": sampled.responses,
+            "truncated": truncated,
+            "valid": valid,
+            "mask": sampled.mask,
+            "logprobs": sampled.logprobs,
+            "ref_logprobs": ref_logprobs,
+            "values": values,
+            "scores": scores,
+            "trunk": trunk,
+            "gold": None if gold is None else gold.to(self.device),
+            "exact": exact,
+        }
+        return piece, timings
 
     # ---- 2: rewards and advantages ----------------------------------------------------------
     @torch.no_grad()
