@@ -69,7 +69,7 @@ def queries(tiny_base_dir):
     return q
 
 
-def make_trainer(tiny_base_dir, reward_model, queries, params: Params, checkpoint_dir=None, log=None):
+def make_trainer(tiny_base_dir, reward_model, queries, params: Params, checkpoint_dir=None, log=None, accelerator=None):
     torch.manual_seed(params.seed)
     tokenizer = load_tokenizer(tiny_base_dir)
     if params.ppo.value_model == "shared" or params.ppo.critic_free:
@@ -93,7 +93,25 @@ def make_trainer(tiny_base_dir, reward_model, queries, params: Params, checkpoin
         torch.device("cpu"),
         checkpointer=checkpointer,
         log=log,
+        accelerator=accelerator,
     )
+
+
+class ShareOf:
+    """Process ``index`` of ``count`` as the trainer sees it, inside one process: it takes its share of
+    every batch; a gather returns its own rows (no other process is there to send theirs)."""
+
+    def __init__(self, index: int, count: int):
+        from accelerate.utils import DistributedType
+
+        self.process_index, self.num_processes, self.is_main_process = index, count, index == 0
+        self.distributed_type, self.device = DistributedType.NO, torch.device("cpu")
+
+    def prepare(self, *objects):
+        return objects
+
+    def gather(self, tensor):
+        return tensor
 
 
 def test_trunk_split_is_exact(tiny_base_dir):
@@ -811,6 +829,37 @@ def test_lora_alpha_and_process_split_are_refused_by_the_schema_and_the_launch(t
     )
     with pytest.raises(ValidationError, match=r"multiple of ppo\.samples_per_query \(2"):
         make_params(advantage="rloo", samples_per_query=2, rollout_microbatch_size=3)
+
+
+def test_the_budget_reading_gives_each_row_its_one_process_draw_on_any_number_of_processes(
+    tiny_base_dir, reward_model, queries, monkeypatch
+):
+    """The reading's 40 responses come in chunks of ppo.batch_size (16, 16, 8), each shared by the processes
+    as a rollout's batch is: each of two processes samples its share of every chunk, and every response's
+    uniforms are the ones one process gives it, with or without ppo.rollout_microbatch_size."""
+    real_sample, drawn = PPOTrainer.sample, {}
+
+    def recorded(self, chunk, generator, *args, uniforms=None, **kwargs):
+        assert uniforms is not None  # drawn first: 3 chunks on a CPU, or pieces
+        drawn.update({tuple(row.tolist()): draw for row, draw in zip(chunk, uniforms)})
+        return real_sample(self, chunk, generator, *args, uniforms=uniforms, **kwargs)
+
+    monkeypatch.setattr(PPOTrainer, "sample", recorded)
+    readings = {}
+    for pieces in (None, 4):
+        params = make_params(kl={"budget": 5.0, "budget_check_responses": 40}, rollout_microbatch_size=pieces)
+        for count in (1, 2):
+            drawn.clear()
+            for index in range(count):
+                make_trainer(tiny_base_dir, reward_model, queries, params, accelerator=ShareOf(index, count)).extra_kl(
+                    1
+                )
+            readings[pieces, count] = dict(drawn)
+    one = readings[None, 1]
+    assert len(one) == 40  # one response to each of the 40 (distinct) train queries
+    for key, draws in readings.items():
+        assert draws.keys() == one.keys(), key
+        assert all(torch.equal(draws[row], one[row]) for row in one), key
 
 
 @pytest.mark.parametrize("samples_per_query", [1, 2])

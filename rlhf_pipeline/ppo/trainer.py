@@ -343,22 +343,31 @@ class PPOTrainer:
         )
 
     def sample_chunks(self, chunks: Sequence[Tensor], generator: torch.Generator):
-        """(chunk, its samples) for each chunk of queries, one response each, what sampling the chunks one
-        after another from ``generator`` gives. With a CPU generator the chunks are sampled in one pass, their
-        uniforms drawn chunk by chunk first (:func:`chunk_uniforms`): a decoding step over 128 rows costs
-        less than four over 32 (11.2 s against 15.7 s for the KL reading's 128 responses,
-        bench/results/default_run_time_levers.md), and every row gets the same draw."""
-        if generator.device.type != "cpu" or len(chunks) < 2 or self.cfg.rollout_microbatch_size:
-            for chunk in chunks:
-                yield chunk, self.sample(chunk, generator, num_samples=1)[0]
+        """(queries, their samples), one response each, for this process's share of ``chunks`` (chunks of
+        queries over all processes, each shared as a rollout's batch is): every row gets the draw it gets
+        when one process samples the chunks one after another from ``generator``, whatever the number of
+        processes. The draws are made first (:func:`chunk_uniforms`), then the rows are sampled in one pass
+        on a CPU (a decoding step over 128 rows costs less than four over 32: 11.2 s against 15.7 s for the
+        KL reading's 128 responses, bench/results/default_run_time_levers.md) and handed out chunk by
+        chunk, or in pieces of ``ppo.rollout_microbatch_size`` rows when that is set. On a GPU without it,
+        each chunk is sampled with its own draws (the static sampler can serve it)."""
+        mine = [chunk[distributed.share(self.accelerator, len(chunk))] for chunk in chunks]
+        piece_rows = self.cfg.rollout_microbatch_size
+        if piece_rows is None and (generator.device.type != "cpu" or len(mine) < 2):
+            for queries in mine:
+                yield queries, self.sample(queries, generator, num_samples=1)[0]
             return
-        rows = [len(chunk) for chunk in chunks]
+        rows = [len(queries) for queries in mine]
         uniforms = chunk_uniforms(generator, rows, self.task.response_length, (self.rank, self.world_size))
-        sampled = self.sample(torch.cat(list(chunks)), generator, num_samples=1, uniforms=uniforms)[0]
+        if piece_rows is not None:
+            for queries, drawn in zip(torch.cat(mine).split(piece_rows), uniforms.split(piece_rows)):
+                yield queries, self.sample(queries, generator, num_samples=1, uniforms=drawn)[0]
+            return
+        sampled = self.sample(torch.cat(mine), generator, num_samples=1, uniforms=uniforms)[0]
         start = 0
-        for chunk in chunks:
-            yield chunk, sampled.rows(slice(start, start + len(chunk)))
-            start += len(chunk)
+        for queries in mine:
+            yield queries, sampled.rows(slice(start, start + len(queries)))
+            start += len(queries)
 
     def policy_hidden(self, query_responses: Tensor, trunk: Tensor | None) -> Tensor | None:
         """The policy's final hidden states at the response positions, which the exact KL needs (its full
@@ -387,13 +396,13 @@ class PPOTrainer:
         stream = self.seed * 31_337 + update + draw * 7_919
         order = torch.randperm(len(self.queries), generator=torch.Generator().manual_seed(stream))
         rows = order.repeat(-(-extra // len(self.queries)))[:extra]
-        queries = self.queries[rows[distributed.share(self.accelerator, extra)]].to(self.device)
+        # chunks of a rollout's size (its memory), each shared by the processes as a rollout's batch is
+        chunks = [self.queries[chunk].to(self.device) for chunk in rows.split(self.cfg.batch_size)]
         generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_033 + update * 10_007 + draw)
         exact = []
-        chunks = queries.split(self.cfg.rollout_microbatch_size or self.cfg.batch_size // self.world_size)
         with self._ctx(), distributed.full_weights(self.accelerator, self.policy):
-            for chunk, sampled in self.sample_chunks(chunks, generator):
-                query_responses = torch.cat([chunk, sampled.responses], 1)
+            for queries, sampled in self.sample_chunks(chunks, generator):
+                query_responses = torch.cat([queries, sampled.responses], 1)
                 trunk = sampled.hidden[self.freeze] if self.use_trunk else None
                 hidden = self.policy_hidden(query_responses, trunk)
                 exact.append(self.reference_logprobs(query_responses, trunk, hidden, sampled.mask)[1])
