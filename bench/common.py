@@ -6,6 +6,8 @@
   dedicated pad token, cached under ``bench/.cache/`` so both implementations load identical weights.
 - :func:`random_token_ids`: fixed-seed synthetic token ids drawn from the ordinary vocabulary.
 - :func:`environment_lines` / :func:`render_table`: the report header and the result table.
+- :func:`usage_now` / :func:`per_timed_step`: page faults, system time and the bound's give-backs as each
+  step or update ends, and their medians over the timed ones.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before tra
 import os
 import platform
 import random
+import resource
 import shlex
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +39,22 @@ THREADS = 2
 def setup(seed: int, threads: int = THREADS) -> None:
     torch.set_num_threads(threads)
     seed_everything(seed)
+
+
+def usage_now() -> tuple[int, float, int]:
+    """This process's minor page faults and system seconds so far, and how many times the bound on kept
+    memory has given freed memory back (0 when malloc is left alone): noted as each step ends."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_stime, allocator.times_given_back() or 0
+
+
+def per_timed_step(counters: list[tuple[int, float, int]], steps: int) -> tuple[float, float, int]:
+    """The median minor page faults and system seconds of the timed steps, from :func:`usage_now` noted as
+    the warm-up's step and each later one ended, and how many times the bound gave freed memory back during
+    the timed steps in all."""
+    deltas = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(counters[:steps], counters[1 : steps + 1])]
+    given_back = counters[steps][2] - counters[0][2]
+    return statistics.median(d[0] for d in deltas), statistics.median(d[1] for d in deltas), given_back
 
 
 def seed_everything(seed: int) -> None:

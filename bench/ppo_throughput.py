@@ -49,12 +49,14 @@ from common import (
     benchmark_parser,
     emit,
     environment_lines,
+    per_timed_step,
     prepare,
     random_token_ids,
     render_report,
     render_table,
     seed_everything,
     trl_cpu_arguments,
+    usage_now,
 )  # noqa: E402
 
 PHASES = ["generation", "ref_value", "reward", "train", "other"]
@@ -131,7 +133,10 @@ def run_ours(
 
     flops = MatmulFlops()
 
+    usages = []  # usage_now() as each update ends
+
     def log(record: dict) -> None:
+        usages.append(usage_now())
         if record["update"] == 1:
             flops.stop()
             if profiler is not None:
@@ -167,6 +172,8 @@ def run_ours(
         }
         phases["other"] = h["time/update"] - sum(phases.values())
         out.append({"update": h["time/update"], **phases})
+    for record, usage in zip(out, usages, strict=True):
+        record["usage"] = usage
     out[0]["peak_bytes"] = torch.cuda.max_memory_allocated() if on_gpu else None
     out[0]["flops"] = flops.total
     del trainer, policy, ref_model, reward_model, lm
@@ -245,6 +252,7 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
             phases = clock.take()
             record = {"update": now - self.last, **{p: phases.get(p, 0.0) for p in PHASES[:-1]}}
             record["other"] = record["update"] - sum(record[p] for p in PHASES[:-1])
+            record["usage"] = usage_now()
             updates.append(record)
             if len(updates) == 1:
                 flops.stop()
@@ -439,6 +447,15 @@ def main(argv=None) -> None:
         "peak GPU memory",
     ]
     table = render_table(headers, rows, args.markdown)
+    usage_line = "page faults a timed update (median; minor faults, and the system time the process spent) and " + (
+        "the times the bound on kept memory gave freed memory back over the timed updates: "
+        + "; ".join(
+            "{}: {:.0f} faults, {:.2f} s, given back {} times".format(
+                key, *per_timed_step([r["usage"] for r in rows_], args.updates)
+            )
+            for key, rows_ in results.items()
+        )
+    )
     model_name = MODEL_NAMES[args.model]
     notes = [
         f"workload: {args.batch} episodes/update, query {args.query_tokens} tokens (fixed-seed random ids, no "
@@ -472,6 +489,7 @@ def main(argv=None) -> None:
         "FlopCounterMode; counting slows the warm-up update, which the ratios do not use); GFLOP/s: those over the "
         "median s/update; vs TRL at equal GFLOP/s = TRL's FLOPs / the side's: the speed ratio if both sides ran "
         "their matrix products at one rate, which only fewer FLOPs per update can raise.",
+        usage_line,
     ]
     if "lora" in results:
         notes.append(

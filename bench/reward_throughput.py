@@ -23,7 +23,6 @@ Usage::
 from __future__ import annotations
 
 import gc
-import resource
 import statistics
 import sys
 import tempfile
@@ -40,15 +39,15 @@ from common import (
     benchmark_parser,
     emit,
     environment_lines,
+    per_timed_step,
     prepare,
     random_token_ids,
     render_report,
     render_table,
     seed_everything,
     trl_cpu_arguments,
+    usage_now,
 )  # noqa: E402
-
-from rlhf_pipeline import allocator  # noqa: E402
 
 
 def make_data(tokenizer, num_pairs: int, prompt_tokens: int, response_tokens: int, seed: int):
@@ -62,17 +61,8 @@ def make_data(tokenizer, num_pairs: int, prompt_tokens: int, response_tokens: in
 def step_ended(args, steps_done: int, side: str) -> None:
     """Called as each step of ``side`` ends (``steps_done`` counts them): note the process's page faults
     and system time so far, and profile around the extra step."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    args.counters.setdefault(side, []).append((usage.ru_minflt, usage.ru_stime, allocator.times_given_back() or 0))
+    args.counters.setdefault(side, []).append(usage_now())
     profile_around_extra_step(args, steps_done, side)
-
-
-def per_timed_step(counters: list[tuple[int, float, int]], steps: int) -> tuple[float, float, int]:
-    """The median minor page faults and system seconds of the timed steps (the steps after the warm-up's),
-    and how many times the bound on kept memory gave freed memory back during them in all."""
-    deltas = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(counters[:steps], counters[1 : steps + 1])]
-    given_back = counters[steps][2] - counters[0][2]
-    return statistics.median(d[0] for d in deltas), statistics.median(d[1] for d in deltas), given_back
 
 
 def profile_around_extra_step(args, steps_done: int, side: str) -> None:

@@ -18,10 +18,15 @@ from torch.utils.flop_counter import flop_registry
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmarks are scripts, not a package
 
 import lock_diff  # noqa: E402
-from common import PROFILE_HEADERS, StepProfile, grouped_query_attention_formulas, op_group  # noqa: E402
+from common import (  # noqa: E402
+    PROFILE_HEADERS,
+    StepProfile,
+    grouped_query_attention_formulas,
+    op_group,
+    per_timed_step,
+)
 from experiments import experiment_logs  # noqa: E402
 from probe_eval_variance import standard_error, variance_components  # noqa: E402
-from reward_throughput import per_timed_step  # noqa: E402
 
 
 def test_grouped_key_value_heads_count_as_the_query_heads_they_serve():
