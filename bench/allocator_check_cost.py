@@ -3,7 +3,8 @@ every check the bounding thread makes in real stages of the default run.
 
 The thread that bounds what malloc keeps (``rlhf_pipeline/allocator.py``) wakes every
 ``allocator.CHECK_SECONDS`` (0.25 s) and reads ``RssAnon`` from ``/proc/self/status``. Only when that
-passes the bound does it call glibc's ``mallinfo2`` (``kept_bytes``), which walks every free chunk of
+passes the bound, and (since 2026-11-30) has grown since the last check, does it call glibc's
+``mallinfo2``, which walks every free chunk of
 every arena under that arena's lock: such a check costs what the heap's fragmentation makes it cost, and
 a thread that allocates meanwhile waits for it. With ``RLHF_MALLOC=keep``:
 
@@ -12,7 +13,8 @@ a thread that allocates meanwhile waits for it. With ``RLHF_MALLOC=keep``:
   check within the bound, the median of 200 calls each;
 - **stages** (``--stages evaluate``): each named stage of the default run runs as its
   script does under ``dvc repro``, with a thread that times the bounding thread's own call once a second
-  (``give_back_beyond`` at ``KEPT_BOUND``: it gives memory back when the stage's own thread would) and
+  (``give_back_beyond`` at ``KEPT_BOUND``, which walks whenever ``RssAnon`` is over the bound: an upper
+  bound on the thread's cost, which also skips checks that find ``RssAnon`` no higher than the last) and
   counts the heap's free chunks and the checks made while ``RssAnon`` was over the bound; the table
   gives the times and what checking at the shipped rate costs over the stage. The stage rewrites its
   outputs, so they must be up to date first (``dvc status``); the script puts them back from DVC's cache

@@ -14,18 +14,20 @@ so the blocks a step frees serve the next one; findings and timings in ``bench/r
 It changes no byte: where a block lives never changes what a kernel computes (torch aligns every CPU
 block to 64 bytes either way).
 
-It keeps at most :data:`KEPT_BOUND` (2 GiB) of freed memory resident. With no block mapped apart, a
-large freed block cannot leave the heap, and smaller requests split it, so the next large request
-grows the heap instead: on Gemma 3's 262k-token vocabulary, whose logits blocks are 1.6 GB, a run of
-``evaluate`` once peaked at 12.4 GB against 6.5 GB under glibc's own settings, and a probe with the
-same blocks on a tiny model at 9.8 GB against 3.7 GB. So a thread checks every
-:data:`CHECK_SECONDS` how much anonymous resident memory malloc holds but does not hand out, and past
-the bound, when the process has grown past the largest it has been, calls ``malloc_trim(0)``, which
-gives every freed page back (the heap's top, the holes in its middle, every thread's arena); the probe
-then peaked at 5.4 GB. Kept memory that does not make the process larger stays: a training step that
-frees 2.8 GB and takes the same blocks again the next step is not made to fault them in each step.
-SmolLM2's stages keep well under the bound, so there it never fires (each stage's last line counts
-the times it did).
+What it keeps is bounded where it does not serve. With no block mapped apart, a large freed block cannot
+leave the heap, and smaller requests split it, so the next large request grows the heap instead: on Gemma
+3's 262k-token vocabulary, whose logits blocks are 1.6 GB, a run of ``evaluate`` once peaked at 12.4 GB
+against 6.5 GB under glibc's own settings, and a probe with the same blocks on a tiny model at 9.6 to
+10.2 GB against 3.7 GB (in some runs; in others at 3.8 GB: the threads' timing decides). So a thread
+checks every :data:`CHECK_SECONDS` whether the heap grew since its last look while more than
+:data:`KEPT_BOUND` (2 GiB) of it was free: malloc asked the OS for more memory although it held that
+much unused, so its free blocks were not serving the requests. Then it calls ``malloc_trim(0)``, which
+gives every free page back (the heap's top, the holes in its middle, every thread's arena); the probe
+then peaked at 5.3 to 6.1 GB. Free memory that the process takes again without the heap growing stays: a
+training step that frees 2.8 GB and takes the same blocks the next step is not made to fault them in
+each step, and a layout whose heap holds 3 to 4 GB of holes that its phases fill in turn (PPO with a
+separate value model) is made to far less often. SmolLM2's stages keep well under the bound, so there
+it never fires (each stage's last line counts the times it did).
 
 Where it applies: glibc 2.33 or later (``mallinfo2``) on Linux. Elsewhere (macOS, musl, an older
 glibc), when ``GLIBC_TUNABLES`` already sets a ``glibc.malloc.*`` key (the user's own settings win) or
@@ -55,7 +57,7 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 # 50 MB). A request the heap cannot grow to still gets a mapping: glibc falls back to one itself.
 MMAP_MAX = 0
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int: 2 GiB is the most it can say
-# freed memory kept resident anywhere in the process, not only at the heap's top: the same 2 GiB
+# free memory the heap may hold while it grows (past it, what is free is given back): the same 2 GiB
 KEPT_BOUND = 2**31
 CHECK_SECONDS = 0.25  # a 1.6 GB logits block takes longer than this to compute
 
@@ -140,45 +142,76 @@ def kept_bytes(libc, anonymous: int | None = None) -> int:
     return max(0, anonymous - info.uordblks - info.hblkhd)
 
 
-def give_back_beyond(libc, bound: int, peak: int = 0, anonymous: int | None = None) -> bool:
-    """``malloc_trim(0)`` when more than ``bound`` bytes are kept (:func:`kept_bytes`) and ``RssAnon`` is
-    above ``peak`` (the highest the caller has seen); True when it did. ``anonymous``: an ``RssAnon`` the
-    caller has just read, else it is read here.
+def heap_bytes(info: _MallInfo2) -> int:
+    """The memory malloc has taken from the OS, in use or free: every arena's heap and the blocks mapped apart."""
+    return info.arena + info.hblkhd
 
-    Why only above the peak: what is kept costs memory only when it makes the process larger than it has
-    been. A training step that frees 2.8 GB and takes the same blocks again the next step keeps its size;
-    giving the blocks back there only makes the next step fault them in again (the reward bench: 400k
-    faults a step, ``bench/results/allocator.md``). Blocks that no longer serve (Gemma's 1.6 GB logits
-    among smaller holes) make the heap grow past its peak, and that is where they go back.
-    While ``RssAnon`` itself is within the bound, what is kept cannot pass it, so ``mallinfo2``'s walk over
-    every free chunk (2 to 7 ms in SmolLM2's ``evaluate``) is skipped."""
+
+def give_back_beyond(libc, bound: int, heap_before: int = 0, anonymous: int | None = None) -> tuple[bool, int]:
+    """``malloc_trim(0)`` when malloc's heap (:func:`heap_bytes`) is larger than ``heap_before`` (its size
+    when the caller last looked; 0: never) and more than ``bound`` bytes of it are free (``fordblks``).
+    Returns whether it gave memory back, and the heap's size (0 when it was not read). ``anonymous``: an
+    ``RssAnon`` the caller has just read, else it is read here.
+
+    Why only when the heap grew: free memory costs something only when the process asks the OS for more
+    while holding it, that is, when the free blocks did not serve a request (too small, or split by
+    smaller ones). A training step that frees 2.8 GB and takes the same blocks again the next step does
+    not grow the heap; giving the blocks back there only makes the next step fault them in again (the
+    reward bench: 400k faults a step, ``bench/results/allocator.md``). Blocks that no longer serve
+    (Gemma's 1.6 GB logits among smaller holes) make the heap grow, and that is where they go back.
+    Measures that look simpler fail (``bench/results/allocator.md``, 2026-11-30):
+    - ``RssAnon`` past the highest a check saw since the last give-back: a trim lowers ``RssAnon`` but
+      leaves the heap's holes where they are, so it climbs back past what the trim left each time the
+      process fills them again (PPO with a separate value model: about 6 give-backs and 4.1 M page
+      faults an update);
+    - free bytes that are resident (``RssAnon`` less what is in use) at the growth: a block just handed
+      out counts as in use before its pages are written, so the look right after a growth reads too
+      little, and the Gemma probe peaked at 7.5 GB instead of 5.3 to 6.1;
+    - growth past the heap's size at the last give-back, or by 32 or 256 MiB or more at a look: with the
+      heap no larger, the probe's sampling writes its 100 MB logits into other holes each step, and it
+      peaked at up to 8.4, 8.9 and 7.7 GB.
+    What this rule can still cost: after a give-back a heap may creep up a few MB at a time, and each such
+    look gives its holes back again (PPO's separate layout did so in one run: 7 times in 3 updates, against
+    21 under the earlier rule; in another, 0 after its warm-up update).
+    While ``RssAnon`` itself is within the bound, less than the bound can be given back, so ``mallinfo2``'s
+    walk over every free chunk (13 ms on a fragmented 2.6 GB heap) is skipped."""
     if anonymous is None:
         anonymous = resident_anonymous_bytes()
-    if anonymous is not None and (anonymous <= bound or anonymous <= peak):
-        return False
-    if kept_bytes(libc, anonymous) <= bound:  # the same RssAnon: /proc is read once a check
-        return False
+    if anonymous is not None and anonymous <= bound:
+        return False, 0
+    info = libc.mallinfo2()
+    heap = heap_bytes(info)
+    if heap <= heap_before or info.fordblks <= bound:
+        return False, heap
     libc.malloc_trim(0)
-    return True
+    return True, heap
 
 
-def bound_check(libc, bound: int, peak: int) -> tuple[bool, int]:
-    """One check of the bound's thread: whether it gave memory back (:func:`give_back_beyond`), and the
-    highest ``RssAnon`` seen so far (after a give-back, what the trim left). ``/proc`` is read once a
-    check, and once more after a give-back."""
+def bound_check(libc, bound: int, heap_before: int, anonymous_before: int) -> tuple[bool, int, int]:
+    """One check of the bound's thread: whether it gave memory back (:func:`give_back_beyond`), the heap's
+    size as this check read it (else ``heap_before``), and ``RssAnon`` now (after a give-back, what the
+    trim left).
+
+    ``anonymous_before`` is the ``RssAnon`` the last check read. A check walks ``mallinfo2`` only when
+    ``RssAnon`` grew since: a heap that grew writes its new pages sooner or later, and the check that
+    sees them finds the heap larger than the last walk did. So a process at its size, however much it
+    keeps, reads ``/proc`` once a check and nothing more; one more read follows a give-back."""
     anonymous = resident_anonymous_bytes()
-    gave_back = give_back_beyond(libc, bound, peak, anonymous)
-    if gave_back:
-        anonymous = resident_anonymous_bytes()
-    return gave_back, max(peak, anonymous or 0)
+    if anonymous is not None and anonymous <= anonymous_before:
+        return False, heap_before, anonymous
+    gave_back, heap = give_back_beyond(libc, bound, heap_before, anonymous)
+    heap = heap or heap_before  # within the bound nothing was read
+    if not gave_back:
+        return False, heap, anonymous or 0
+    return True, heap, resident_anonymous_bytes() or 0
 
 
 def _bound_what_is_kept(libc, bound: int, seconds: float) -> None:
     global _given_back
-    peak = 0  # the highest RssAnon a check has seen: only growth past it can be what is kept
+    heap_before = anonymous = 0  # the heap's size at the last walk; RssAnon at the last check
     while True:
         time.sleep(seconds)
-        gave_back, peak = bound_check(libc, bound, peak)
+        gave_back, heap_before, anonymous = bound_check(libc, bound, heap_before, anonymous)
         _given_back += gave_back
 
 
@@ -220,7 +253,8 @@ def describe() -> str:
         trim = f"trim beyond {(TRIM_THRESHOLD + 1) >> 30} GiB" if _trim_set else "glibc's own trim threshold"
         return (
             f"glibc's malloc keeps what the process frees (no block mapped apart: mmap max {MMAP_MAX}; {trim}; "
-            f"all given back past {KEPT_BOUND >> 30} GiB kept; {ENVIRONMENT_VARIABLE}=system: glibc's own settings)"
+            f"all free memory given back when the heap grows holding over {KEPT_BOUND >> 30} GiB free; "
+            f"{ENVIRONMENT_VARIABLE}=system: glibc's own settings)"
         )
     return "malloc as the C library sets it"
 

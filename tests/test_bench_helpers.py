@@ -1,8 +1,8 @@
 """Helpers of the benchmark scripts: the FLOP count of fused attention with grouped key/value heads
 and the step profile's operator groups (bench/common.py), the comparison of two ``dvc.lock`` files
 (bench/lock_diff.py), the evaluation's variance components (bench/probe_eval_variance.py), the
-logs of experiments run outside the queue (bench/experiments.py) and the reward bench's page faults
-a step (bench/reward_throughput.py)."""
+logs of experiments run outside the queue (bench/experiments.py), the reward bench's page faults
+a step (bench/reward_throughput.py) and the malloc trace's windows (bench/probe_malloc_trace.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from common import (  # noqa: E402
 )
 from experiments import experiment_logs  # noqa: E402
 from probe_eval_variance import standard_error, variance_components  # noqa: E402
+from probe_malloc_trace import windows  # noqa: E402
 
 
 def test_grouped_key_value_heads_count_as_the_query_heads_they_serve():
@@ -133,3 +134,19 @@ def test_page_faults_a_step_count_the_timed_steps_only():
     counters = [(1000, 5.0, 1), (1010, 5.1, 1), (1040, 5.4, 4), (9000, 50.0, 9)]
     faults, system, given_back = per_timed_step(counters, steps=2)
     assert faults == 20 and system == pytest.approx(0.2) and given_back == 3
+
+
+def test_the_malloc_trace_sums_faults_and_spans_memory_over_each_window():
+    # (seconds, RssAnon, in use, heap, minor faults so far, give-backs so far)
+    gb = 10**9
+    trace = [
+        (0.25, 1 * gb, 0.5 * gb, 1 * gb, 100, 0),
+        (0.50, 2 * gb, 1.5 * gb, 2 * gb, 400, 0),
+        (1.00, 3 * gb, 0.2 * gb, 3 * gb, 1_400, 1),
+        (1.25, 1 * gb, 0.1 * gb, 3 * gb, 1_500, 2),
+    ]
+    rows = windows(trace, 0.5)
+    assert [row[0] for row in rows] == ["0", "1"]
+    assert rows[0][1:] == ["1.00 to 2.00", "0.50 to 1.50", "1.00 to 2.00", "300", "0"]
+    # the second window's faults count from the first window's last reading
+    assert rows[1][1:] == ["1.00 to 3.00", "0.10 to 0.20", "3.00 to 3.00", "1,100", "2"]
