@@ -40,7 +40,7 @@ def record(trace: list[tuple], seconds: float) -> None:
                 time.perf_counter() - start,
                 allocator.resident_anonymous_bytes() or 0,
                 info.uordblks + info.hblkhd,
-                info.arena + info.hblkhd,  # the heap: what malloc holds from the OS, in use or free
+                allocator.heap_bytes(info),
                 resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
                 allocator.times_given_back() or 0,
             )

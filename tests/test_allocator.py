@@ -147,7 +147,7 @@ def test_freed_memory_past_the_bound_is_given_back_when_the_heap_grows(how):
     assert result["held"] > 180 << 20, result  # the four freed blocks stayed resident
     assert result["after"] < 64 << 20, result  # given back
     if how == "by hand":
-        # a 1 TiB bound, then a heap no larger than at the last give-back: nothing to do; then none before: trimmed
+        # a 1 TiB bound, then a heap no larger than at the last look: nothing to do; then no look before: trimmed
         heap = result["given"][1][1]
         assert result["given"] == [[False, 0], [False, heap], [True, heap]] and heap > 190 << 20, result
         assert result["times"] == 0, result
