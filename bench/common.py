@@ -3,17 +3,21 @@
 - :func:`prepare`: ``--cpu-numerics`` pinned as the stages pin it (portable by default), 2 CPU threads,
   fixed seeds, offline hubs (importing ``rlhf_pipeline.offline`` sets them).
 - :func:`materialise_model`: the benchmark model as a plain ``save_pretrained`` directory with the
-  dedicated pad token, cached under ``bench/.cache/`` so both implementations load identical weights.
+  dedicated pad token, cached under ``bench/.cache/`` (or ``$RLHF_BENCH_CACHE``) so both implementations load
+  identical weights.
 - :func:`random_token_ids`: fixed-seed synthetic token ids drawn from the ordinary vocabulary.
 - :func:`environment_lines` / :func:`render_table`: the report header and the result table.
 - :func:`usage_now` / :func:`per_timed_step`: page faults, system time and the bound's give-backs as each
   step or update ends, and their medians over the timed ones.
+- :func:`run_in_turns`: trainers in processes of their own, their steps taken in turn, one at a time, so
+  that the machine's drift falls on all alike; :class:`StepGate` is a trainer's side of it.
 """
 
 from __future__ import annotations
 
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before transformers loads)
 
+import multiprocessing
 import os
 import platform
 import random
@@ -23,6 +27,8 @@ import shutil
 import statistics
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +37,7 @@ import torch
 from rlhf_pipeline import allocator, numerics
 
 BENCH_DIR = Path(__file__).resolve().parent
-CACHE_DIR = BENCH_DIR / ".cache"
+CACHE_DIR = Path(os.environ.get("RLHF_BENCH_CACHE") or BENCH_DIR / ".cache")
 PAD_TOKEN = "<|pad|>"
 THREADS = 2
 
@@ -41,20 +47,69 @@ def setup(seed: int, threads: int = THREADS) -> None:
     seed_everything(seed)
 
 
-def usage_now() -> tuple[int, float, int]:
-    """This process's minor page faults and system seconds so far, and how many times the bound on kept
-    memory has given freed memory back (0 when malloc is left alone): noted as each step ends."""
+def usage_now() -> tuple[int, float, int, int, int]:
+    """This process's minor page faults and system seconds so far, how many times the bound on kept memory has
+    given freed memory back (0 when malloc is left alone), and the machine's :func:`cpu_ticks`: noted as each
+    step ends."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_minflt, usage.ru_stime, allocator.times_given_back() or 0
+    return usage.ru_minflt, usage.ru_stime, allocator.times_given_back() or 0, *cpu_ticks()
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """The CPU time the hypervisor has taken from this machine's CPUs so far (``steal`` in ``/proc/stat``) and
+    their time in all, in clock ticks; (0, 0) where there is no ``/proc/stat``. On a virtual machine whose host
+    is busy, steal is the share of each core its guest does not get: a benchmark that runs while it is high runs
+    slower, whatever its code does."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return 0, 0
+    # user nice system idle iowait irq softirq steal (guest time is already counted in user)
+    ticks = [int(value) for value in fields[1:9]]
+    return (ticks[7] if len(ticks) == 8 else 0), sum(ticks)
+
+
+def steal_share(spans: list[tuple[tuple, tuple]]) -> float | None:
+    """The share of the CPUs' time the hypervisor took over steps given as (:func:`usage_now` as a step began,
+    as it ended); None where the machine does not count it."""
+    steal = sum(end[3] - begin[3] for begin, end in spans)
+    total = sum(end[4] - begin[4] for begin, end in spans)
+    return steal / total if total else None
+
+
+def steal_note(spans_by_side: dict[str, list[tuple[tuple, tuple]]]) -> str:
+    """The report's line on the CPU time the hypervisor took during each side's timed steps or updates."""
+    shares = {side: steal_share(spans) for side, spans in spans_by_side.items()}
+    if all(share is None for share in shares.values()):
+        return "CPU time the hypervisor took (steal): not counted on this machine."
+    cells = "; ".join(f"{side} {share:.0%}" if share is not None else f"{side} n/a" for side, share in shares.items())
+    return (
+        f"CPU time the hypervisor took from this machine while each side's timed steps ran (steal, /proc/stat): "
+        f"{cells}. Where it is high the host is busy and every step is slower; where the sides differ, so did "
+        "their share of the cores."
+    )
 
 
 def per_timed_step(counters: list[tuple[int, float, int]], steps: int) -> tuple[float, float, int]:
     """The median minor page faults and system seconds of the timed steps, from :func:`usage_now` noted as
     the warm-up's step and each later one ended, and how many times the bound gave freed memory back during
     the timed steps in all."""
-    deltas = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(counters[:steps], counters[1 : steps + 1])]
-    given_back = counters[steps][2] - counters[0][2]
-    return statistics.median(d[0] for d in deltas), statistics.median(d[1] for d in deltas), given_back
+    return median_usage(timed_spans(counters, steps))
+
+
+def timed_spans(counters: list[tuple], steps: int) -> list[tuple[tuple, tuple]]:
+    """(as a timed step began, as it ended) from :func:`usage_now` noted as the warm-up's and each later step ended."""
+    return list(zip(counters[:steps], counters[1 : steps + 1]))
+
+
+def median_usage(spans: list[tuple[tuple[int, float, int], tuple[int, float, int]]]) -> tuple[float, float, int]:
+    """The median minor page faults and system seconds of steps given as (:func:`usage_now` as a step began, as
+    it ended), and how many times the bound gave freed memory back within them in all."""
+    faults = [end[0] - begin[0] for begin, end in spans]
+    system = [end[1] - begin[1] for begin, end in spans]
+    given_back = sum(end[2] - begin[2] for begin, end in spans)
+    return statistics.median(faults), statistics.median(system), given_back
 
 
 def seed_everything(seed: int) -> None:
@@ -426,3 +481,146 @@ class StepProfile:
 
 
 PROFILE_HEADERS = ["profiled step s", *(f"{group} s" for group in GROUP_NAMES), "matmul GFLOP", "matmul GFLOP/s"]
+
+
+class StepGate:
+    """A trainer's side of :func:`run_in_turns`, in the trainer's own process: :meth:`begin` waits for the
+    parent's word that this side's turn has come and starts the clock; the trainer calls :meth:`step_ended`
+    from its per-step callback, which stops the clock, reports the step and waits for the next turn.
+
+    Each step's wall time, and :func:`usage_now` at its start and its end, are this process's own. The step
+    numbered ``profile_step`` (from 1) runs under a :class:`StepProfile` started when its turn begins.
+    """
+
+    def __init__(self, connection, steps: int, profile_step: int | None = None):
+        self.connection, self.steps, self.profile_step = connection, steps, profile_step
+        self.seconds: list[float] = []
+        self.usage: list[tuple[tuple, tuple]] = []  # (usage_now() at a step's start, at its end)
+        self.profile: StepProfile | None = None
+        self._began: tuple[float, tuple] | None = None
+
+    def begin(self) -> None:
+        """Say this side is loaded, and wait for its turn (the first call), or just wait for it (later ones)."""
+        if not self.seconds and self._began is None:
+            self.connection.send(("ready",))
+        if self.connection.recv() != "go":
+            raise RuntimeError("the benchmark's parent sent something other than 'go'")
+        if len(self.seconds) + 1 == self.profile_step:
+            self.profile = StepProfile()
+            self.profile.start()
+        self._began = (time.perf_counter(), usage_now())
+
+    def restart_clock(self) -> None:
+        """Start this step's clock again, within the turn (a trainer's set-up before its first step is not timed)."""
+        self._began = (time.perf_counter(), usage_now())
+
+    def step_ended(self) -> None:
+        now, usage = time.perf_counter(), usage_now()
+        if self._began is None or len(self.seconds) >= self.steps:
+            raise RuntimeError(f"a step ended past the {self.steps} this side was to run, or outside its turn")
+        if self.profile is not None and len(self.seconds) + 1 == self.profile_step:
+            self.profile.stop()
+        began, began_usage = self._began
+        self.seconds.append(now - began)
+        self.usage.append((began_usage, usage))
+        self.connection.send(("step",))
+        if len(self.seconds) < self.steps:
+            self.begin()
+
+
+def _run_side(connection, trainer, trainer_args: tuple, steps: int, profile_step: int | None) -> None:
+    """A side's process: ``trainer(gate, *trainer_args)`` loads its model, calls ``gate.begin()`` before its
+    first step and ``gate.step_ended()`` after each; what it returns goes back to the parent with the times."""
+    gate = StepGate(connection, steps, profile_step)
+    try:
+        extra = trainer(gate, *trainer_args)
+        if len(gate.seconds) < steps:
+            raise RuntimeError(f"it ran {len(gate.seconds)} steps, not {steps}")
+        connection.send(("done", SideResult(gate.seconds, gate.usage, gate.profile, extra)))
+    except BaseException:  # noqa: BLE001  (reported to the parent, which raises it)
+        connection.send(("error", traceback.format_exc()))
+
+
+class SideResult:
+    """What one side's process measured: each step's seconds, (usage at its start, at its end), the profiled
+    step's :class:`StepProfile` (None without one) and what its trainer returned."""
+
+    def __init__(self, seconds: list[float], usage: list, profile: StepProfile | None, extra):
+        self.seconds, self.usage, self.profile, self.extra = seconds, usage, profile, extra
+
+
+def run_in_turns(
+    trainers: dict[str, tuple[Callable, tuple]],
+    steps: int,
+    interleaved: bool = True,
+    profile_step: int | None = None,
+) -> tuple[dict[str, SideResult], list[str]]:
+    """Run each side's trainer in a process of its own (spawned: a fresh interpreter, its own malloc heap, as a
+    user runs one trainer), one step at a time: ``interleaved``, the turn passes after every step (ours, TRL,
+    ours, ...), so that a drift in the machine's speed over minutes (the hypervisor's share of the cores, see
+    :func:`cpu_ticks`) falls on both sides alike; otherwise a side runs all its steps before the next starts.
+    Every side loads before the first step runs, and only the side whose turn it is computes.
+
+    ``trainers`` maps a side's name to (a module-level function ``trainer(gate, *args)``, its ``args``); each
+    runs ``steps`` steps. Returns each side's :class:`SideResult` and the order in which the steps ran. A side
+    that fails or dies stops the run with an error naming it.
+    """
+    context = multiprocessing.get_context("spawn")
+    links, processes = {}, {}
+    for side, (trainer, trainer_args) in trainers.items():
+        parent_end, child_end = context.Pipe()
+        process = context.Process(
+            target=_run_side, args=(child_end, trainer, trainer_args, steps, profile_step), name=f"bench-{side}"
+        )
+        process.start()
+        child_end.close()
+        links[side], processes[side] = parent_end, process
+
+    def died(side: str) -> RuntimeError:
+        processes[side].join(5)
+        return RuntimeError(
+            f"the {side} side's process ended without a word (exit code {processes[side].exitcode}; a kill by "
+            "signal 9, -9, is often the kernel's out-of-memory killer)"
+        )
+
+    def go(side: str) -> None:
+        try:
+            links[side].send("go")
+        except OSError:
+            raise died(side) from None
+
+    def receive(side: str, expected: str):
+        try:
+            message = links[side].recv()
+        except (EOFError, OSError):
+            raise died(side) from None
+        if message[0] == "error":
+            raise RuntimeError(f"the {side} side of the benchmark failed:\n{message[1]}")
+        if message[0] != expected:
+            raise RuntimeError(f"the {side} side sent {message[0]!r} where {expected!r} was due")
+        return message
+
+    results: dict[str, SideResult] = {}
+    order: list[str] = []
+    try:
+        for side in trainers:
+            receive(side, "ready")
+        pending = {side: steps for side in trainers}
+        while pending:
+            for side in list(pending):
+                for _ in range(1 if interleaved else pending[side]):
+                    go(side)
+                    receive(side, "step")
+                    order.append(side)
+                    pending[side] -= 1
+                if not pending[side]:
+                    del pending[side]
+                    results[side] = receive(side, "done")[1]
+        for process in processes.values():
+            process.join()
+    finally:
+        for process in processes.values():
+            if process.is_alive():
+                process.terminate()
+                process.join()
+    return results, order

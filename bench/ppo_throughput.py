@@ -55,6 +55,8 @@ from common import (
     render_report,
     render_table,
     seed_everything,
+    steal_note,
+    timed_spans,
     trl_cpu_arguments,
     usage_now,
 )  # noqa: E402
@@ -456,6 +458,9 @@ def main(argv=None) -> None:
             for key, rows_ in results.items()
         )
     )
+    steal_line = steal_note(
+        {key: timed_spans([r["usage"] for r in rows_], args.updates) for key, rows_ in results.items()}
+    )
     model_name = MODEL_NAMES[args.model]
     notes = [
         f"workload: {args.batch} episodes/update, query {args.query_tokens} tokens (fixed-seed random ids, no "
@@ -490,6 +495,7 @@ def main(argv=None) -> None:
         "median s/update; vs TRL at equal GFLOP/s = TRL's FLOPs / the side's: the speed ratio if both sides ran "
         "their matrix products at one rate, which only fewer FLOPs per update can raise.",
         usage_line,
+        steal_line,
     ]
     if "lora" in results:
         notes.append(

@@ -15,18 +15,20 @@ CPU, for 1 warmup step + ``--steps`` timed steps each:
 Usage::
 
     .venv/bin/python bench/reward_throughput.py [--model smollm2|smollm2-random|tiny] [--tiny] [--steps 6]
-        [--profile] [--cpu-numerics portable|compatible|native] [--markdown] [--output FILE]
+        [--profile] [--order interleaved|sequential] [--cpu-numerics portable|compatible|native] [--markdown]
+        [--output FILE]
 
 ``--profile`` adds one more step per side under torch's profiler and a table of where its time goes.
+Each side runs in a process of its own, as a user runs one trainer. ``--order interleaved`` (the default) runs
+their steps in turn, one each, so a drift in the machine's speed over minutes falls on both; ``--order
+sequential`` runs all of ours, then TRL's.
 """
 
 from __future__ import annotations
 
-import gc
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,18 +37,18 @@ import torch  # noqa: E402
 from common import (
     MODEL_NAMES,
     PROFILE_HEADERS,
-    StepProfile,
+    StepGate,
     benchmark_parser,
     emit,
     environment_lines,
-    per_timed_step,
+    median_usage,
     prepare,
     random_token_ids,
     render_report,
     render_table,
-    seed_everything,
+    run_in_turns,
+    steal_note,
     trl_cpu_arguments,
-    usage_now,
 )  # noqa: E402
 
 
@@ -58,59 +60,38 @@ def make_data(tokenizer, num_pairs: int, prompt_tokens: int, response_tokens: in
     return prompts, chosen, rejected
 
 
-def step_ended(args, steps_done: int, side: str) -> None:
-    """Called as each step of ``side`` ends (``steps_done`` counts them): note the process's page faults
-    and system time so far, and profile around the extra step."""
-    args.counters.setdefault(side, []).append(usage_now())
-    profile_around_extra_step(args, steps_done, side)
-
-
-def profile_around_extra_step(args, steps_done: int, side: str) -> None:
-    """With ``--profile``, profile the one step after the warm-up and timed ones (``steps_done`` counts
-    the steps ended so far); its time is not among the timed steps'."""
-    if not args.profile:
-        return
-    if steps_done == args.steps + 1:
-        args.profiles[side] = StepProfile()
-        args.profiles[side].start()
-    elif steps_done == args.steps + 2:
-        args.profiles[side].stop()
-
-
 # --------------------------------------------------------------------------------------------
-def run_ours(model_dir: Path, tokenizer, data, args) -> list[float]:
-    """Per-step wall times (seconds) of the project's reward training, warmup step included."""
+# Each side runs in a process of its own (common.run_in_turns): these load it there and train it, one step a turn.
+def train_ours(gate: StepGate, data, args) -> None:
+    """The project's reward training (``train_reward_model``), one step a turn."""
     from rlhf_pipeline.params.reward import RewardTrainParams
     from rlhf_pipeline.reward.adoption import reward_model_on_base
     from rlhf_pipeline.reward.training import Labels, train_reward_model
 
+    model_dir, tokenizer = prepare(args)
     prompts, chosen, rejected = data
-    seed_everything(args.seed)
     model = reward_model_on_base(model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed))
     samples = torch.stack([chosen, rejected], dim=1)  # (B, 2, R): index 0 is the preferred one
     best = torch.zeros(len(prompts), dtype=torch.long)
-    stamps: list[float] = []
-
-    def step_end(record) -> None:
-        stamps.append(time.perf_counter())
-        step_ended(args, len(stamps), "ours")
-
-    start = time.perf_counter()
     cfg = RewardTrainParams(lr=args.lr, batch_size=args.batch_pairs, microbatch_size=args.batch_pairs)
+    gate.begin()
     train_reward_model(
-        model, Labels(prompts, samples, best), cfg, torch.Generator().manual_seed(args.seed), log=step_end
+        model,
+        Labels(prompts, samples, best),
+        cfg,
+        torch.Generator().manual_seed(args.seed),
+        log=lambda record: gate.step_ended(),
     )
-    del model
-    gc.collect()
-    return [b - a for a, b in zip([start, *stamps[:-1]], stamps)]
 
 
-def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
-    """Per-step wall times (seconds) of TRL's RewardTrainer, warmup step included."""
+def train_trl(gate: StepGate, data, args) -> str:
+    """TRL's RewardTrainer, one step a turn; returns its optimizer's name. Its set-up inside ``train()``
+    (optimizer, data loader) is not timed: the clock starts again at ``on_train_begin``."""
     from datasets import Dataset
     from transformers import AutoModelForSequenceClassification, TrainerCallback
     from trl import RewardConfig, RewardTrainer
 
+    model_dir, tokenizer = prepare(args)
     prompts, chosen, rejected = data
     dataset = Dataset.from_dict(
         {
@@ -118,29 +99,22 @@ def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
             "rejected_ids": torch.cat([prompts, rejected], 1).tolist(),
         }
     )
-    seed_everything(args.seed)
     model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
 
     class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.stamps: list[float] = []
-            self.start = None
-
         def on_train_begin(self, *a, **k):
-            self.start = time.perf_counter()
+            gate.restart_clock()
 
         def on_step_end(self, *a, **k):
-            self.stamps.append(time.perf_counter())
-            step_ended(args, len(self.stamps), "trl")
+            gate.step_ended()
 
-    timer = StepTimer()
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out_dir:
         config = RewardConfig(
-            output_dir=out,
+            output_dir=out_dir,
             per_device_train_batch_size=args.batch_pairs,
             gradient_accumulation_steps=1,
-            max_steps=args.steps + 1 + args.profile,
+            max_steps=gate.steps,
             learning_rate=args.lr,
             adam_epsilon=1e-5,
             weight_decay=0.0,
@@ -150,16 +124,28 @@ def run_trl(model_dir: Path, tokenizer, data, args) -> list[float]:
             **trl_cpu_arguments(args.seed),
         )
         trainer = RewardTrainer(
-            model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[timer]
+            model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()]
         )
+        gate.begin()
         trainer.train()
-        optimizer_name = type(
-            trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
-        ).__name__
-        args.trl_optimizer = f"{optimizer_name} ({config.optim})"
-    del trainer, model
-    gc.collect()
-    return [b - a for a, b in zip([timer.start, *timer.stamps[:-1]], timer.stamps)]
+    optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    return f"{type(optimizer).__name__} ({config.optim})"
+
+
+def order_note(order: str, seconds: dict[str, list[float]], steps: int) -> str:
+    """How the two sides' steps were taken, and with ``interleaved`` the ratio of each step pair run back to
+    back (TRL's k-th timed step over ours): the measure a drift over minutes cannot move."""
+    where = "each side in a process of its own (spawned), both loaded before the first step"
+    if order == "sequential":
+        return f"order: sequential, all of ours and then all of TRL's; {where}."
+    text = f"order: interleaved, one step of ours and then one of TRL's, in turn; {where}"
+    if len(seconds) < 2:
+        return text + "."
+    pairs = sorted(b / a for a, b in zip(seconds["ours"][1 : steps + 1], seconds["trl"][1 : steps + 1]))
+    return text + (
+        f"; TRL's step over ours, pair by pair: median {statistics.median(pairs):.2f}x, "
+        f"from {pairs[0]:.2f}x to {pairs[-1]:.2f}x over {len(pairs)} pairs."
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,25 +164,38 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--only", choices=["ours", "trl"], help="run one side only (debugging)")
     parser.add_argument(
+        "--order",
+        choices=["interleaved", "sequential"],
+        default="interleaved",
+        help="interleaved (the default): the sides take turns a step at a time, so that the machine's drift over "
+        "minutes falls on both alike; sequential: all of ours, then all of TRL's",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="run one more step per side under torch's profiler and add a table of where its time goes "
         "(matrix products, attention, optimizer step, other), the matrix products' GFLOP/s and the largest other ops",
     )
     args = parser.parse_args(argv)
-    args.profiles, args.counters = {}, {}
 
     model_dir, tokenizer = prepare(args)
     num_pairs = args.batch_pairs * (args.steps + 1 + args.profile)
     data = make_data(tokenizer, num_pairs, args.prompt_tokens, args.response_tokens, args.seed)
 
-    results: dict[str, list[float]] = {}
-    runners = {"ours": run_ours, "trl": run_trl}
-    for name in ("ours", "trl"):
-        if args.only and name != args.only:
-            continue
-        print(f"[reward_throughput] running {name} ...", file=sys.stderr, flush=True)
-        results[name] = runners[name](model_dir, tokenizer, data, args)
+    sides = [name for name in ("ours", "trl") if not args.only or name == args.only]
+    print(f"[reward_throughput] loading {', '.join(sides)}, then steps {args.order}", file=sys.stderr, flush=True)
+    trainers = {"ours": train_ours, "trl": train_trl}
+    measured, _order = run_in_turns(
+        {name: (trainers[name], (data, args)) for name in sides},
+        steps=args.steps + 1 + args.profile,
+        interleaved=args.order == "interleaved",
+        profile_step=args.steps + 2 if args.profile else None,
+    )
+    results = {name: side.seconds for name, side in measured.items()}
+    profiles = {name: side.profile for name, side in measured.items() if side.profile is not None}
+    timed_usage = {name: side.usage[1 : args.steps + 1] for name, side in measured.items()}
+    trl_optimizer = measured["trl"].extra if "trl" in measured else "n/a"
+    for name in sides:
         print(
             f"[reward_throughput] {name} step times: {[round(t, 3) for t in results[name]]}",
             file=sys.stderr,
@@ -250,23 +249,25 @@ def main(argv=None) -> None:
         f"({args.batch_pairs}x{args.prompt_tokens + 2 * args.response_tokens} tokens, block attention mask).",
         "TRL: pre-tokenised chosen_ids/rejected_ids = prompt + response "
         f"({2 * args.batch_pairs}x{args.prompt_tokens + args.response_tokens} tokens per step), optimizer "
-        f"{getattr(args, 'trl_optimizer', 'n/a')}, "
-        "no eval/logging/saving/gradient checkpointing, report_to none, use_cpu, dataloader workers 0; step time = "
-        "interval between on_step_end callbacks.",
+        f"{trl_optimizer}, "
+        "no eval/logging/saving/gradient checkpointing, report_to none, use_cpu, dataloader workers 0; a step's time "
+        "runs from its turn's start (TRL's first: on_train_begin) to its on_step_end callback.",
+        order_note(args.order, results, args.steps),
         "speed vs TRL = TRL seconds/step / implementation seconds/step (>1 means faster than TRL), from the mean "
         "and from the median of the timed steps.",
         "page faults a timed step (median; minor faults, and the system time the process spent, on its threads "
         "together): "
         + "; ".join(
             "{}: {:.0f} faults, {:.2f} s, kept memory given back {} times over the timed steps".format(
-                name, *per_timed_step(args.counters[name], args.steps)
+                name, *median_usage(timed_usage[name])
             )
             for name in results
         )
         + " (the memory line above says what malloc keeps and when it gives it back).",
+        steal_note(timed_usage),
     ]
-    if args.profiles:
-        profile_rows = [[labels[name].split(" (")[0], *args.profiles[name].row()] for name in args.profiles]
+    if profiles:
+        profile_rows = [[labels[name].split(" (")[0], *profiles[name].row()] for name in profiles]
         table += "\n\nWhere one more step's time goes (torch profiler, self CPU time):\n\n" + render_table(
             ["implementation", *PROFILE_HEADERS], profile_rows, args.markdown
         )
@@ -280,12 +281,11 @@ def main(argv=None) -> None:
             "those ops over their self time."
         )
         notes += [
-            f"largest other ops (calls, input shapes), {name}: {args.profiles[name].other_summary()}"
-            for name in args.profiles
+            f"largest other ops (calls, input shapes), {name}: {profiles[name].other_summary()}" for name in profiles
         ]
         notes.append(
             "the profiler's own cost: the profiled step against the timed steps' median, "
-            + "; ".join(f"{name} {args.profiles[name].wall:.2f} s against {med[name]:.2f} s" for name in args.profiles)
+            + "; ".join(f"{name} {profile.wall:.2f} s against {med[name]:.2f} s" for name, profile in profiles.items())
             + " (where the two differ, the profiler has slowed the ops it timed, and their times above are inflated)"
         )
     emit(

@@ -2,11 +2,15 @@
 and the step profile's operator groups (bench/common.py), the comparison of two ``dvc.lock`` files
 (bench/lock_diff.py), the evaluation's variance components (bench/probe_eval_variance.py), the
 logs of experiments run outside the queue (bench/experiments.py), the reward bench's page faults
-a step (bench/reward_throughput.py) and the malloc trace's windows (bench/probe_malloc_trace.py)."""
+a step (bench/reward_throughput.py), the malloc trace's windows (bench/probe_malloc_trace.py) and the
+turns two trainers' steps take (bench/common.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +25,14 @@ import lock_diff  # noqa: E402
 from common import (  # noqa: E402
     PROFILE_HEADERS,
     StepProfile,
+    cpu_ticks,
     grouped_query_attention_formulas,
+    median_usage,
     op_group,
     per_timed_step,
+    run_in_turns,
+    steal_note,
+    steal_share,
 )
 from experiments import experiment_logs  # noqa: E402
 from probe_eval_variance import standard_error, variance_components  # noqa: E402
@@ -150,3 +159,97 @@ def test_the_malloc_trace_sums_faults_and_spans_memory_over_each_window():
     assert rows[0][1:] == ["1.00 to 2.00", "0.50 to 1.50", "1.00 to 2.00", "300", "0"]
     # the second window's faults count from the first window's last reading
     assert rows[1][1:] == ["1.00 to 3.00", "0.10 to 0.20", "3.00 to 3.00", "1,100", "2"]
+
+
+def fake_trainer(gate, seconds: float, matrix: int = 0, steps: int | None = None, then: str = "") -> str:
+    """A side for run_in_turns, in its own process: each step sleeps ``seconds`` (and multiplies two
+    ``matrix``-square matrices), for ``steps`` steps (the gate's count by default); ``then`` "raise" or "die"
+    ends it so after its first step."""
+    gate.begin()
+    for _ in range(gate.steps if steps is None else steps):
+        time.sleep(seconds)
+        if matrix:
+            torch.ones(matrix, matrix) @ torch.ones(matrix, matrix)
+        gate.step_ended()
+        if then == "raise":
+            raise ValueError("out of data")
+        if then == "die":
+            os.kill(os.getpid(), 9)
+    return f"slept {seconds}"
+
+
+def test_interleaved_sides_alternate_steps_each_in_its_own_process_and_time_each_step_alone():
+    """ours, trl, ours, trl, ...: a step's time is its own, not the other side's sleep between its steps;
+    what a trainer returns comes back with its times."""
+    results, order = run_in_turns({"ours": (fake_trainer, (0.01,)), "trl": (fake_trainer, (0.12,))}, steps=4)
+    assert order == ["ours", "trl"] * 4
+    assert all(0.01 <= s < 0.1 for s in results["ours"].seconds), results["ours"].seconds
+    assert all(s >= 0.12 for s in results["trl"].seconds)
+    assert results["trl"].extra == "slept 0.12" and results["ours"].profile is None
+    faults, system, given_back = median_usage(results["ours"].usage)
+    assert faults >= 0 and system >= 0 and given_back == 0
+
+
+def test_sequential_sides_run_one_to_its_end_then_the_other():
+    _, order = run_in_turns({"ours": (fake_trainer, (0.0,)), "trl": (fake_trainer, (0.0,))}, steps=3, interleaved=False)
+    assert order == ["ours"] * 3 + ["trl"] * 3
+
+
+@pytest.mark.parametrize(
+    "then, error",
+    [
+        ("raise", "the trl side of the benchmark failed:(.|\n)*ValueError: out of data"),
+        ("die", "the trl side's process ended without a word \\(exit code -9"),
+    ],
+)
+def test_a_side_that_fails_or_dies_stops_the_run_naming_it(then, error):
+    with pytest.raises(RuntimeError, match=error):
+        run_in_turns({"ours": (fake_trainer, (0.0,)), "trl": (fake_trainer, (0.0, 0, None, then))}, steps=3)
+
+
+def test_a_trainer_that_stops_short_of_its_steps_is_an_error():
+    with pytest.raises(RuntimeError, match="it ran 2 steps, not 3"):
+        run_in_turns({"ours": (fake_trainer, (0.0, 0, 2))}, steps=3)
+
+
+def test_the_profiled_step_is_the_one_numbered():
+    """profile_step counts from 1; the profile (of that step's products only) comes back from each process."""
+    results, _ = run_in_turns(
+        {"small": (fake_trainer, (0.0, 16)), "large": (fake_trainer, (0.0, 64))}, steps=3, profile_step=2
+    )
+    assert results["small"].profile.matmul_flops == 2 * 16**3
+    assert results["large"].profile.matmul_flops == 2 * 64**3
+
+
+def test_the_reward_bench_takes_turns_with_trl_s_trainer_end_to_end(tmp_path):
+    """The reward bench on the tiny model, as `make bench` runs it but for two timed steps: both sides' steps
+    ran in turn (TRL's through its callbacks, its max_steps the turns' count) and the report says so."""
+    report = tmp_path / "reward.md"
+    env = {**os.environ, "RLHF_BENCH_CACHE": str(tmp_path / "cache")}
+    bench = Path(__file__).resolve().parents[1] / "bench" / "reward_throughput.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--tiny", "--steps", "2", "--markdown", "--output", str(report)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = report.read_text()
+    assert "| rlhf_pipeline train_reward_model" in text and "| TRL 1.12 RewardTrainer" in text
+    assert "order: interleaved" in text and "in a process of its own" in text and "over 2 pairs" in text
+    times = [line for line in done.stderr.splitlines() if "step times" in line]
+    assert len(times) == 2 and all(line.count(",") == 2 for line in times), times  # 3 steps a side
+
+
+def test_the_hypervisor_s_steal_is_its_share_of_the_cpu_time_over_the_timed_steps():
+    """usage_now() tuples end with the machine's stolen and total CPU ticks; the share sums the spans."""
+    spans = [((0, 0.0, 0, 100, 1000), (5, 0.1, 0, 130, 1200)), ((5, 0.1, 0, 200, 2000), (9, 0.2, 0, 250, 2300))]
+    assert steal_share(spans) == pytest.approx(80 / 500)
+    assert "ours 16%; trl n/a" in steal_note({"ours": spans, "trl": [((0, 0, 0, 0, 0), (0, 0, 0, 0, 0))]})
+    assert "not counted" in steal_note({"ours": [((0, 0, 0, 0, 0), (0, 0, 0, 0, 0))]})
+    first = cpu_ticks()
+    time.sleep(0.05)
+    second = cpu_ticks()
+    if Path("/proc/stat").is_file():
+        assert 0 <= first[0] <= second[0] <= second[1] and first[1] < second[1]
