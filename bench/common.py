@@ -556,10 +556,12 @@ def run_in_turns(
     profile_step: int | None = None,
 ) -> tuple[dict[str, SideResult], list[str]]:
     """Run each side's trainer in a process of its own (spawned: a fresh interpreter, its own malloc heap, as a
-    user runs one trainer), one step at a time: ``interleaved``, the turn passes after every step (ours, TRL,
-    ours, ...), so that a drift in the machine's speed over minutes (the hypervisor's share of the cores, see
-    :func:`cpu_ticks`) falls on both sides alike; otherwise a side runs all its steps before the next starts.
-    Every side loads before the first step runs, and only the side whose turn it is computes.
+    user runs one trainer), one step at a time.
+
+    ``interleaved``: every side loads first, then the turn passes after every step (ours, TRL, ours, ...), so
+    that a drift in the machine's speed over minutes (the hypervisor's share of the cores, see :func:`cpu_ticks`)
+    falls on all sides alike; only the side whose turn it is computes. Otherwise each side's process starts
+    when the one before it has ended, and runs all its steps: one side after the other, each alone in memory.
 
     ``trainers`` maps a side's name to (a module-level function ``trainer(gate, *args)``, its ``args``); each
     runs ``steps`` steps. Returns each side's :class:`SideResult` and the order in which the steps ran. A side
@@ -567,7 +569,11 @@ def run_in_turns(
     """
     context = multiprocessing.get_context("spawn")
     links, processes = {}, {}
-    for side, (trainer, trainer_args) in trainers.items():
+    results: dict[str, SideResult] = {}
+    order: list[str] = []
+
+    def start(side: str) -> None:
+        trainer, trainer_args = trainers[side]
         parent_end, child_end = context.Pipe()
         process = context.Process(
             target=_run_side, args=(child_end, trainer, trainer_args, steps, profile_step), name=f"bench-{side}"
@@ -583,12 +589,6 @@ def run_in_turns(
             "signal 9, -9, is often the kernel's out-of-memory killer)"
         )
 
-    def go(side: str) -> None:
-        try:
-            links[side].send("go")
-        except OSError:
-            raise died(side) from None
-
     def receive(side: str, expected: str):
         try:
             message = links[side].recv()
@@ -600,24 +600,36 @@ def run_in_turns(
             raise RuntimeError(f"the {side} side sent {message[0]!r} where {expected!r} was due")
         return message
 
-    results: dict[str, SideResult] = {}
-    order: list[str] = []
+    def step(side: str) -> None:
+        try:
+            links[side].send("go")
+        except OSError:
+            raise died(side) from None
+        receive(side, "step")
+        order.append(side)
+
+    def finish(side: str) -> None:
+        results[side] = receive(side, "done")[1]
+        processes[side].join()
+
     try:
-        for side in trainers:
-            receive(side, "ready")
-        pending = {side: steps for side in trainers}
-        while pending:
-            for side in list(pending):
-                for _ in range(1 if interleaved else pending[side]):
-                    go(side)
-                    receive(side, "step")
-                    order.append(side)
-                    pending[side] -= 1
-                if not pending[side]:
-                    del pending[side]
-                    results[side] = receive(side, "done")[1]
-        for process in processes.values():
-            process.join()
+        if interleaved:
+            for side in trainers:
+                start(side)
+            for side in trainers:
+                receive(side, "ready")
+            for _ in range(steps):
+                for side in trainers:
+                    step(side)
+            for side in trainers:
+                finish(side)
+        else:
+            for side in trainers:
+                start(side)
+                receive(side, "ready")
+                for _ in range(steps):
+                    step(side)
+                finish(side)
     finally:
         for process in processes.values():
             if process.is_alive():

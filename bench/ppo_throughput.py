@@ -24,10 +24,15 @@ time/reference (+ value forward when separate), time/scoring, time/training); TR
 ``batch_generation``, ``forward`` (no-grad = reference) and ``get_reward`` (value / reward model)
 in the ppo_trainer module namespace, and ``accelerator.backward`` / ``optimizer.step``.
 
+Each side runs in a process of its own (spawned), as a user runs one trainer, so no side inherits another's
+malloc heap: before 2026-11-30 all sides ran in one process, and TRL's, running last, refaulted pages the others
+had left (5.4 M an update once). ``--order sequential`` (the default) runs one side's process at a time;
+``--order interleaved`` loads every side, then passes the turn after every update.
+
 Usage::
 
     .venv/bin/python bench/ppo_throughput.py [--model smollm2|smollm2-random|tiny] [--tiny] [--updates 2]
-        [--markdown] [--output FILE]
+        [--order sequential|interleaved] [--markdown] [--output FILE]
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import torch  # noqa: E402
 from common import (
     MODEL_NAMES,
     MatmulFlops,
+    StepGate,
     benchmark_parser,
     emit,
     environment_lines,
@@ -54,9 +60,9 @@ from common import (
     random_token_ids,
     render_report,
     render_table,
+    run_in_turns,
     seed_everything,
     steal_note,
-    timed_spans,
     trl_cpu_arguments,
     usage_now,
 )  # noqa: E402
@@ -68,7 +74,14 @@ PHASES = ["generation", "ref_value", "reward", "train", "other"]
 # ours
 # --------------------------------------------------------------------------------------------
 def run_ours(
-    model_dir: Path, tokenizer, queries: torch.Tensor, args, value_model: str, profiler=None, lora_rank: int = 0
+    gate: StepGate,
+    model_dir: Path,
+    tokenizer,
+    queries: torch.Tensor,
+    args,
+    value_model: str,
+    profiler=None,
+    lora_rank: int = 0,
 ) -> list[dict]:
     """Per-update phase times (seconds) of the project's PPOTrainer, warmup update included; the first
     record also holds the peak GPU memory (``peak_bytes``, None on the CPU). ``lora_rank`` > 0: a LoRA
@@ -143,6 +156,7 @@ def run_ours(
             flops.stop()
             if profiler is not None:
                 profiler.start()
+        gate.step_ended()  # the trainer's update clock stopped before this call and starts after it
 
     trainer = PPOTrainer(
         policy,
@@ -157,6 +171,7 @@ def run_ours(
         log=log,
         autocast=plan.autocast if plan.autocast_dtype else None,
     )
+    gate.begin()
     flops.start()
     try:
         trainer.train(progress=False)
@@ -206,7 +221,7 @@ class PhaseClock:
         return snapshot
 
 
-def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=None) -> list[dict]:
+def run_trl(gate: StepGate, model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=None) -> list[dict]:
     """Per-update phase times (seconds) of TRL's PPOTrainer, warmup update included; the first record also
     holds the warm-up update's matrix-product FLOPs (``flops``)."""
     from datasets import Dataset
@@ -246,6 +261,7 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
         last = None
 
         def on_train_begin(self, *a, **k):
+            gate.restart_clock()
             flops.start()
             self.last = time.perf_counter()
 
@@ -260,6 +276,7 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
                 flops.stop()
                 if profiler is not None:
                     profiler.start()
+            gate.step_ended()  # the wait for the next turn is not in the next update's time
             self.last = time.perf_counter()
 
     ga = args.batch // args.microbatch
@@ -298,6 +315,7 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
             accelerator.backward = clock.wrap(accelerator.backward, lambda *a, **k: "train")
             optimizer.step = clock.wrap(optimizer.step, lambda *a, **k: "train")
             args.trl_optimizer = f"{type(getattr(optimizer, 'optimizer', optimizer)).__name__} ({config.optim})"
+            gate.begin()
             trainer.train()
             if profiler is not None:
                 profiler.stop()
@@ -306,9 +324,40 @@ def run_trl(model_dir: Path, tokenizer, queries: torch.Tensor, args, profiler=No
         for name, fn in originals.items():
             setattr(trl_ppo, name, fn)
     updates[0]["flops"] = flops.total
+    updates[0]["trl_optimizer"] = args.trl_optimizer
     del trainer, policy, ref_model, reward_model, value_model
     gc.collect()
     return updates
+
+
+# --------------------------------------------------------------------------------------------
+# Each side runs in a process of its own (common.run_in_turns): these load it there and train it, one update a turn.
+def side_ours(gate: StepGate, queries: torch.Tensor, args, value_model: str, lora_rank: int = 0) -> dict:
+    """This project's PPOTrainer in this process: its update records, and with ``--profile`` the op table."""
+    model_dir, tokenizer = prepare(args)
+    profiler = new_profiler(args)
+    records = run_ours(gate, model_dir, tokenizer, queries, args, value_model, profiler, lora_rank)
+    return {"records": records, "ops": op_table(profiler, args)}
+
+
+def side_trl(gate: StepGate, queries: torch.Tensor, args) -> dict:
+    """TRL's PPOTrainer in this process: its update records, and with ``--profile`` the op table."""
+    model_dir, tokenizer = prepare(args)
+    profiler = new_profiler(args)
+    records = run_trl(gate, model_dir, tokenizer, queries, args, profiler)
+    return {"records": records, "ops": op_table(profiler, args)}
+
+
+def new_profiler(args):
+    """With ``--profile``, a not-yet-started CPU profiler for the timed updates; else None."""
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
+
+
+def op_table(profiler, args) -> str | None:
+    """The profiler's top ops by self CPU time (it cannot leave the process, its table can)."""
+    if profiler is None:
+        return None
+    return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
 
 
 def peak_cell(results: dict[str, list[dict]], key: str) -> str:
@@ -359,6 +408,15 @@ def main(argv=None) -> None:
         "timings then include profiler overhead",
     )
     parser.add_argument("--profile-rows", type=int, default=30, help="rows of the --profile op table")
+    parser.add_argument(
+        "--order",
+        choices=["sequential", "interleaved"],
+        default="sequential",
+        help="sequential (the default): each side's process runs all its updates, then the next side's starts, so "
+        "one side's models are in memory at a time; interleaved: every side loads, then they take turns an update "
+        "at a time, so the machine's drift falls on all alike (needs the memory of all sides at once: about 20 GB "
+        "for shared, separate and TRL on SmolLM2)",
+    )
     args = parser.parse_args(argv)
     if args.batch % args.microbatch:
         parser.error("--microbatch must divide --batch")
@@ -370,41 +428,32 @@ def main(argv=None) -> None:
         tokenizer, (args.batch * (args.updates + 1), args.query_tokens), torch.Generator().manual_seed(args.seed)
     )
 
-    profiles: dict[str, object] = {}
-
-    def profiled(key: str, run):
-        if args.profile:
-            profiles[key] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        return run(profiles.get(key))
-
     sides = {
         "shared": (
             "rlhf_pipeline PPOTrainer, value_model shared (reference)",
-            lambda: profiled("shared", lambda prof: run_ours(model_dir, tokenizer, queries, args, "shared", prof)),
+            (side_ours, (queries, args, "shared")),
         ),
         "lora": (
             f"rlhf_pipeline PPOTrainer, value_model shared, LoRA rank {args.lora_rank}",
-            lambda: profiled(
-                "lora", lambda prof: run_ours(model_dir, tokenizer, queries, args, "shared", prof, args.lora_rank)
-            ),
+            (side_ours, (queries, args, "shared", args.lora_rank)),
         ),
         "separate": (
             "rlhf_pipeline PPOTrainer, value_model separate (TRL-like)",
-            lambda: profiled("separate", lambda prof: run_ours(model_dir, tokenizer, queries, args, "separate", prof)),
+            (side_ours, (queries, args, "separate")),
         ),
-        "trl": (
-            "TRL 1.12 experimental PPOTrainer",
-            lambda: profiled("trl", lambda prof: run_trl(model_dir, tokenizer, queries, args, prof)),
-        ),
+        "trl": ("TRL 1.12 experimental PPOTrainer", (side_trl, (queries, args))),
     }
-    results: dict[str, list[dict]] = {}
-    for key, (_label, run) in sides.items():
-        if (args.only and key not in args.only) or (key == "lora" and not args.only):
-            continue
-        print(f"[ppo_throughput] running {key} ...", file=sys.stderr, flush=True)
-        results[key] = run()
+    chosen = [key for key in sides if (not args.only and key != "lora") or (args.only and key in args.only)]
+    print(f"[ppo_throughput] {', '.join(chosen)}, {args.order}, each in a process of its own", file=sys.stderr)
+    measured, _order = run_in_turns(
+        {key: sides[key][1] for key in chosen}, steps=args.updates + 1, interleaved=args.order == "interleaved"
+    )
+    results: dict[str, list[dict]] = {key: side.extra["records"] for key, side in measured.items()}
+    profiles = {key: side.extra["ops"] for key, side in measured.items() if side.extra["ops"] is not None}
+    trl_optimizer = results["trl"][0]["trl_optimizer"] if "trl" in results else "n/a"
+    for key, records in results.items():
         print(
-            f"[ppo_throughput] {key} update times: {[round(u['update'], 2) for u in results[key]]}",
+            f"[ppo_throughput] {key} update times: {[round(u['update'], 2) for u in records]}",
             file=sys.stderr,
             flush=True,
         )
@@ -458,9 +507,7 @@ def main(argv=None) -> None:
             for key, rows_ in results.items()
         )
     )
-    steal_line = steal_note(
-        {key: timed_spans([r["usage"] for r in rows_], args.updates) for key, rows_ in results.items()}
-    )
+    steal_line = steal_note({key: side.usage[1:] for key, side in measured.items()})
     model_name = MODEL_NAMES[args.model]
     notes = [
         f"workload: {args.batch} episodes/update, query {args.query_tokens} tokens (fixed-seed random ids, no "
@@ -481,7 +528,7 @@ def main(argv=None) -> None:
         f"{args.batch // args.microbatch}, num_mini_batches 1, "
         f"local_rollout_forward_batch_size {args.batch}, stop_token None, missing_eos_penalty None, kl_coef 0.15, "
         "whiten_rewards, optimizer "
-        f"{getattr(args, 'trl_optimizer', 'n/a')}, no gradient checkpointing, report_to none, "
+        f"{trl_optimizer}, no gradient checkpointing, report_to none, "
         "num_sample_generations 0.",
         "phases: generation = sampling; ref+value fwd = frozen reference forward (+ the value model's forward for "
         "separate/TRL); reward = reward-model "
@@ -490,6 +537,12 @@ def main(argv=None) -> None:
         "optimizer.step; other = update time minus those (advantages, loss arithmetic, logging, TRL's "
         "gc.collect/empty_cache).",
         "speed vs TRL = TRL s/update / implementation s/update (>1 means faster than TRL).",
+        f"order: {args.order}; each side in a process of its own (spawned), "
+        + (
+            "all loaded first, then one update of each in turn."
+            if args.order == "interleaved"
+            else "one after the other, each alone in memory."
+        ),
         "matmul GFLOP/update: the warm-up update's matrix products, forward and backward (torch.utils.flop_counter."
         "FlopCounterMode; counting slows the warm-up update, which the ratios do not use); GFLOP/s: those over the "
         "median s/update; vs TRL at equal GFLOP/s = TRL's FLOPs / the side's: the speed ratio if both sides ran "
@@ -509,8 +562,7 @@ def main(argv=None) -> None:
             "profiler overhead."
         )
     report = render_report("PPO throughput", environment_lines(model_name, args.device), table, notes, args.markdown)
-    for key, prof in profiles.items():
-        ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
+    for key, ops in profiles.items():
         heading = f"torch.profiler, {sides[key][0]}: top ops by self CPU time over {args.updates} timed update(s)"
         report += f"\n## {heading}\n\n```\n{ops}\n```\n" if args.markdown else f"\n{heading}\n{ops}\n"
     emit(report, args.output)

@@ -135,10 +135,15 @@ def train_trl(gate: StepGate, data, args) -> str:
 def order_note(order: str, seconds: dict[str, list[float]], steps: int) -> str:
     """How the two sides' steps were taken, and with ``interleaved`` the ratio of each step pair run back to
     back (TRL's k-th timed step over ours): the measure a drift over minutes cannot move."""
-    where = "each side in a process of its own (spawned), both loaded before the first step"
     if order == "sequential":
-        return f"order: sequential, all of ours and then all of TRL's; {where}."
-    text = f"order: interleaved, one step of ours and then one of TRL's, in turn; {where}"
+        return (
+            "order: sequential, all of ours and then all of TRL's; each side in a process of its own (spawned), "
+            "one after the other, each alone in memory."
+        )
+    text = (
+        "order: interleaved, one step of ours and then one of TRL's, in turn; each side in a process of its own "
+        "(spawned), both loaded before the first step"
+    )
     if len(seconds) < 2:
         return text + "."
     pairs = sorted(b / a for a, b in zip(seconds["ours"][1 : steps + 1], seconds["trl"][1 : steps + 1]))

@@ -2,8 +2,9 @@
 and the step profile's operator groups (bench/common.py), the comparison of two ``dvc.lock`` files
 (bench/lock_diff.py), the evaluation's variance components (bench/probe_eval_variance.py), the
 logs of experiments run outside the queue (bench/experiments.py), the reward bench's page faults
-a step (bench/reward_throughput.py), the malloc trace's windows (bench/probe_malloc_trace.py) and the
-turns two trainers' steps take (bench/common.py)."""
+a step (bench/reward_throughput.py), the malloc trace's windows (bench/probe_malloc_trace.py), the sides'
+processes taking turns and the hypervisor's steal (bench/common.py), and both throughput benches end to end
+on the tiny model."""
 
 from __future__ import annotations
 
@@ -221,24 +222,43 @@ def test_the_profiled_step_is_the_one_numbered():
     assert results["large"].profile.matmul_flops == 2 * 64**3
 
 
-def test_the_reward_bench_takes_turns_with_trl_s_trainer_end_to_end(tmp_path):
-    """The reward bench on the tiny model, as `make bench` runs it but for two timed steps: both sides' steps
-    ran in turn (TRL's through its callbacks, its max_steps the turns' count) and the report says so."""
-    report = tmp_path / "reward.md"
-    env = {**os.environ, "RLHF_BENCH_CACHE": str(tmp_path / "cache")}
-    bench = Path(__file__).resolve().parents[1] / "bench" / "reward_throughput.py"
+def run_bench(script: str, arguments: list[str], tmp_path: Path) -> tuple[str, str]:
+    """A benchmark script run as `make bench` runs it, its model cached under ``tmp_path``: (report, stderr)."""
+    report = tmp_path / f"{script}.md"
     done = subprocess.run(
-        [sys.executable, str(bench), "--tiny", "--steps", "2", "--markdown", "--output", str(report)],
-        env=env,
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / script), *arguments]
+        + ["--markdown", "--output", str(report)],
+        env={**os.environ, "RLHF_BENCH_CACHE": str(tmp_path / "cache")},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    text = report.read_text()
+    return report.read_text(), done.stderr
+
+
+def test_the_ppo_bench_runs_each_side_in_its_own_process_in_turns(tmp_path):
+    """The PPO bench on the tiny model, two sides interleaved an update at a time: each side's records
+    (phases, FLOPs, faults) come back from its process, and the report names the order and the steal."""
+    text, stderr = run_bench(
+        "ppo_throughput.py",
+        ["--tiny", "--updates", "1", "--batch", "8", "--microbatch", "8", "--only", "shared", "--only", "trl"]
+        + ["--order", "interleaved"],
+        tmp_path,
+    )
+    assert "| rlhf_pipeline PPOTrainer, value_model shared (reference)" in text
+    assert "| TRL 1.12 experimental PPOTrainer" in text and "AdamW" in text
+    assert "order: interleaved; each side in a process of its own" in text and "(steal, /proc/stat)" in text
+    assert len([line for line in stderr.splitlines() if "update times" in line]) == 2
+
+
+def test_the_reward_bench_takes_turns_with_trl_s_trainer_end_to_end(tmp_path):
+    """The reward bench on the tiny model, as `make bench` runs it but for two timed steps: both sides' steps
+    ran in turn (TRL's through its callbacks, its max_steps the turns' count) and the report says so."""
+    text, stderr = run_bench("reward_throughput.py", ["--tiny", "--steps", "2"], tmp_path)
     assert "| rlhf_pipeline train_reward_model" in text and "| TRL 1.12 RewardTrainer" in text
     assert "order: interleaved" in text and "in a process of its own" in text and "over 2 pairs" in text
-    times = [line for line in done.stderr.splitlines() if "step times" in line]
+    times = [line for line in stderr.splitlines() if "step times" in line]
     assert len(times) == 2 and all(line.count(",") == 2 for line in times), times  # 3 steps a side
 
 
