@@ -78,14 +78,14 @@ def steal_share(spans: list[tuple[tuple, tuple]]) -> float | None:
     return steal / total if total else None
 
 
-def steal_note(spans_by_side: dict[str, list[tuple[tuple, tuple]]]) -> str:
-    """The report's line on the CPU time the hypervisor took during each side's timed steps or updates."""
+def steal_note(spans_by_side: dict[str, list[tuple[tuple, tuple]]], unit: str = "steps") -> str:
+    """The report's line on the CPU time the hypervisor took during each side's timed ``unit`` (steps, updates)."""
     shares = {side: steal_share(spans) for side, spans in spans_by_side.items()}
     if all(share is None for share in shares.values()):
         return "CPU time the hypervisor took (steal): not counted on this machine."
     cells = "; ".join(f"{side} {share:.0%}" if share is not None else f"{side} n/a" for side, share in shares.items())
     return (
-        f"CPU time the hypervisor took from this machine while each side's timed steps ran (steal, /proc/stat): "
+        f"CPU time the hypervisor took from this machine while each side's timed {unit} ran (steal, /proc/stat): "
         f"{cells}. Where it is high the host is busy and every step is slower; where the sides differ, so did "
         "their share of the cores."
     )

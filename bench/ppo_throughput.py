@@ -507,7 +507,7 @@ def main(argv=None) -> None:
             for key, rows_ in results.items()
         )
     )
-    steal_line = steal_note({key: side.usage[1:] for key, side in measured.items()})
+    steal_line = steal_note({key: side.usage[1:] for key, side in measured.items()}, "updates")
     model_name = MODEL_NAMES[args.model]
     notes = [
         f"workload: {args.batch} episodes/update, query {args.query_tokens} tokens (fixed-seed random ids, no "

@@ -132,16 +132,18 @@ def train_trl(gate: StepGate, data, args) -> str:
     return f"{type(optimizer).__name__} ({config.optim})"
 
 
-def order_note(order: str, seconds: dict[str, list[float]], steps: int) -> str:
+def order_note(order: str, seconds: dict[str, list[float]], steps: int, first: str) -> str:
     """How the two sides' steps were taken, and with ``interleaved`` the ratio of each step pair run back to
     back (TRL's k-th timed step over ours): the measure a drift over minutes cannot move."""
+    names = {"ours": "ours", "trl": "TRL's"}
+    one, other = (names["trl"], names["ours"]) if first == "trl" else (names["ours"], names["trl"])
     if order == "sequential":
         return (
-            "order: sequential, all of ours and then all of TRL's; each side in a process of its own (spawned), "
+            f"order: sequential, all of {one} and then all of {other}; each side in a process of its own (spawned), "
             "one after the other, each alone in memory."
         )
     text = (
-        "order: interleaved, one step of ours and then one of TRL's, in turn; each side in a process of its own "
+        f"order: interleaved, one step of {one} and then one of {other}, in turn; each side in a process of its own "
         "(spawned), both loaded before the first step"
     )
     if len(seconds) < 2:
@@ -181,13 +183,21 @@ def main(argv=None) -> None:
         help="run one more step per side under torch's profiler and add a table of where its time goes "
         "(matrix products, attention, optimizer step, other), the matrix products' GFLOP/s and the largest other ops",
     )
+    parser.add_argument(
+        "--first",
+        choices=["ours", "trl"],
+        default="ours",
+        help="the side whose step runs first in each turn (interleaved) or which runs first (sequential): a check "
+        "that the position does not move the ratio",
+    )
     args = parser.parse_args(argv)
 
     model_dir, tokenizer = prepare(args)
     num_pairs = args.batch_pairs * (args.steps + 1 + args.profile)
     data = make_data(tokenizer, num_pairs, args.prompt_tokens, args.response_tokens, args.seed)
 
-    sides = [name for name in ("ours", "trl") if not args.only or name == args.only]
+    first = ("trl", "ours") if args.first == "trl" else ("ours", "trl")
+    sides = [name for name in first if not args.only or name == args.only]
     print(f"[reward_throughput] loading {', '.join(sides)}, then steps {args.order}", file=sys.stderr, flush=True)
     trainers = {"ours": train_ours, "trl": train_trl}
     measured, _order = run_in_turns(
@@ -196,9 +206,9 @@ def main(argv=None) -> None:
         interleaved=args.order == "interleaved",
         profile_step=args.steps + 2 if args.profile else None,
     )
-    results = {name: side.seconds for name, side in measured.items()}
-    profiles = {name: side.profile for name, side in measured.items() if side.profile is not None}
-    timed_usage = {name: side.usage[1 : args.steps + 1] for name, side in measured.items()}
+    results = {name: measured[name].seconds for name in ("ours", "trl") if name in measured}  # ours' row first
+    profiles = {name: measured[name].profile for name in results if measured[name].profile is not None}
+    timed_usage = {name: measured[name].usage[1 : args.steps + 1] for name in results}
     trl_optimizer = measured["trl"].extra if "trl" in measured else "n/a"
     for name in sides:
         print(
@@ -257,7 +267,7 @@ def main(argv=None) -> None:
         f"{trl_optimizer}, "
         "no eval/logging/saving/gradient checkpointing, report_to none, use_cpu, dataloader workers 0; a step's time "
         "runs from its turn's start (TRL's first: on_train_begin) to its on_step_end callback.",
-        order_note(args.order, results, args.steps),
+        order_note(args.order, results, args.steps, args.first),
         "speed vs TRL = TRL seconds/step / implementation seconds/step (>1 means faster than TRL), from the mean "
         "and from the median of the timed steps.",
         "page faults a timed step (median; minor faults, and the system time the process spent, on its threads "
