@@ -254,11 +254,11 @@ def test_the_ppo_bench_runs_each_side_in_its_own_process_in_turns(tmp_path):
 
 def test_the_reward_bench_takes_turns_with_trl_s_trainer_end_to_end(tmp_path):
     """The reward bench on the tiny model, as `make bench` runs it but for two timed steps and TRL's side first:
-    both sides' steps ran in turn (TRL's through its callbacks, its max_steps the turns' count), the report
-    says so and still lists ours first."""
+    both sides ran their steps through their callbacks (TRL's max_steps the gate's count), each in its own
+    process, and the report says so and still lists ours first."""
     text, stderr = run_bench("reward_throughput.py", ["--tiny", "--steps", "2", "--first", "trl"], tmp_path)
     assert text.index("| rlhf_pipeline train_reward_model") < text.index("| TRL 1.12 RewardTrainer")  # ours' row first
-    assert "order: interleaved, one step of TRL's and then one of ours" in text and "over 2 pairs" in text
+    assert "order: sequential, all of TRL's and then all of ours; each side in a process of its own" in text
     times = [line for line in stderr.splitlines() if "step times" in line]
     assert len(times) == 2 and all(line.count(",") == 2 for line in times), times  # 3 steps a side
 
