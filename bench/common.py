@@ -9,8 +9,9 @@
 - :func:`environment_lines` / :func:`render_table`: the report header and the result table.
 - :func:`usage_now` / :func:`per_timed_step`: page faults, system time and the bound's give-backs as each
   step or update ends, and their medians over the timed ones.
-- :func:`run_in_turns`: trainers in processes of their own, their steps taken in turn, one at a time, so
-  that the machine's drift falls on all alike; :class:`StepGate` is a trainer's side of it.
+- :func:`run_in_turns`: each trainer in a process of its own, one after the other or a step each in turn;
+  :class:`StepGate` is a trainer's side of it.
+- :func:`steal_note`: the CPU time the hypervisor took while each side ran (``/proc/stat``).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def timed_spans(counters: list[tuple], steps: int) -> list[tuple[tuple, tuple]]:
     return list(zip(counters[:steps], counters[1 : steps + 1]))
 
 
-def median_usage(spans: list[tuple[tuple[int, float, int], tuple[int, float, int]]]) -> tuple[float, float, int]:
+def median_usage(spans: list[tuple[tuple, tuple]]) -> tuple[float, float, int]:
     """The median minor page faults and system seconds of steps given as (:func:`usage_now` as a step began, as
     it ended), and how many times the bound gave freed memory back within them in all."""
     faults = [end[0] - begin[0] for begin, end in spans]
@@ -552,16 +553,18 @@ class SideResult:
 def run_in_turns(
     trainers: dict[str, tuple[Callable, tuple]],
     steps: int,
-    interleaved: bool = True,
+    interleaved: bool = False,
     profile_step: int | None = None,
 ) -> tuple[dict[str, SideResult], list[str]]:
     """Run each side's trainer in a process of its own (spawned: a fresh interpreter, its own malloc heap, as a
     user runs one trainer), one step at a time.
 
-    ``interleaved``: every side loads first, then the turn passes after every step (ours, TRL, ours, ...), so
-    that a drift in the machine's speed over minutes (the hypervisor's share of the cores, see :func:`cpu_ticks`)
-    falls on all sides alike; only the side whose turn it is computes. Otherwise each side's process starts
-    when the one before it has ended, and runs all its steps: one side after the other, each alone in memory.
+    By default each side's process starts when the one before it has ended, and runs all its steps: one side
+    after the other, each alone in memory. ``interleaved``: every side loads first, then the turn passes after
+    every step (ours, TRL, ours, ...), so that a drift in the machine's speed over minutes (the hypervisor's
+    share of the cores, see :func:`cpu_ticks`) falls on all sides alike; only the side whose turn it is computes.
+    It is not neutral: on a 2-core Intel Xeon TRL's reward steps took 6 % longer interleaved with ours than
+    alone (``bench/results/benchmarks.md``, 2026-11-30).
 
     ``trainers`` maps a side's name to (a module-level function ``trainer(gate, *args)``, its ``args``); each
     runs ``steps`` steps. Returns each side's :class:`SideResult` and the order in which the steps ran. A side

@@ -182,7 +182,9 @@ def fake_trainer(gate, seconds: float, matrix: int = 0, steps: int | None = None
 def test_interleaved_sides_alternate_steps_each_in_its_own_process_and_time_each_step_alone():
     """ours, trl, ours, trl, ...: a step's time is its own, not the other side's sleep between its steps;
     what a trainer returns comes back with its times."""
-    results, order = run_in_turns({"ours": (fake_trainer, (0.01,)), "trl": (fake_trainer, (0.12,))}, steps=4)
+    results, order = run_in_turns(
+        {"ours": (fake_trainer, (0.01,)), "trl": (fake_trainer, (0.12,))}, steps=4, interleaved=True
+    )
     assert order == ["ours", "trl"] * 4
     assert all(0.01 <= s < 0.1 for s in results["ours"].seconds), results["ours"].seconds
     assert all(s >= 0.12 for s in results["trl"].seconds)
@@ -191,8 +193,8 @@ def test_interleaved_sides_alternate_steps_each_in_its_own_process_and_time_each
     assert faults >= 0 and system >= 0 and given_back == 0
 
 
-def test_sequential_sides_run_one_to_its_end_then_the_other():
-    _, order = run_in_turns({"ours": (fake_trainer, (0.0,)), "trl": (fake_trainer, (0.0,))}, steps=3, interleaved=False)
+def test_by_default_sides_run_one_to_its_end_then_the_other():
+    _, order = run_in_turns({"ours": (fake_trainer, (0.0,)), "trl": (fake_trainer, (0.0,))}, steps=3)
     assert order == ["ours"] * 3 + ["trl"] * 3
 
 
@@ -205,7 +207,9 @@ def test_sequential_sides_run_one_to_its_end_then_the_other():
 )
 def test_a_side_that_fails_or_dies_stops_the_run_naming_it(then, error):
     with pytest.raises(RuntimeError, match=error):
-        run_in_turns({"ours": (fake_trainer, (0.0,)), "trl": (fake_trainer, (0.0, 0, None, then))}, steps=3)
+        run_in_turns(
+            {"ours": (fake_trainer, (0.0,)), "trl": (fake_trainer, (0.0, 0, None, then))}, steps=3, interleaved=True
+        )
 
 
 def test_a_trainer_that_stops_short_of_its_steps_is_an_error():
@@ -216,7 +220,10 @@ def test_a_trainer_that_stops_short_of_its_steps_is_an_error():
 def test_the_profiled_step_is_the_one_numbered():
     """profile_step counts from 1; the profile (of that step's products only) comes back from each process."""
     results, _ = run_in_turns(
-        {"small": (fake_trainer, (0.0, 16)), "large": (fake_trainer, (0.0, 64))}, steps=3, profile_step=2
+        {"small": (fake_trainer, (0.0, 16)), "large": (fake_trainer, (0.0, 64))},
+        steps=3,
+        profile_step=2,
+        interleaved=True,
     )
     assert results["small"].profile.matmul_flops == 2 * 16**3
     assert results["large"].profile.matmul_flops == 2 * 64**3
