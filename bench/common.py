@@ -7,8 +7,8 @@
   identical weights.
 - :func:`random_token_ids`: fixed-seed synthetic token ids drawn from the ordinary vocabulary.
 - :func:`environment_lines` / :func:`render_table`: the report header and the result table.
-- :func:`usage_now` / :func:`per_timed_step`: page faults, system time and the bound's give-backs as each
-  step or update ends, and their medians over the timed ones.
+- :func:`usage_now` / :func:`median_usage`: page faults, system time and the bound's give-backs as each
+  step or update begins and ends, and their medians over the timed ones.
 - :func:`run_in_turns`: each trainer in a process of its own, one after the other or a step each in turn;
   :class:`StepGate` is a trainer's side of it.
 - :func:`steal_note`: the CPU time the hypervisor took while each side ran (``/proc/stat``).
@@ -30,6 +30,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -90,18 +91,6 @@ def steal_note(spans_by_side: dict[str, list[tuple[tuple, tuple]]], unit: str = 
         f"{cells}. Where it is high the host is busy and every step is slower; where the sides differ, so did "
         "their share of the cores."
     )
-
-
-def per_timed_step(counters: list[tuple[int, float, int]], steps: int) -> tuple[float, float, int]:
-    """The median minor page faults and system seconds of the timed steps, from :func:`usage_now` noted as
-    the warm-up's step and each later one ended, and how many times the bound gave freed memory back during
-    the timed steps in all."""
-    return median_usage(timed_spans(counters, steps))
-
-
-def timed_spans(counters: list[tuple], steps: int) -> list[tuple[tuple, tuple]]:
-    """(as a timed step began, as it ended) from :func:`usage_now` noted as the warm-up's and each later step ended."""
-    return list(zip(counters[:steps], counters[1 : steps + 1]))
 
 
 def median_usage(spans: list[tuple[tuple, tuple]]) -> tuple[float, float, int]:
@@ -502,7 +491,7 @@ class StepGate:
 
     def begin(self) -> None:
         """Say this side is loaded, and wait for its turn (the first call), or just wait for it (later ones)."""
-        if not self.seconds and self._began is None:
+        if self._began is None:
             self.connection.send(("ready",))
         if self.connection.recv() != "go":
             raise RuntimeError("the benchmark's parent sent something other than 'go'")
@@ -542,12 +531,15 @@ def _run_side(connection, trainer, trainer_args: tuple, steps: int, profile_step
         connection.send(("error", traceback.format_exc()))
 
 
+@dataclass
 class SideResult:
     """What one side's process measured: each step's seconds, (usage at its start, at its end), the profiled
     step's :class:`StepProfile` (None without one) and what its trainer returned."""
 
-    def __init__(self, seconds: list[float], usage: list, profile: StepProfile | None, extra):
-        self.seconds, self.usage, self.profile, self.extra = seconds, usage, profile, extra
+    seconds: list[float]
+    usage: list[tuple[tuple, tuple]]
+    profile: StepProfile | None
+    extra: object
 
 
 def run_in_turns(

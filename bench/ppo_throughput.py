@@ -55,7 +55,7 @@ from common import (
     benchmark_parser,
     emit,
     environment_lines,
-    per_timed_step,
+    median_usage,
     prepare,
     random_token_ids,
     render_report,
@@ -64,7 +64,6 @@ from common import (
     seed_everything,
     steal_note,
     trl_cpu_arguments,
-    usage_now,
 )  # noqa: E402
 
 PHASES = ["generation", "ref_value", "reward", "train", "other"]
@@ -148,10 +147,7 @@ def run_ours(
 
     flops = MatmulFlops()
 
-    usages = []  # usage_now() as each update ends
-
     def log(record: dict) -> None:
-        usages.append(usage_now())
         if record["update"] == 1:
             flops.stop()
             if profiler is not None:
@@ -189,8 +185,6 @@ def run_ours(
         }
         phases["other"] = h["time/update"] - sum(phases.values())
         out.append({"update": h["time/update"], **phases})
-    for record, usage in zip(out, usages, strict=True):
-        record["usage"] = usage
     out[0]["peak_bytes"] = torch.cuda.max_memory_allocated() if on_gpu else None
     out[0]["flops"] = flops.total
     del trainer, policy, ref_model, reward_model, lm
@@ -270,7 +264,6 @@ def run_trl(gate: StepGate, model_dir: Path, tokenizer, queries: torch.Tensor, a
             phases = clock.take()
             record = {"update": now - self.last, **{p: phases.get(p, 0.0) for p in PHASES[:-1]}}
             record["other"] = record["update"] - sum(record[p] for p in PHASES[:-1])
-            record["usage"] = usage_now()
             updates.append(record)
             if len(updates) == 1:
                 flops.stop()
@@ -449,6 +442,7 @@ def main(argv=None) -> None:
         {key: sides[key][1] for key in chosen}, steps=args.updates + 1, interleaved=args.order == "interleaved"
     )
     results: dict[str, list[dict]] = {key: side.extra["records"] for key, side in measured.items()}
+    timed_usage = {key: side.usage[1:] for key, side in measured.items()}  # the gate's spans, warm-up left out
     profiles = {key: side.extra["ops"] for key, side in measured.items() if side.extra["ops"] is not None}
     trl_optimizer = results["trl"][0]["trl_optimizer"] if "trl" in results else "n/a"
     for key, records in results.items():
@@ -501,13 +495,11 @@ def main(argv=None) -> None:
     usage_line = "page faults a timed update (median; minor faults, and the system time the process spent) and " + (
         "the times the bound on kept memory gave freed memory back over the timed updates: "
         + "; ".join(
-            "{}: {:.0f} faults, {:.2f} s, given back {} times".format(
-                key, *per_timed_step([r["usage"] for r in rows_], args.updates)
-            )
-            for key, rows_ in results.items()
+            "{}: {:.0f} faults, {:.2f} s, given back {} times".format(key, *median_usage(spans))
+            for key, spans in timed_usage.items()
         )
     )
-    steal_line = steal_note({key: side.usage[1:] for key, side in measured.items()}, "updates")
+    steal_line = steal_note(timed_usage, "updates")
     model_name = MODEL_NAMES[args.model]
     notes = [
         f"workload: {args.batch} episodes/update, query {args.query_tokens} tokens (fixed-seed random ids, no "

@@ -30,7 +30,6 @@ from common import (  # noqa: E402
     grouped_query_attention_formulas,
     median_usage,
     op_group,
-    per_timed_step,
     run_in_turns,
     steal_note,
     steal_share,
@@ -138,12 +137,13 @@ def test_an_experiment_run_outside_the_queue_is_found_by_the_name_its_log_report
         experiment_logs([log, other])
 
 
-def test_page_faults_a_step_count_the_timed_steps_only():
-    """Counters as each step ends: the warm-up's end, two timed steps, then the profiled extra step
-    (faults, system seconds, and the times the bound on kept memory gave it back so far)."""
-    counters = [(1000, 5.0, 1), (1010, 5.1, 1), (1040, 5.4, 4), (9000, 50.0, 9)]
-    faults, system, given_back = per_timed_step(counters, steps=2)
-    assert faults == 20 and system == pytest.approx(0.2) and given_back == 3
+def test_page_faults_a_step_count_each_step_from_its_start_to_its_end_only():
+    """usage_now() as each of two timed steps began and ended (faults, system seconds, and the times the bound
+    on kept memory gave memory back so far): what happened between the steps (the other side's turn, 490
+    faults, 0.9 s, one give-back) is not counted."""
+    spans = [((1000, 5.0, 1), (1010, 5.1, 1)), ((1500, 6.0, 2), (1530, 6.3, 4))]
+    faults, system, given_back = median_usage(spans)
+    assert faults == 20 and system == pytest.approx(0.2) and given_back == 2
 
 
 def test_the_malloc_trace_sums_faults_and_spans_memory_over_each_window():
