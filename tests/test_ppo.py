@@ -958,10 +958,14 @@ def test_train_policy_refuses_before_loading_and_check_params_agrees(case, proje
 )
 def test_the_first_update_starts_at_the_reference(split, tiny_base_dir, reward_model, queries):
     """Before any step the policy is the reference: the KL of update 1's rollout is 0 for every
-    valid trunk split (the policy and the reference computed alike); freezing every block is refused."""
+    valid trunk split, up to fp32 rounding. The old logprobs come from the sampling pass (one token at
+    a time over the cache) and the reference's from one pass over query + response, so the products
+    round differently: by up to 1e-5 a token where MKL takes its AVX2 kernels (3.6e-6 summed over a
+    response, CI's AMD machine and MKL_ENABLE_INSTRUCTIONS=AVX2 alike), 1e-6 under AVX-512. The bound is
+    torch.testing's fp32 atol (1e-5) per response token; one step later the KL is 0.05 to 2.4 here."""
     trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(total_episodes=16, **split))
     (first,) = trainer.train(progress=False)
-    assert abs(first["objective/kl"]) <= 1e-6, first["objective/kl"]
+    assert abs(first["objective/kl"]) <= 1e-5 * TASK["response_length"], first["objective/kl"]
 
 
 def test_the_estimator_names_are_one_table():
