@@ -14,6 +14,7 @@ stage and the key, in tests and in real runs alike.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -327,6 +328,11 @@ def run_stage(name: str, body: Callable[[Any], None], schema: type[StageParams],
     Unexpected exceptions still print their traceback: those are bugs, and hiding them would
     make them harder to report.
     """
+    if not gc.isenabled():
+        # stages/_interpreter.py turned the collector off for a fresh stage process's imports: what they
+        # made lives until the process ends, so it leaves the collector's reach before it goes back on
+        gc.freeze()
+        gc.enable()
     parser = argparse.ArgumentParser(prog=f"stage {name}")
     parser.add_argument("--params", default=os.environ.get("RLHF_PARAMS", PARAMS_FILE))
     args = parser.parse_args(argv)

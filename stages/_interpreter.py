@@ -4,10 +4,21 @@ system's `python`) stops here with exit 6 naming the missing package and the fix
 ModuleNotFoundError traceback and exit 1, the code the retrain flow retries. Standard library only.
 """
 
+import gc
 import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
+
+# The collector is off while a fresh stage process imports torch, transformers and datasets. Those
+# imports leave about 360,000 objects for it to track, all alive until the process ends, and would set
+# off some 900 collections on the way (six of them walking everything imported so far: 0.8 s). Then
+# runner.run_stage moves what was imported out of the collector's reach (gc.freeze) and turns it back
+# on, so no later collection walks it either, the interpreter's last ones at exit included. Together
+# about 1 to 3 s of a tiny stage's 5 to 13 s (bench/results/process_start.md). A test that runs a
+# stage inside its own process (runpy) has imported the package already, and keeps its collector.
+if "rlhf_pipeline" not in sys.modules:
+    gc.disable()
 
 # rlhf_pipeline.errors.MissingPackageError.exit_code, which cannot be imported from a Python that lacks
 # the package; tests/test_runner.py checks that the two agree

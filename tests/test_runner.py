@@ -55,3 +55,46 @@ def test_a_stage_runs_its_own_checkout_s_package_not_the_installed_one(tmp_path)
     shutil.rmtree(copy / "rlhf_pipeline")
     ran = subprocess.run([sys.executable, "stages/probe.py"], cwd=copy, capture_output=True, text=True, check=True)
     assert Path(ran.stdout.strip()) == repo / "rlhf_pipeline" / "metric_keys.py"
+
+
+PROBE_STAGE = """\
+import _interpreter
+import gc
+
+off_for_the_imports = not gc.isenabled()
+import torch  # noqa: E402,F401  (what a stage imports: the objects the collector would walk)
+
+from rlhf_pipeline.params import StageParams  # noqa: E402
+from rlhf_pipeline.runner import run_stage  # noqa: E402
+
+
+def main(params):
+    print(off_for_the_imports, gc.isenabled(), gc.get_freeze_count())
+
+
+run_stage("probe", main, StageParams)
+"""
+
+
+@pytest.mark.e2e
+def test_a_fresh_stage_process_imports_with_the_collector_off_and_runs_with_it_on(tmp_path):
+    """stages/_interpreter.py turns the collector off for a fresh stage process's imports, and
+    run_stage freezes what they made (out of every later collection) and turns it back on before the
+    stage body runs; a process that had imported the package already (a test running a stage in
+    process) keeps its collector on."""
+    import gc
+
+    import _interpreter  # noqa: F401  (imported here with the package loaded: the collector stays on)
+
+    assert gc.isenabled()
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "stages").mkdir()
+    shutil.copy(repo / "stages" / "_interpreter.py", tmp_path / "stages")
+    (tmp_path / "stages" / "probe.py").write_text(PROBE_STAGE)
+    (tmp_path / "dvc.yaml").write_text("stages:\n  probe:\n    cmd: python stages/probe.py\n    params: [seed]\n")
+    (tmp_path / "params.yaml").write_text("seed: 3\n")
+    ran = subprocess.run([sys.executable, "stages/probe.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    off_for_the_imports, on_in_the_body, frozen = ran.stdout.splitlines()[0].split()
+    assert (off_for_the_imports, on_in_the_body) == ("True", "True")
+    assert int(frozen) > 50_000  # torch's modules, classes and functions, out of the collector's reach
