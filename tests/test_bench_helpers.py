@@ -37,6 +37,7 @@ from common import (  # noqa: E402
 from experiments import experiment_logs  # noqa: E402
 from probe_eval_variance import standard_error, variance_components  # noqa: E402
 from probe_malloc_trace import windows  # noqa: E402
+from process_start import WRAPPER  # noqa: E402
 
 
 def test_grouped_key_value_heads_count_as_the_query_heads_they_serve():
@@ -281,3 +282,25 @@ def test_the_hypervisor_s_steal_is_its_share_of_the_cpu_time_over_the_timed_step
     second = cpu_ticks()
     if Path("/proc/stat").is_file():
         assert 0 <= first[0] <= second[0] <= second[1] and first[1] < second[1]
+
+
+def test_the_process_start_bench_s_reference_keeps_the_collector_on(tmp_path):
+    """bench/process_start.py compares the stages' collector with one left on: through its wrapper, a
+    script whose first import is stages/_interpreter.py finds the collector off as shipped and on in
+    the reference, and gets the --help the bench asks for."""
+    repo = Path(__file__).resolve().parents[1]
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "_interpreter.py").write_bytes((repo / "stages" / "_interpreter.py").read_bytes())
+    probe = "import sys\nimport _interpreter\nimport gc\nprint(gc.isenabled(), sys.argv[1:])\n"
+    (tmp_path / "scripts" / "probe.py").write_text(probe)
+    seen = {}
+    for collector in ("shipped", "on"):
+        ran = subprocess.run(
+            [sys.executable, "-c", WRAPPER, "scripts/probe.py", collector],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        seen[collector] = ran.stdout.strip()
+    assert seen == {"shipped": "False ['--help']", "on": "True ['--help']"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import shutil
 import subprocess
 import sys
@@ -82,8 +83,6 @@ def test_a_fresh_stage_process_imports_with_the_collector_off_and_runs_with_it_o
     run_stage freezes what they made (out of every later collection) and turns it back on before the
     stage body runs; a process that had imported the package already (a test running a stage in
     process) keeps its collector on."""
-    import gc
-
     import _interpreter  # noqa: F401  (imported here with the package loaded: the collector stays on)
 
     assert gc.isenabled()
