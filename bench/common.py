@@ -556,7 +556,8 @@ def run_in_turns(
     every step (ours, TRL, ours, ...), so that a drift in the machine's speed over minutes (the hypervisor's
     share of the cores, see :func:`cpu_ticks`) falls on all sides alike; only the side whose turn it is computes.
     It is not neutral: on a 2-core Intel Xeon TRL's reward steps took 6 % longer interleaved with ours than
-    alone (``bench/results/benchmarks.md``, 2026-11-30).
+    alone, and 11 % longer beside a process that only streams memory, ours 3 %: the other side's step evicts
+    what a step reuses from the last-level cache (``bench/results/probe_llc_neighbour.md``).
 
     ``trainers`` maps a side's name to (a module-level function ``trainer(gate, *args)``, its ``args``); each
     runs ``steps`` steps. Returns each side's :class:`SideResult` and the order in which the steps ran. A side

@@ -178,7 +178,7 @@ def main(argv=None) -> None:
         help="sequential (the default): each side's process runs all its steps alone, as a user runs one trainer; "
         "interleaved: both load, then they take turns a step at a time, so that the machine's drift over minutes "
         "falls on both alike (on a 2-core Intel Xeon it read 1.50-1.57x where sequential read 1.39-1.49x, TRL's "
-        "steps being the slower interleaved, for a reason not found: bench/results/benchmarks.md)",
+        "steps being the slower interleaved: the last-level cache, bench/results/probe_llc_neighbour.md)",
     )
     parser.add_argument(
         "--profile",
