@@ -332,6 +332,12 @@ def render_report(title: str, env: list[str], table: str, notes: list[str], mark
     return "\n".join(parts) + "\n"
 
 
+def emit_table(title: str, env: list[str], headers: list[str], rows: list[list[str]], notes: list[str], args) -> None:
+    """Print (and write to ``args.output``, in markdown with ``args.markdown``) a report of one table."""
+    table = render_table(headers, rows, args.markdown)
+    emit(render_report(title, env, table, notes, args.markdown), args.output)
+
+
 def emit(report: str, output: str | Path | None) -> None:
     print(report, end="", flush=True)
     if output:

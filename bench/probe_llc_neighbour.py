@@ -33,7 +33,7 @@ import time
 
 import reward_throughput
 import torch
-from common import StepGate, cpu_name, emit, prepare, render_report, render_table, run_in_turns
+from common import StepGate, cpu_name, emit_table, prepare, run_in_turns
 
 WIDTH = 1024
 
@@ -147,8 +147,7 @@ def main() -> None:
         headers = ["side", "alone", f"a neighbour streaming {args.neighbour_mb} MB between steps", "beside / alone"]
         env = [f"CPU: {cpu_name()}, L3 {l3_line()}", f"timed steps: {args.steps} a run (one warm-up dropped)"]
         notes = [f"the neighbour streams for {args.neighbour_seconds} s a turn; medians of the timed steps"]
-        title = "A neighbour between a reward side's steps"
-        emit(render_report(title, env, render_table(headers, rows, args.markdown), notes, args.markdown), args.output)
+        emit_table("A neighbour between a reward side's steps", env, headers, rows, notes, args)
         return
     rows = []
     for set_mb in args.sets_mb:
@@ -158,12 +157,7 @@ def main() -> None:
     headers = ["worker's weights", "GFLOP/s alone", "GFLOP/s, neighbour between steps", "alone / beside"]
     env = [f"CPU: {cpu_name()}, L3 {l3_line()}", f"x: {args.rows} x {WIDTH}; neighbour streams {args.neighbour_mb} MB"]
     notes = ["each cell the median of the timed steps (one warm-up step dropped); each process 2 torch threads"]
-    emit(
-        render_report(
-            "A neighbour between steps", env, render_table(headers, rows, args.markdown), notes, args.markdown
-        ),
-        args.output,
-    )
+    emit_table("A neighbour between steps", env, headers, rows, notes, args)
 
 
 if __name__ == "__main__":

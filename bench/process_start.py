@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import cpu_name, emit, render_report, render_table
+from common import cpu_name, emit_table
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = sorted(path.stem for path in (REPO / "stages").glob("[!_]*.py"))
@@ -107,12 +107,7 @@ def main() -> None:
         "each cell the median of the rounds; CPU is the child's user + system time; the ratio is the "
         "reference's CPU over the shipped one's",
     ]
-    emit(
-        render_report(
-            "Stage process start and exit", env, render_table(headers, rows, args.markdown), notes, args.markdown
-        ),
-        args.output,
-    )
+    emit_table("Stage process start and exit", env, headers, rows, notes, args)
 
 
 if __name__ == "__main__":
