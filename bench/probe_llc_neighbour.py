@@ -8,7 +8,7 @@ next when a process runs alone, and be evicted by the other side's step when the
 
 A worker process holds ``--set-mb`` of fp32 weights (1024x1024 matrices) and runs steps of ``x @ W`` over all of
 them (``x``: ``--rows`` x 1024). A neighbour process, in turns with it, streams through ``--neighbour-mb``
-of memory for about a step's time. For each working-set size the table gives the worker's GFLOP/s (median of
+of memory for the worker's median step alone. For each working-set size the table gives the worker's GFLOP/s (median of
 ``--steps``) alone and with the neighbour between its steps. If the cache is the mechanism, a working set that
 fits in L3 slows with the neighbour and one far larger than L3 does not.
 
@@ -26,7 +26,6 @@ Usage (nothing else running; about 3 minutes on 2 cores; ``--reward``: about 8 m
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import statistics
 import subprocess
 import time
@@ -38,73 +37,44 @@ from common import StepGate, cpu_name, emit_table, prepare, run_in_turns
 WIDTH = 1024
 
 
-def worker(connection, set_mb: int, rows: int) -> None:
+def product_worker(gate: StepGate, set_mb: int, rows: int) -> None:
+    """A side for common.run_in_turns whose step is ``x @ W`` over ``set_mb`` of 1024x1024 fp32 weights."""
     torch.set_num_threads(2)
-    count = max(1, set_mb * 2**20 // (WIDTH * WIDTH * 4))
-    weights = [torch.randn(WIDTH, WIDTH) for _ in range(count)]
+    weights = [torch.randn(WIDTH, WIDTH) for _ in range(matrix_count(set_mb))]
     x = torch.randn(rows, WIDTH)
     out = torch.empty(rows, WIDTH)
-    flops = 2 * rows * WIDTH * WIDTH * count
-    connection.send("ready")
-    while connection.recv() == "step":
-        start = time.perf_counter()
+    gate.begin()  # then step_ended waits for each next turn itself
+    while len(gate.seconds) < gate.steps:
         for weight in weights:
             torch.mm(x, weight, out=out)
-        connection.send(flops / (time.perf_counter() - start) / 1e9)
-
-
-def neighbour(connection, neighbour_mb: int, seconds: float) -> None:
-    torch.set_num_threads(2)
-    buffer = torch.ones(neighbour_mb * 2**20 // 4)
-    connection.send("ready")
-    while connection.recv() == "step":
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            buffer.mul_(1.000001)  # reads and writes every byte: the cache fills with the neighbour's lines
-        connection.send(0.0)
-
-
-def run(set_mb: int, rows: int, steps: int, neighbour_mb: int | None) -> float:
-    context = multiprocessing.get_context("spawn")
-    mine, theirs = context.Pipe()
-    process = context.Process(target=worker, args=(theirs, set_mb, rows))
-    process.start()
-    assert mine.recv() == "ready"
-    other = other_process = None
-    if neighbour_mb is not None:
-        other, other_end = context.Pipe()
-        mine.send("step")  # one step to learn how long a step takes: the neighbour runs about as long
-        rate = mine.recv()
-        step_seconds = 2 * rows * WIDTH * WIDTH * max(1, set_mb * 2**20 // (WIDTH * WIDTH * 4)) / rate / 1e9
-        other_process = context.Process(target=neighbour, args=(other_end, neighbour_mb, step_seconds))
-        other_process.start()
-        assert other.recv() == "ready"
-    rates = []
-    for step in range(steps + 1):
-        if other is not None:
-            other.send("step")
-            other.recv()
-        mine.send("step")
-        rate = mine.recv()
-        if step > 0:  # the first step warms up
-            rates.append(rate)
-    for connection, child in ((mine, process), (other, other_process)):
-        if connection is not None:
-            connection.send("stop")
-            child.join()
-    return statistics.median(rates)
+        gate.step_ended()
 
 
 def streaming_neighbour(gate: StepGate, neighbour_mb: int, seconds: float) -> None:
     """A side for common.run_in_turns that streams ``neighbour_mb`` of memory for ``seconds`` each turn."""
     torch.set_num_threads(2)
     buffer = torch.ones(neighbour_mb * 2**20 // 4)
-    gate.begin()  # then step_ended waits for each next turn itself
+    gate.begin()
     while len(gate.seconds) < gate.steps:
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
-            buffer.mul_(1.000001)
+            buffer.mul_(1.000001)  # reads and writes every byte: the cache fills with the neighbour's lines
         gate.step_ended()
+
+
+def matrix_count(set_mb: int) -> int:
+    return max(1, set_mb * 2**20 // (WIDTH * WIDTH * 4))
+
+
+def alone_then_beside(side: dict, steps: int, neighbour_mb: int, seconds: float | None) -> tuple[float, float]:
+    """The median seconds of ``side``'s timed steps (one warm-up step dropped) in its own process alone, then
+    with the streaming neighbour taking turns with it for ``seconds`` a turn (None: the side's median step)."""
+    (name,) = side
+    alone, _ = run_in_turns(side, steps + 1)
+    alone_step = statistics.median(alone[name].seconds[1:])
+    neighbour = {"neighbour": (streaming_neighbour, (neighbour_mb, seconds or alone_step))}
+    beside, _ = run_in_turns({**side, **neighbour}, steps + 1, interleaved=True)
+    return alone_step, statistics.median(beside[name].seconds[1:])
 
 
 def reward_side(args) -> list[list[str]]:
@@ -113,14 +83,10 @@ def reward_side(args) -> list[list[str]]:
         model="smollm2", seed=1, cpu_numerics="portable", batch_pairs=8, prompt_tokens=64, response_tokens=24, lr=5e-5
     )
     _, tokenizer = prepare(bench_args)
-    steps = args.steps + 1  # the first step warms up
-    data = reward_throughput.make_data(tokenizer, bench_args.batch_pairs * steps, 64, 24, bench_args.seed)
+    data = reward_throughput.make_data(tokenizer, bench_args.batch_pairs * (args.steps + 1), 64, 24, bench_args.seed)
     trainer = {"ours": reward_throughput.train_ours, "trl": reward_throughput.train_trl}[args.reward]
     side = {args.reward: (trainer, (data, bench_args))}
-    alone, _ = run_in_turns(side, steps)
-    neighbour = {"neighbour": (streaming_neighbour, (args.neighbour_mb, args.neighbour_seconds))}
-    beside, _ = run_in_turns({**side, **neighbour}, steps, interleaved=True)
-    medians = [statistics.median(result[args.reward].seconds[1:]) for result in (alone, beside)]
+    medians = alone_then_beside(side, args.steps, args.neighbour_mb, args.neighbour_seconds)
     return [
         [f"{args.reward} reward step (s)", f"{medians[0]:.2f}", f"{medians[1]:.2f}", f"{medians[1] / medians[0]:.2f}x"]
     ]
@@ -151,8 +117,9 @@ def main() -> None:
         return
     rows = []
     for set_mb in args.sets_mb:
-        alone = run(set_mb, args.rows, args.steps, None)
-        beside = run(set_mb, args.rows, args.steps, args.neighbour_mb)
+        worker = {"worker": (product_worker, (set_mb, args.rows))}
+        gflop = 2 * args.rows * WIDTH * WIDTH * matrix_count(set_mb) / 1e9
+        alone, beside = (gflop / seconds for seconds in alone_then_beside(worker, args.steps, args.neighbour_mb, None))
         rows.append([f"{set_mb} MB", f"{alone:.0f}", f"{beside:.0f}", f"{alone / beside:.2f}x"])
     headers = ["worker's weights", "GFLOP/s alone", "GFLOP/s, neighbour between steps", "alone / beside"]
     env = [f"CPU: {cpu_name()}, L3 {l3_line()}", f"x: {args.rows} x {WIDTH}; neighbour streams {args.neighbour_mb} MB"]
