@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import cpu_name, emit, measured_matmul_flops, render_report, render_table
+from common import cpu_name, emit_table, measured_matmul_flops
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -164,16 +164,7 @@ def main() -> None:
         "wall s, faults and system s are medians",
         f"responses and KLs the same bytes in every run: {'yes' if same else 'NO'} ({', '.join(digests)})",
     ]
-    emit(
-        render_report(
-            "Malloc settings on a 262k vocabulary",
-            env,
-            render_table(headers, rows, args.markdown),
-            notes,
-            args.markdown,
-        ),
-        args.output,
-    )
+    emit_table("Malloc settings on a 262k vocabulary", env, headers, rows, notes, args)
     if not same:
         sys.exit(1)
 

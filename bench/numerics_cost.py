@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import emit, environment_lines, render_report, render_table
+from common import emit_table, environment_lines
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -101,7 +101,6 @@ def main() -> None:
             rows.append(
                 [f"SmolLM2 PPO update (shared value head): {mode}", f"{seconds:.1f} s", f"{seconds / ppo[0][1]:.2f}x"]
             )
-    table = render_table(["workload: setting", "time", "vs portable"], rows, args.markdown)
     notes = [
         "each row in fresh processes, one after the other, nothing else running; portable is each workload's reference",
         "tiny: params/tiny.yaml with compute.cpu_threads 2, `dvc repro preferences` in a scratch copy of the "
@@ -111,7 +110,9 @@ def main() -> None:
         "mean of the timed updates)",
     ]
     env = [line for line in environment_lines("tiny-llama; SmolLM2-135M-Instruct") if not line.startswith("cpu ")]
-    emit(render_report("What pinning the CPU numerics costs", env, table, notes, args.markdown), args.output)
+    emit_table(
+        "What pinning the CPU numerics costs", env, ["workload: setting", "time", "vs portable"], rows, notes, args
+    )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from common import emit, render_report, render_table
+from common import emit_table
 
 from rlhf_pipeline import allocator
 
@@ -105,11 +105,6 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as out:
             json.dump(readings, out)
-    table = render_table(
-        ["s", "RssAnon GB", "in use GB", "heap GB", "minor faults", "given back so far"],
-        windows(readings, args.window),
-        args.markdown,
-    )
     notes = [
         f"readings: `{args.from_json}`"
         if args.from_json
@@ -117,10 +112,9 @@ def main(argv=None) -> None:
         "in use: malloc's `uordblks + hblkhd`; heap: `arena + hblkhd` (what malloc holds from the OS, in use or "
         "free); RssAnon: the process's resident anonymous memory",
     ]
-    emit(
-        render_report("Malloc trace", [f"readings every {allocator.CHECK_SECONDS} s"], table, notes, args.markdown),
-        args.output,
-    )
+    headers = ["s", "RssAnon GB", "in use GB", "heap GB", "minor faults", "given back so far"]
+    env = [f"readings every {allocator.CHECK_SECONDS} s"]
+    emit_table("Malloc trace", env, headers, windows(readings, args.window), notes, args)
 
 
 if __name__ == "__main__":

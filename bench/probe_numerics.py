@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 
-from common import emit, environment_lines, render_report, render_table
+from common import emit_table, environment_lines
 
 # (row label, environment, torch threads); the first row is the reference the others are compared with
 SETTINGS = [
@@ -104,7 +104,6 @@ def main() -> None:
     for label, found in results:
         cells = [found[op] + ("" if found[op] == reference[op] else " *") for op in OPS]
         rows.append([label, *cells, found["torch"], found["mkl"] or "?", f"{found['gemm_ms']:.1f}"])
-    table = render_table(["setting", *OPS, "torch runs", "MKL branch", "GEMM ms"], rows, args.markdown)
     notes = [
         "each cell: the first 6 hex digits of the sha256 of that op's output; * = other bytes than the first row",
         "linear, wgrad: fp32 GEMMs (MKL); sdpa, softmax, rmsnorm, silu: ATen's vectorised kernels; gelu: oneDNN "
@@ -115,7 +114,8 @@ def main() -> None:
     env = [
         line for line in environment_lines("none (fixed-seed random tensors)") if not line.startswith("cpu numerics")
     ]
-    emit(render_report("Which CPU settings torch 2.13's wheel obeys", env, table, notes, args.markdown), args.output)
+    headers = ["setting", *OPS, "torch runs", "MKL branch", "GEMM ms"]
+    emit_table("Which CPU settings torch 2.13's wheel obeys", env, headers, rows, notes, args)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from common import emit, render_report, render_table
+from common import emit_table
 
 HIDDEN, MLP = 576, 1536  # SmolLM2-135M
 LAYERS = {"o_proj": (HIDDEN, HIDDEN), "up_proj": (HIDDEN, MLP), "down_proj": (MLP, HIDDEN)}
@@ -90,16 +90,7 @@ def main() -> int:
         "MKL_CBWR=AVX2 in every setting, as compute.cpu_numerics: portable sets it.",
     ]
     env = [f"torch {torch.__version__}", f"cpu: {os.cpu_count()} logical CPUs"]
-    emit(
-        render_report(
-            "Last block at the read rows only: the same bytes?",
-            env,
-            render_table(headers, table, args.markdown),
-            notes,
-            args.markdown,
-        ),
-        args.output,
-    )
+    emit_table("Last block at the read rows only: the same bytes?", env, headers, table, notes, args)
     return 0
 
 
