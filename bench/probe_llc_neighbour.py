@@ -79,11 +79,12 @@ def alone_then_beside(side: dict, steps: int, neighbour_mb: int, seconds: float 
 
 def reward_side(args) -> list[list[str]]:
     """The reward bench's ``args.reward`` side alone, then with the streaming neighbour between its steps."""
-    bench_args = argparse.Namespace(
-        model="smollm2", seed=1, cpu_numerics="portable", batch_pairs=8, prompt_tokens=64, response_tokens=24, lr=5e-5
-    )
+    bench_args = reward_throughput.argument_parser().parse_args([])  # make bench's settings
     _, tokenizer = prepare(bench_args)
-    data = reward_throughput.make_data(tokenizer, bench_args.batch_pairs * (args.steps + 1), 64, 24, bench_args.seed)
+    num_pairs = bench_args.batch_pairs * (args.steps + 1)
+    data = reward_throughput.make_data(
+        tokenizer, num_pairs, bench_args.prompt_tokens, bench_args.response_tokens, bench_args.seed
+    )
     trainer = {"ours": reward_throughput.train_ours, "trl": reward_throughput.train_trl}[args.reward]
     side = {args.reward: (trainer, (data, bench_args))}
     medians = alone_then_beside(side, args.steps, args.neighbour_mb, args.neighbour_seconds)

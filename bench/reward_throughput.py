@@ -157,7 +157,8 @@ def order_note(order: str, seconds: dict[str, list[float]], steps: int, first: s
 
 
 # --------------------------------------------------------------------------------------------
-def main(argv=None) -> None:
+def argument_parser():
+    """The bench's options (the reward side's settings, which probes reuse through ``parse_args([])``)."""
     parser = benchmark_parser(__doc__)
     parser.add_argument(
         "--steps",
@@ -193,7 +194,11 @@ def main(argv=None) -> None:
         help="the side whose step runs first in each turn (interleaved) or which runs first (sequential): a check "
         "that the position does not move the ratio",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = argument_parser().parse_args(argv)
 
     model_dir, tokenizer = prepare(args)
     num_pairs = args.batch_pairs * (args.steps + 1 + args.profile)
