@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rlhf_pipeline.offline import OFFLINE_DEFAULTS
 
+import gc
 import json
 import os
 import shutil
@@ -66,6 +67,31 @@ def test_the_registry_and_verdict_commands_start_without_torch_or_transformers()
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == []
+
+
+def test_an_rlhf_process_runs_its_command_with_the_collector_off_and_frozen_before_exit(tmp_path):
+    """`rlhf` started from its command line: the command's imports (here torch, which `rlhf environment`
+    loads to pin the numerics) and work set off no collection, and before the exit what the process
+    holds is frozen, so the interpreter's last collection walks none of it. main() called with
+    arguments (a test, a bench) leaves its caller's collector as it was."""
+    probe = (
+        "import atexit, gc, sys\n"
+        "from rlhf_pipeline.cli import main\n"
+        "walks = []\n"
+        "gc.callbacks.append(lambda phase, info: walks.append(info['generation']) if phase == 'start' else None)\n"
+        "atexit.register(lambda: print(len(walks), gc.isenabled(), gc.get_freeze_count(), 'torch' in sys.modules))\n"
+        "sys.argv = ['rlhf', 'environment', '--root', sys.argv[1]]\n"
+        "main()\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    collections, enabled, frozen, torch_loaded = ran.stdout.splitlines()[-1].split()
+    assert (collections, enabled, torch_loaded) == ("0", "False", "True")
+    assert int(frozen) > 50_000  # torch's modules, classes and functions, out of the last collection's reach
+
+    frozen_before = gc.get_freeze_count()
+    assert run_cli("environment", "--root", str(tmp_path)) == 0
+    assert gc.isenabled() and gc.get_freeze_count() == frozen_before
 
 
 def test_export_preferences_writes_trls_pairwise_format(tmp_path, capsys):
