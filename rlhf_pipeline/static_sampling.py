@@ -78,6 +78,17 @@ def static_cache(model: nn.Module, batch: int, length: int, dtype: torch.dtype |
     return cache
 
 
+def batch_to_run(model: nn.Module, rows: int, length: int, dtype: torch.dtype | None) -> int:
+    """The rows a call of ``rows`` rows runs when shapes are reused: the smallest batch of a cache
+    ``model`` already holds for ``length`` slots and ``dtype`` that has room for ``rows``, else
+    ``rows``. The compiled step records one graph per batch shape, tens of seconds each on a GPU, while
+    running a few rows in a larger shape costs a fraction of a second. On an H200 the preferences stage
+    of the ``gpu`` profile paused twice for about 30 s more, at batches whose resampled queries made
+    smaller calls than its 512 rows (docs/gpu.md, 2026-11-30)."""
+    held = [b for b, slots, kind in _caches.get(model, {}) if slots == length and kind == dtype and b >= rows]
+    return min(held, default=rows)
+
+
 def compiled_step(model: nn.Module) -> Callable:
     """``decode_step`` compiled with CUDA graphs for ``model`` (one compilation per model object,
     reused by every later call: PPO samples many batches of one shape from one policy)."""
@@ -100,21 +111,30 @@ def sample_responses_static(
     value_head: nn.Module | None = None,
     num_samples: int = 1,
     compile: bool | None = None,
+    reuse_shapes: bool | None = None,
 ) -> SampleOutput:
     """:func:`~rlhf_pipeline.sampling.sample_responses` (without captured layers) over a
     static cache of ``Q + response_length`` slots. The queries are repeated ``num_samples`` times
     before the prefill (a static cache has one batch size), so row ``i * num_samples + k`` is sample
     ``k`` of query ``i``, as in the eager sampler. ``compile``: compile the decoding step (None: on
-    CUDA only)."""
+    CUDA only). ``reuse_shapes`` (None: where the step is compiled): run a smaller batch in the shape of
+    a cache already held (:func:`batch_to_run`), its extra rows copies of the first; nothing is drawn
+    for them, so the real rows get the draws they get alone."""
     device = queries.device
     compile = device.type == "cuda" if compile is None else compile
+    reuse_shapes = compile if reuse_shapes is None else reuse_shapes
     queries = queries.repeat_interleave(num_samples, 0)
     query_mask = query_mask.repeat_interleave(num_samples, 0).to(torch.long)
-    batch, query_length = queries.shape
+    rows, query_length = queries.shape
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    batch = batch_to_run(model, rows, query_length + response_length, dtype) if reuse_shapes else rows
+    filler = batch - rows
+    if filler:
+        queries = torch.cat([queries, queries[:1].expand(filler, -1)])
+        query_mask = torch.cat([query_mask, query_mask[:1].expand(filler, -1)])
     # every slot the sampling will fill, real from the start (causality hides the future ones);
     # the left padding of the queries stays masked
     mask = torch.cat([query_mask, torch.ones(batch, response_length, dtype=torch.long, device=device)], 1)
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     cache = static_cache(model, batch, query_length + response_length, dtype)
     prefill = backbone_of(model)(
         input_ids=queries,
@@ -127,15 +147,15 @@ def sample_responses_static(
     logits = model.get_output_embeddings()(hidden).float()
     step = compiled_step(model) if compile else decode_step
     position = query_mask.sum(-1)
-    tokens = torch.full((batch, response_length), pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(batch, response_length, device=device)
-    values = torch.zeros(batch, response_length, device=device) if value_head is not None else None
-    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    tokens = torch.full((rows, response_length), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(rows, response_length, device=device)
+    values = torch.zeros(rows, response_length, device=device) if value_head is not None else None
+    alive = torch.ones(rows, dtype=torch.bool, device=device)
     for t in range(response_length):
-        logits = never_pad(logits, pad_token_id, inplace=True).div_(temperature)
+        logits = never_pad(logits[:rows], pad_token_id, inplace=True).div_(temperature)
         token, logprob = sample_from_logits(logits, generator)
         if values is not None:  # the value of the state before this token, as the eager sampler's
-            values[:, t] = value_head(hidden).squeeze(-1).float()
+            values[:, t] = value_head(hidden[:rows]).squeeze(-1).float()
         token = torch.where(alive, token, torch.full_like(token, pad_token_id))
         tokens[:, t] = token
         logprobs[:, t] = torch.where(alive, logprob, 0.0)
@@ -143,7 +163,8 @@ def sample_responses_static(
             alive = alive & (token != eos_token_id)
         if t == response_length - 1:
             break
-        hidden, logits = (x.clone() for x in step(model, cache, token, position, mask))  # graphs reuse outputs
+        fed = torch.cat([token, token[:1].expand(filler)]) if filler else token
+        hidden, logits = (x.clone() for x in step(model, cache, fed, position, mask))  # graphs reuse outputs
         position = position + 1
     response_mask = tokens != pad_token_id if stop_at_eos else torch.ones_like(tokens, dtype=torch.bool)
     return SampleOutput(tokens, logprobs, values, response_mask)

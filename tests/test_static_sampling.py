@@ -14,7 +14,13 @@ from families import FAMILIES, tiny_causal_lm
 from rlhf_pipeline.decoding import position_ids_from_mask
 from rlhf_pipeline.models import load_causal_lm
 from rlhf_pipeline.sampling import response_outputs, sample_responses
-from rlhf_pipeline.static_sampling import sample_responses_static, static_cache, supports_static
+from rlhf_pipeline.static_sampling import (
+    _caches,
+    batch_to_run,
+    sample_responses_static,
+    static_cache,
+    supports_static,
+)
 
 PAD = 0
 
@@ -127,3 +133,31 @@ def test_a_model_s_static_cache_goes_with_the_model():
     del model, cache
     gc.collect()
     assert gone() is None
+
+
+def test_a_smaller_batch_runs_in_a_shape_already_held_and_gets_its_own_draws(tiny_base_dir):
+    """Where shapes are reused (a compiled step: one graph per batch shape), a call of fewer rows
+    runs in the cache of a larger batch already held, and its rows get what they get alone: the
+    filler rows draw nothing from the generator, so the draws are the same uniforms."""
+    model = load_causal_lm(tiny_base_dir).eval()
+    pad = model.config.pad_token_id
+    queries, mask = left_padded_queries(model.config.vocab_size, torch.Generator().manual_seed(9))
+    queries = torch.where(mask, queries, torch.full_like(queries, pad))
+    sample_responses_static(model, queries, mask, 10, 0.7, pad, torch.Generator().manual_seed(1), num_samples=2)
+    held = set(_caches[model])
+    assert batch_to_run(model, 4, queries.shape[1] + 10, None) == 12
+    assert batch_to_run(model, 13, queries.shape[1] + 10, None) == 13  # no cache has room
+    assert batch_to_run(model, 4, queries.shape[1] + 11, None) == 4  # nor one of other slots
+    small_q, small_m = queries[1:3], mask[1:3]
+    reused = sample_responses_static(
+        model, small_q, small_m, 10, 0.7, pad, torch.Generator().manual_seed(3), num_samples=2, reuse_shapes=True
+    )
+    assert set(_caches[model]) == held  # ran in the 12-row cache, no new shape
+    alone = sample_responses_static(
+        model, small_q, small_m, 10, 0.7, pad, torch.Generator().manual_seed(3), num_samples=2, reuse_shapes=False
+    )
+    assert (4, queries.shape[1] + 10, None) in _caches[model]  # without reuse, a shape of its own
+    assert reused.responses.shape == alone.responses.shape == (4, 10)
+    same = reused.responses == alone.responses
+    assert same.float().mean().item() >= 0.95
+    torch.testing.assert_close(reused.logprobs[same], alone.logprobs[same], atol=1e-4, rtol=0)
