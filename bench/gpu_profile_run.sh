@@ -13,7 +13,8 @@
 # Each call must follow the last inside the host's warm window (30 s), or the host is bare again.
 # `run` copies the checkout to /tmp/gpurun, applies `rlhf profile gpu`, overrides KEY=VALUE with
 # `dvc exp run -S` (ppo.total_episodes: the profile's 1M episodes are ~1,950 updates, hours on one GPU),
-# and samples nvidia-smi's memory.used every 0.5 s beside it (the stages record peak RSS, not GPU memory).
+# and samples nvidia-smi's memory.used every 0.5 s beside it (each stage's last line gives its own peak of
+# torch's pool since 2026-11-30; nvidia-smi adds the CUDA context and shows when within the stage).
 # Logs and metrics land in $OUT (8 files come back from a call: 5 a run). A dry run here (CPU; it stops at the profile's device check, exit 2):
 #   PY3=.venv/bin/python SKIP_INSTALL=1 OUT=/tmp/out bash bench/gpu_profile_run.sh run
 set -u

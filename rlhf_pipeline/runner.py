@@ -313,6 +313,16 @@ def record_reads(name: str, view: StageParams | DeclaredParams) -> None:
         Path(folder, f"{name}.json").write_text(json.dumps(sorted(view.reads)) + "\n")
 
 
+def peak_gpu_memory_mb() -> float | None:
+    """The most GPU memory torch's caching allocator held at once in this process, in MB (what
+    nvidia-smi shows less the CUDA context), or None where this process used no GPU. Read through
+    ``sys.modules``: a stage that never imports torch (queries, validate_preferences) is not made to."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.max_memory_reserved() / 2**20
+
+
 def seconds_since_process_start() -> float:
     """Wall time since this process was created: the stage's whole cost, Python and torch imports
     included, so the stage times in `dvc repro`'s log add up to its wall time."""
@@ -346,8 +356,10 @@ def run_stage(name: str, body: Callable[[Any], None], schema: type[StageParams],
         body(params)
         record_reads(name, params)
         given_back = allocator.times_given_back()
+        gpu = peak_gpu_memory_mb()
         print(
             f"stage {name}: done in {seconds_since_process_start():.0f} s, peak RSS {allocator.peak_rss_mb():.0f} MB"
+            + ("" if gpu is None else f", peak GPU memory {gpu:.0f} MB")
             + ("" if given_back is None else f", freed memory past the bound given back {given_back} times"),
             flush=True,
         )

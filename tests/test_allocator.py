@@ -301,4 +301,23 @@ def test_a_stage_s_last_line_gives_its_peak_and_the_times_freed_memory_was_given
     line = capsys.readouterr().out.strip().splitlines()[-1]
     kept = allocator.glibc() is not None and "glibc.malloc." not in os.environ.get("GLIBC_TUNABLES", "")
     tail = r", freed memory past the bound given back \d+ times" if kept else ""
-    assert re.fullmatch(rf"stage probe: done in \d+ s, peak RSS \d+ MB{tail}", line), line
+    gpu = r"(, peak GPU memory \d+ MB)?"  # where the suite runs on a GPU host that an earlier test used
+    assert re.fullmatch(rf"stage probe: done in \d+ s, peak RSS \d+ MB{gpu}{tail}", line), line
+
+
+def test_a_stage_that_used_a_gpu_gives_its_peak_gpu_memory(tmp_path, monkeypatch, capsys):
+    """The GPU's high-water mark goes on the same line, read from torch's caching allocator (the
+    nvidia-smi sampling docs/gpu.md needed on 2026-11-30 to get it per stage); none where no GPU was used."""
+    import torch
+
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"probe": {"cmd": "true", "params": ["seed"]}}}))
+    (tmp_path / "params.yaml").write_text("seed: 5\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *args: 9 << 30)
+    run_stage("probe", lambda params: None, SeedOnly, argv=[])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.match(r"stage probe: done in \d+ s, peak RSS \d+ MB, peak GPU memory 9216 MB(,|$)", line), line
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    run_stage("probe", lambda params: None, SeedOnly, argv=[])
+    assert "GPU" not in capsys.readouterr().out.strip().splitlines()[-1]
