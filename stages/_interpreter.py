@@ -16,7 +16,7 @@ from pathlib import Path
 # runner.run_stage moves what was imported out of the collector's reach (gc.freeze) and turns it back
 # on, so no later collection walks it either, the interpreter's last ones at exit included. Together
 # about 1 to 3 s of a tiny stage's 5 to 13 s (bench/results/process_start.md). A test that runs a
-# stage inside its own process (runpy) has imported the package already, and keeps its collector.
+# stage in the test's own process (runpy) has imported the package already, and keeps its collector.
 if "rlhf_pipeline" not in sys.modules:
     gc.disable()
 
