@@ -19,7 +19,7 @@ import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before the
 import time
 
 import torch
-from common import benchmark_parser, emit_table, environment_lines, prepare
+from common import benchmark_parser, emit_table, environment_lines, prepare, random_token_ids
 from torch._dynamo.utils import counters
 
 from rlhf_pipeline.models import load_causal_lm
@@ -30,13 +30,13 @@ SAMPLES = 4  # responses per query, as the preferences stage draws them
 CALLS = [(8, True, 1), (8, True, 2), (2, True, 3), (2, False, 3), (1, False, 4)]
 
 
-def left_padded(vocab: int, rows: int, length: int, seed: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` queries of 3 to ``length`` real tokens, left-padded to ``length``."""
+def left_padded(tokenizer, rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` queries of 3 to ``length`` real tokens (no special token among them), left-padded to ``length``."""
     generator = torch.Generator().manual_seed(seed)
     real = torch.randint(3, length + 1, (rows,), generator=generator)
-    tokens = torch.randint(1, vocab, (rows, length), generator=generator)
+    tokens = random_token_ids(tokenizer, (rows, length), generator)
     mask = torch.arange(length)[None, :] >= (length - real)[:, None]
-    return torch.where(mask, tokens, torch.full_like(tokens, pad)), mask
+    return torch.where(mask, tokens, torch.full_like(tokens, tokenizer.pad_token_id)), mask
 
 
 def main(argv=None) -> None:
@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     pad = tokenizer.pad_token_id
     rows, drawn = [], {}
     for queries, reuse, seed in CALLS:
-        batch, mask = left_padded(model.config.vocab_size, queries, 8, seed, pad)
+        batch, mask = left_padded(tokenizer, queries, 8, seed)
         graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         draws = torch.Generator().manual_seed(seed)
