@@ -13,8 +13,8 @@ logits are 1.6 GB a block; sampling's (rows, 262,144) are 100 MB a step. Setting
 - ``keep, bounded``: as shipped, at most ``allocator.KEPT_BOUND`` kept.
 
 The table gives each process's peak RSS (its own ``VmHWM``), wall seconds, minor page faults, system
-seconds, the times the bound gave memory back, ratios to the reference, and a hash of the KLs (the
-setting must change no byte).
+seconds, the times the bound gave memory back, ratios to the reference, and a hash of the responses, the
+reference's logprobs and the KLs (the setting must change no byte).
 
 Each setting runs ``--repeats`` times (3), the settings in turn: how far the heap grows depends on the order in
 which the threads free and take blocks, so one run's peak is a draw (unbounded, on one Intel machine on one
@@ -79,7 +79,7 @@ with torch.no_grad():
         own = response_hidden(policy, query_responses, mask, query_length)
         mine, theirs = (partial(response_logits, m, temperature=temperature, pad_token_id=pad) for m in (policy, base))
         kl = exact_kl_by_rows(mine, theirs, own, reference.hidden, out.mask)
-        digest.update(out.responses.numpy().tobytes() + kl.numpy().tobytes())
+        digest.update(out.responses.numpy().tobytes() + reference.logprobs.numpy().tobytes() + kl.numpy().tobytes())
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({
     "kept": kept, "peak_mb": allocator.peak_rss_mb(), "faults": usage.ru_minflt, "system_s": usage.ru_stime,
@@ -162,7 +162,8 @@ def main() -> None:
         f"{args.rounds} rounds of {args.rows} queries x {args.response_length} tokens on a tiny gemma3_text with "
         f"262,144 tokens; each setting in its own process, {args.repeats} per setting, the settings taken in turn; "
         "wall s, faults and system s are medians",
-        f"responses and KLs the same bytes in every run: {'yes' if same else 'NO'} ({', '.join(digests)})",
+        "responses, reference logprobs and KLs the same bytes in every run: "
+        f"{'yes' if same else 'NO'} ({', '.join(digests)})",
     ]
     emit_table("Malloc settings on a 262k vocabulary", env, headers, rows, notes, args)
     if not same:

@@ -270,6 +270,30 @@ def shared_lower_blocks(model: nn.Module, other: nn.Module) -> int:
     return count
 
 
+# Past this size, a (B, R, V) fp32 logits block is made a few responses at a time. Why: Gemma 3's
+# 262,144-token vocabulary makes 96 responses of 16 tokens 1.6 GB a block, which the pad mask and the
+# temperature each copy. Blocks that large fragment glibc's heap: `evaluate` on Gemma peaked at 7 to 12 GB
+# with at most 3.7 GB in use (bench/results/gemma3_270m/evaluate_rule_C_trace_2026-11-30.md). The CPU
+# profile's largest block on SmolLM2 (evaluate: 96 x 16 x 49,153) is 302 MB, under it: that run computes
+# as before.
+LOGITS_BLOCK_BYTES = 2**29
+
+
+def responses_per_logits_block(responses: int, response_length: int, vocabulary: int, limit: int | None = None) -> int:
+    """Responses per block when ``responses`` responses' fp32 logits over the ``vocabulary`` are made in
+    blocks of at most ``limit`` bytes (:data:`LOGITS_BLOCK_BYTES`; at least one response a block). The
+    blocks are as equal as the count allows, so each one reuses the memory its predecessor freed."""
+    limit = LOGITS_BLOCK_BYTES if limit is None else limit
+    fits = max(1, limit // max(1, response_length * vocabulary * 4))
+    blocks = -(-responses // fits)
+    return max(1, -(-responses // max(1, blocks)))
+
+
+def vocabulary_size(model: nn.Module) -> int:
+    """Rows of ``model``'s LM head: the size of its logits' last dimension."""
+    return model.get_output_embeddings().weight.shape[0]
+
+
 def response_logits(model: nn.Module, hidden: Tensor, temperature: float, pad_token_id: int) -> Tensor:
     """(B, R, V) fp32 logits at ``temperature`` of the response positions' final hidden states (B, R, H):
     ``model``'s LM head, the pad token never drawn."""
@@ -313,14 +337,25 @@ def response_outputs(
     """The one path from a forward over query+response to the response tokens' logprobs under
     ``model`` at ``temperature`` (and their entropy when asked): from block ``start_layer`` on,
     given the ``trunk`` entering it, with the LM head on the response positions only. PPO's
-    training forward, its reference pass and the evaluation's KL all go through it."""
+    training forward, its reference pass and the evaluation's KL all go through it. The head runs on
+    :func:`responses_per_logits_block` responses at a time, so no logits block passes
+    :data:`LOGITS_BLOCK_BYTES` (a batch under it is one block, computed as a whole)."""
     hidden = response_hidden(model, query_responses, attention_mask, query_length, start_layer, trunk)
-    logits = response_logits(model, hidden, temperature, pad_token_id)
     labels = query_responses[:, query_length:]
-    if entropy:
-        logprobs, entropies = logprobs_and_entropy(logits, labels)
-    else:  # gather minus logsumexp: no (B, R, V) log-softmax is kept
-        logprobs, entropies = logprobs_from_logits(logits, labels), None
+    per_block = responses_per_logits_block(*labels.shape, vocabulary_size(model))
+    parts = []
+    for block_hidden, block_labels in zip(hidden.split(per_block), labels.split(per_block)):
+        logits = response_logits(model, block_hidden, temperature, pad_token_id)
+        if entropy:
+            parts.append(logprobs_and_entropy(logits, block_labels))
+        else:  # gather minus logsumexp: no (B, R, V) log-softmax is kept
+            parts.append((logprobs_from_logits(logits, block_labels), None))
+        del logits  # freed before the next block's are made
+    if len(parts) == 1:
+        logprobs, entropies = parts[0]
+    else:
+        logprobs = torch.cat([part[0] for part in parts])
+        entropies = torch.cat([part[1] for part in parts]) if entropy else None
     # padding after an EOS (stop mode) is masked downstream; keep it finite here
     logprobs = torch.where(labels == pad_token_id, torch.zeros_like(logprobs), logprobs)
     return ResponseOutputs(logprobs, entropies, hidden)

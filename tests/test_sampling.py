@@ -143,6 +143,56 @@ def test_response_hidden_is_response_outputs_hidden_without_the_head(tiny_model,
             assert torch.equal(hidden, response_outputs(tiny_model, *args, 0.7, pad, start, trunk).hidden)
 
 
+def test_logits_blocks_are_equal_and_under_the_limit():
+    """Gemma 3's 262,145 tokens (its pad added): 96 responses of 16 tokens are 1.6 GB of fp32 logits, made
+    in four equal blocks of 24 (403 MB each) under 512 MiB; SmolLM2's 49,153 keep the CPU profile's 96 in
+    one block (302 MB), as before the limit existed; a response too large alone still gets a block."""
+    from rlhf_pipeline.sampling import LOGITS_BLOCK_BYTES, responses_per_logits_block
+
+    assert responses_per_logits_block(96, 16, 262_145) == 24
+    assert 24 * 16 * 262_145 * 4 <= LOGITS_BLOCK_BYTES < 96 * 16 * 262_145 * 4
+    assert responses_per_logits_block(96, 16, 49_153) == 96
+    assert responses_per_logits_block(7, 3, 10, limit=2 * 3 * 10 * 4) == 2  # 4 blocks: 2, 2, 2, 1
+    assert responses_per_logits_block(3, 16, 10**9) == 1
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_response_outputs_in_blocks_runs_the_head_on_a_block_at_a_time_and_gives_the_whole_batch(
+    tiny_model, tiny_tokenizer, monkeypatch, entropy
+):
+    """With the limit at two responses' logits, the LM head sees two rows at a time (three calls for five
+    responses: 2, 2, 1), and the logprobs and entropies are those of one block over the whole batch."""
+    from rlhf_pipeline import sampling
+    from rlhf_pipeline.sampling import response_outputs, sample_responses
+
+    pad = tiny_tokenizer.pad_token_id
+    queries = torch.tensor([[pad, pad, 5, 6, 7], [8, 9, 10, 11, 12], [pad, 13, 14, 15, 16]]).repeat(2, 1)[:5]
+    generator = torch.Generator().manual_seed(0)
+    responses = sample_responses(tiny_model, queries, queries != pad, 6, 0.7, pad, generator=generator).responses
+    full = torch.cat([queries, responses], dim=1)
+    args = (full, full != pad, queries.shape[1], 0.7, pad)
+    with torch.no_grad():
+        whole = response_outputs(tiny_model, *args, entropy=entropy)
+        rows_seen = []
+        hook = tiny_model.get_output_embeddings().register_forward_hook(
+            lambda module, inputs, output: rows_seen.append(inputs[0].shape[0])
+        )
+        vocabulary = tiny_model.get_output_embeddings().weight.shape[0]
+        monkeypatch.setattr(sampling, "LOGITS_BLOCK_BYTES", 2 * 6 * vocabulary * 4)
+        try:
+            blocks = response_outputs(tiny_model, *args, entropy=entropy)
+        finally:
+            hook.remove()
+    assert rows_seen == [2, 2, 1]
+    torch.testing.assert_close(blocks.logprobs, whole.logprobs, rtol=0, atol=1e-6)
+    assert (blocks.logprobs[responses == pad] == 0).all()
+    if entropy:
+        torch.testing.assert_close(blocks.entropy, whole.entropy, rtol=0, atol=1e-6)
+    else:
+        assert blocks.entropy is None and whole.entropy is None
+    assert torch.equal(blocks.hidden, whole.hidden)
+
+
 @pytest.mark.parametrize("process_share", [(0, 1), (1, 2)])
 def test_one_call_over_chunks_samples_what_the_chunks_sample_one_by_one(tiny_model, tiny_tokenizer, process_share):
     """chunk_uniforms draws, chunk after chunk, what each chunk's call would draw step by step (this
