@@ -177,8 +177,7 @@ def test_response_outputs_in_blocks_runs_the_head_on_a_block_at_a_time_and_gives
         hook = tiny_model.get_output_embeddings().register_forward_hook(
             lambda module, inputs, output: rows_seen.append(inputs[0].shape[0])
         )
-        vocabulary = tiny_model.get_output_embeddings().weight.shape[0]
-        monkeypatch.setattr(sampling, "LOGITS_BLOCK_BYTES", 2 * 6 * vocabulary * 4)
+        monkeypatch.setattr(sampling, "LOGITS_BLOCK_BYTES", 2 * 6 * sampling.vocabulary_size(tiny_model) * 4)
         try:
             blocks = response_outputs(tiny_model, *args, entropy=entropy)
         finally:
