@@ -12,6 +12,11 @@ Metrics are computed by small functions on tensors (tested on hand-made numbers)
   ties counting one half;
 - improvement in base-std units with its paired standard error: base and policy answer the same
   queries, so the error of the difference comes from the per-query differences.
+
+With ``evaluate.responses_per_query`` = k > 1 each model answers every query k times (rows
+``i * k + j``: query i's j-th response, the prefill run once per query); the per-response scores are
+averaged per query before a standard error is taken, so the error counts queries, not responses
+(responses to one query are not independent draws of the test set).
 """
 
 from __future__ import annotations
@@ -51,9 +56,17 @@ def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor | None = No
     return kl.sum(-1)
 
 
-def mean_and_stderr(values: Tensor) -> tuple[float, float]:
-    """The mean of ``values`` (n,) and its standard error ``sd / sqrt(n)`` (sample sd; 0 for one value)."""
-    values = values.double()
+def per_query(values: Tensor | np.ndarray, responses_per_query: int = 1):
+    """Each query's mean over its ``responses_per_query`` consecutive rows: (n * k,) -> (n,)."""
+    if len(values) % responses_per_query:
+        raise ValueError(f"{len(values)} values are not whole groups of {responses_per_query} responses per query")
+    return values.reshape(-1, responses_per_query).mean(1)
+
+
+def mean_and_stderr(values: Tensor, responses_per_query: int = 1) -> tuple[float, float]:
+    """The mean of ``values`` (n * k,) and its standard error over the n queries ``sd(q) / sqrt(n)``, with
+    ``q`` each query's mean over its k responses (sample sd; 0 for one query)."""
+    values = per_query(values.double(), responses_per_query)
     return values.mean().item(), (values.std() / len(values) ** 0.5).item() if len(values) > 1 else 0.0
 
 
@@ -82,60 +95,73 @@ def undefined_scale(base_scores) -> str | None:
     )
 
 
-def paired_improvement(policy_scores, base_scores) -> tuple[float, float] | tuple[None, None]:
+def paired_improvement(
+    policy_scores, base_scores, responses_per_query: int = 1
+) -> tuple[float, float] | tuple[None, None]:
     r"""Improvement of the policy over the base on the same queries, in units of the base's std,
     and its standard error.
 
     .. math::
         \Delta = \frac{\bar p - \bar b}{s_b},\qquad
-        \mathrm{SE}(\Delta) = \frac{\mathrm{sd}(p_i - b_i)}{\sqrt n\, s_b}
+        \mathrm{SE}(\Delta) = \frac{\mathrm{sd}(d_i)}{\sqrt n\, s_b},\qquad
+        d_i = \frac1k \sum_j (p_{ij} - b_{ij})
 
-    ``s_b`` is the base scores' std (population); ``sd`` of the differences is the sample std
-    (n - 1). Pairing removes the between-query variance that two independent samples would carry;
-    the uncertainty of ``s_b`` itself is left out (a scale, the same for every checkpoint).
-    ``(None, None)`` when ``s_b`` is ~0 (:func:`undefined_scale` says why).
+    over n queries with k responses each (rows ``i * k + j``). ``s_b`` is the std (population) of the
+    base's scores of single responses, the scale a user meets, whatever k; ``sd`` of the per-query
+    differences is the sample std (n - 1). Pairing removes the between-query variance that two
+    independent samples would carry; the uncertainty of ``s_b`` itself is left out (a scale, the same
+    for every checkpoint). ``(None, None)`` when ``s_b`` is ~0 (:func:`undefined_scale` says why).
     """
     policy_scores, base_scores = np.asarray(policy_scores, dtype=float), np.asarray(base_scores, dtype=float)
-    if policy_scores.shape != base_scores.shape or policy_scores.size < 2:
-        raise ValueError("paired_improvement needs two arrays of the same shape with at least 2 entries")
+    if policy_scores.shape != base_scores.shape or policy_scores.size < 2 * responses_per_query:
+        raise ValueError("paired_improvement needs two arrays of the same shape with at least 2 queries")
     if undefined_scale(base_scores):
         return None, None
     scale = float(base_scores.std())
-    differences = policy_scores - base_scores
+    differences = per_query(policy_scores - base_scores, responses_per_query)
     return float(differences.mean() / scale), float(differences.std(ddof=1) / np.sqrt(differences.size) / scale)
 
 
 @dataclass(kw_only=True)
 class SampleSet:
-    """Samples of one model on the evaluation queries (``n`` of them), with their scores."""
+    """Samples of one model on the evaluation queries (``n`` of them, ``k`` responses each: row
+    ``i * k + j`` is query i's j-th response), with their scores."""
 
-    responses: Tensor  # (n, R) truncated, as scored
-    valid: Tensor  # (n,) bool
-    proxy: Tensor  # (n,) the task's score: normalised reward model, penalty where invalid
-    gold: np.ndarray | None  # (n,) the labeler's score, when labels are simulated
-    kl: Tensor  # (n,) per-sequence KL from the base model, by ppo.kl.estimator
-    kl_k1: Tensor  # (n,) the same with k1 (the same tensor when the estimator is k1)
-    kl_exact: Tensor  # (n,) the same with each token's term exact over the vocabulary
+    responses: Tensor  # (n * k, R) truncated, as scored
+    valid: Tensor  # (n * k,) bool
+    proxy: Tensor  # (n * k,) the task's score: normalised reward model, penalty where invalid
+    gold: np.ndarray | None  # (n * k,) the labeler's score, when labels are simulated
+    kl: Tensor  # (n * k,) per-sequence KL from the base model, by ppo.kl.estimator
+    kl_k1: Tensor  # (n * k,) the same with k1 (the same tensor when the estimator is k1)
+    kl_exact: Tensor  # (n * k,) the same with each token's term exact over the vocabulary
     texts: list[str]
+    responses_per_query: int = 1  # k
+
+    @property
+    def num_queries(self) -> int:
+        return len(self.proxy) // self.responses_per_query
 
     def first(self, n: int) -> SampleSet:
-        """The samples of the first ``n`` queries."""
+        """The samples of the first ``n`` queries (all their responses)."""
+        rows = n * self.responses_per_query
         return SampleSet(
-            responses=self.responses[:n],
-            valid=self.valid[:n],
-            proxy=self.proxy[:n],
-            gold=None if self.gold is None else self.gold[:n],
-            kl=self.kl[:n],
-            kl_k1=self.kl_k1[:n],
-            kl_exact=self.kl_exact[:n],
-            texts=self.texts[:n],
+            responses=self.responses[:rows],
+            valid=self.valid[:rows],
+            proxy=self.proxy[:rows],
+            gold=None if self.gold is None else self.gold[:rows],
+            kl=self.kl[:rows],
+            kl_k1=self.kl_k1[:rows],
+            kl_exact=self.kl_exact[:rows],
+            texts=self.texts[:rows],
+            responses_per_query=self.responses_per_query,
         )
 
 
 @dataclass(kw_only=True)
 class Evaluation:
     """What every model is measured against: the base model, the reward model, the held-out
-    queries, the task's sampler, and how (seed, batch size, gold labeler, KL estimator)."""
+    queries, the task's sampler, and how (seed, batch size, gold labeler, KL estimator, responses
+    per query)."""
 
     base: nn.Module
     reward_model: RewardModel
@@ -143,9 +169,14 @@ class Evaluation:
     sampler: ResponseSampler
     tokenizer: Any
     seed: int  # the same for every model: base and policy draw the same random stream
-    batch_size: int
+    batch_size: int  # responses sampled at once: batch_size // responses_per_query queries
     labeler: Any = None
     kl_estimator: str = "k1"
+    responses_per_query: int = 1
+
+    @property
+    def queries_per_batch(self) -> int:
+        return max(1, self.batch_size // self.responses_per_query)
 
 
 @torch.no_grad()
@@ -157,18 +188,21 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
     response position); a model that shares its lowest blocks with the base (a PPO policy trained with
     frozen lower blocks) hands both its trunk, captured while sampling, so only the blocks above it run."""
     base, queries, sampler = setup.base, setup.queries.to(model_device(model)), setup.sampler
+    per_query_rows = setup.responses_per_query
     generator = torch.Generator().manual_seed(setup.seed)
     truncated, valids, kls, kls_k1, kls_exact = [], [], [], [], []
     shared = 0 if model is base else shared_lower_blocks(model, base)
     lines = Progress(progress, len(queries), "queries sampled")
-    for rows in iterate_batches(len(queries), setup.batch_size):
-        out, trunc, valid = sampler.sample(model, queries[rows], generator, capture_layers=(shared,) if shared else ())
+    for rows in iterate_batches(len(queries), setup.queries_per_batch):
+        out, trunc, valid = sampler.sample(
+            model, queries[rows], generator, num_samples=per_query_rows, capture_layers=(shared,) if shared else ()
+        )
         if model is base:
             kls.append(torch.zeros(len(out.responses)))
             kls_k1.append(kls[-1])  # used only with another estimator, where k1 of the base is 0 too
             kls_exact.append(kls[-1])
         else:
-            query_responses = torch.cat([queries[rows], out.responses], 1)
+            query_responses = torch.cat([repeat_rows(queries[rows], per_query_rows), out.responses], 1)
             temperature, pad = sampler.task.temperature, sampler.pad_token_id
             mask, trunk = query_responses != pad, out.hidden.get(shared)
             reference = response_outputs(base, query_responses, mask, queries.shape[1], temperature, pad, shared, trunk)
@@ -187,7 +221,12 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
         lines.update(rows.stop)
     truncated_t, valid_t = torch.cat(truncated), torch.cat(valids)
     proxy = task_scores(
-        setup.reward_model, queries, truncated_t, valid_t, sampler.task.penalty_reward, setup.batch_size
+        setup.reward_model,
+        repeat_rows(queries, per_query_rows),
+        truncated_t,
+        valid_t,
+        sampler.task.penalty_reward,
+        setup.batch_size,
     )
     texts = setup.tokenizer.batch_decode(truncated_t, skip_special_tokens=True)
     gold = np.asarray(setup.labeler.score(texts), dtype=float) if setup.labeler is not None else None
@@ -203,16 +242,25 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
         kl_k1=kl_k1,
         kl_exact=torch.cat(kls_exact).cpu(),
         texts=texts,
+        responses_per_query=per_query_rows,
     )
 
 
+def repeat_rows(queries: Tensor, times: int) -> Tensor:
+    """Each query row ``times`` times in a row, as the sampler lays out its responses (the queries
+    themselves, not a copy, for one)."""
+    return queries if times == 1 else queries.repeat_interleave(times, 0)
+
+
 def summarize(base: SampleSet, policy: SampleSet) -> dict:
-    kl_exact, kl_exact_se = mean_and_stderr(policy.kl_exact)
+    """The evaluation's metrics: means over every response, standard errors over queries."""
+    k = policy.responses_per_query
+    kl_exact, kl_exact_se = mean_and_stderr(policy.kl_exact, k)
     metrics = {
         keys.PROXY_BASE_MEAN: base.proxy.mean().item(),
         keys.PROXY_POLICY_MEAN: policy.proxy.mean().item(),
         keys.KL: policy.kl.mean().item(),
-        keys.KL_SE: mean_and_stderr(policy.kl)[1],
+        keys.KL_SE: mean_and_stderr(policy.kl, k)[1],
         **({"kl/k1_mean": policy.kl_k1.mean().item()} if policy.kl_k1 is not policy.kl else {}),
         keys.KL_EXACT: kl_exact,
         keys.KL_EXACT_SE: kl_exact_se,
@@ -220,36 +268,37 @@ def summarize(base: SampleSet, policy: SampleSet) -> dict:
         "valid/base": base.valid.float().mean().item(),
         "valid/policy": policy.valid.float().mean().item(),
     }
-    metrics.update(_improvement("proxy", policy.proxy.numpy(), base.proxy.numpy()))
+    metrics.update(_improvement("proxy", policy.proxy.numpy(), base.proxy.numpy(), k))
     if base.gold is not None and policy.gold is not None:
         metrics.update(
             {
                 keys.GOLD_BASE_MEAN: float(base.gold.mean()),
                 keys.GOLD_BASE_STD: float(base.gold.std()),
                 keys.GOLD_POLICY_MEAN: float(policy.gold.mean()),
-                **_improvement("gold", policy.gold, base.gold),
-                keys.GOLD_QUERIES: int(base.gold.size),
+                **_improvement("gold", policy.gold, base.gold, k),
+                keys.GOLD_QUERIES: policy.num_queries,
                 keys.WIN_RATE_GOLD: win_rate(policy.gold, base.gold),
             }
         )
+    metrics[keys.RESPONSES_PER_QUERY] = k
     return metrics
 
 
-def _improvement(score: str, policy_scores, base_scores) -> dict:
+def _improvement(score: str, policy_scores, base_scores, responses_per_query: int = 1) -> dict:
     """``score``'s paired improvement metrics: null, with ``<score>/improvement_undefined`` saying
     why, when the base's scores have no spread."""
-    gain, stderr = paired_improvement(policy_scores, base_scores)
+    gain, stderr = paired_improvement(policy_scores, base_scores, responses_per_query)
     reason = {keys.gain_undefined(score): undefined_scale(base_scores)} if gain is None else {}
     return {keys.gain(score): gain, keys.gain_se(score): stderr, **reason}
 
 
-def curve_queries(num_queries: int, wanted: int | None, batch_size: int) -> int:
+def curve_queries(num_queries: int, wanted: int | None, queries_per_batch: int) -> int:
     """How many of the ``num_queries`` evaluation queries a curve checkpoint is sampled on
     (``evaluate.curve_queries``): the first ``wanted`` rounded up to whole batches, so that each row
     gets the uniform the base's row got (the sampler draws a batch's uniforms together); all when null."""
     if wanted is None:
         return num_queries
-    return min(num_queries, -(-wanted // batch_size) * batch_size)
+    return min(num_queries, -(-wanted // queries_per_batch) * queries_per_batch)
 
 
 def curve_point(update: int, sample: SampleSet, base: SampleSet) -> dict:
@@ -257,9 +306,9 @@ def curve_point(update: int, sample: SampleSet, base: SampleSet) -> dict:
     error), and proxy and gold as paired improvements over the base in base-std units (with
     theirs), so the two scores share one comparable scale; raw means are kept too. ``base`` holds
     the base's samples on the queries ``sample`` was drawn on (the first ones: :meth:`SampleSet.first`)."""
-    base = base.first(len(sample.proxy))
-    kl, kl_stderr = mean_and_stderr(sample.kl)
-    kl_exact, kl_exact_stderr = mean_and_stderr(sample.kl_exact)
+    base, k = base.first(sample.num_queries), sample.responses_per_query
+    kl, kl_stderr = mean_and_stderr(sample.kl, k)
+    kl_exact, kl_exact_stderr = mean_and_stderr(sample.kl_exact, k)
     point = {
         "update": update,
         "kl": kl,
@@ -269,13 +318,13 @@ def curve_point(update: int, sample: SampleSet, base: SampleSet) -> dict:
         "sqrt_kl": max(kl, 0.0) ** 0.5,
         "proxy": sample.proxy.mean().item(),
         "gold": None if sample.gold is None else float(sample.gold.mean()),
-        "queries": len(sample.proxy),
+        "queries": sample.num_queries,
     }
     scored = {"proxy": (sample.proxy.numpy(), base.proxy.numpy())}
     if sample.gold is not None and base.gold is not None:
         scored["gold"] = (sample.gold, base.gold)
     for key, (mine, theirs) in scored.items():  # null where base-σ is undefined (charts skip nulls)
-        point[f"{key}_std_units"], point[f"{key}_stderr"] = paired_improvement(mine, theirs)
+        point[f"{key}_std_units"], point[f"{key}_stderr"] = paired_improvement(mine, theirs, k)
     return point
 
 

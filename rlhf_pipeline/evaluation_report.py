@@ -9,22 +9,25 @@ from pathlib import Path
 
 from rlhf_pipeline.evaluation import SampleSet, overoptimization_plot
 from rlhf_pipeline.io import atomic_file, write_json
+from rlhf_pipeline.metric_keys import RESPONSES_PER_QUERY
 from rlhf_pipeline.ppo.checkpoint import snapshot_name
 
 PLOT = "overoptimization.png"
 
 
 def sample_rows(query_texts: list[str], base_set: SampleSet, policy_set: SampleSet) -> list[dict]:
-    """One row per held-out query: its text, the base's and the policy's response and scores, the KL
-    (``ppo.kl.estimator``'s and the exact one).
-    Every query, not a sample of them: the promotion gate pairs versions on these (rlhf models gate)."""
+    """One row per response pair: the query's text, the base's and the policy's response and scores, the KL
+    (``ppo.kl.estimator``'s and the exact one); a query answered k times (``evaluate.responses_per_query``)
+    has k rows in a row. Every query, not a sample of them: the promotion gate pairs versions on these (rlhf
+    models gate)."""
 
     def gold(sample_set: SampleSet, i: int) -> float | None:
         return None if sample_set.gold is None else round(float(sample_set.gold[i]), 4)
 
+    k = policy_set.responses_per_query
     return [
         {
-            "query": query,
+            "query": query_texts[i // k],
             "base_response": base_set.texts[i],
             "policy_response": policy_set.texts[i],
             "base_proxy": round(base_set.proxy[i].item(), 4),
@@ -34,7 +37,7 @@ def sample_rows(query_texts: list[str], base_set: SampleSet, policy_set: SampleS
             "kl": round(policy_set.kl[i].item(), 4),
             "kl_exact": round(policy_set.kl_exact[i].item(), 4),
         }
-        for i, query in enumerate(query_texts)
+        for i in range(len(query_texts) * k)
     ]
 
 
@@ -91,13 +94,14 @@ def render_report(metrics: dict, points: list[dict], best: dict, rows: list[dict
     lines = [
         "# Evaluation report",
         "",
-        f"Held-out test queries: {metrics['queries']}. Base and policy sampled with the same seed.",
+        f"Held-out test queries: {metrics['queries']}, {metrics.get(RESPONSES_PER_QUERY, 1)} response(s) to each "
+        "from each model. Base and policy sampled with the same seed; standard errors are over queries.",
         "",
         "| metric | value |",
         "|---|---|",
     ]
     for key, value in metrics.items():
-        if not isinstance(value, dict) and key != "queries":
+        if not isinstance(value, dict) and key not in ("queries", RESPONSES_PER_QUERY):
             lines.append(f"| `{key}` | {_fmt(value)} |")
     lines += [
         "",

@@ -43,9 +43,12 @@ class Paired:
     r"""The mean paired difference of the challenger over the incumbent and its standard error.
 
     .. math::
-        \bar d = \frac1n \sum_i (c_i - p_i),\qquad \mathrm{SE}(\bar d) = \frac{\mathrm{sd}(c_i - p_i)}{\sqrt n}
+        \bar d = \frac1n \sum_i d_i,\qquad \mathrm{SE}(\bar d) = \frac{\mathrm{sd}(d_i)}{\sqrt n},\qquad
+        d_i = \frac1{k_i} \sum_j (c_{ij} - p_{ij})
 
-    with ``sd`` the sample std (n - 1): pairing removes the between-query variance."""
+    over n queries, query i answered k_i times by each side (``evaluate.responses_per_query``), with ``sd``
+    the sample std (n - 1): pairing removes the between-query variance, and averaging a query's responses
+    first keeps the error over queries (one query's responses are not independent draws of the test set)."""
 
     mean: float
     stderr: float
@@ -57,11 +60,19 @@ class Paired:
         return self.mean / self.stderr if self.stderr > 0 else None
 
 
-def paired(challenger: Sequence[float], incumbent: Sequence[float]) -> Paired:
+def paired(challenger: Sequence[float], incumbent: Sequence[float], queries: Sequence[str] | None = None) -> Paired:
+    """:class:`Paired` of two score lists, row i of each answering ``queries[i]`` (rows of one query are
+    averaged first); every row its own query when ``queries`` is None."""
     c, p = np.asarray(challenger, dtype=float), np.asarray(incumbent, dtype=float)
-    if c.shape != p.shape or c.size < 2:
-        raise ValueError("paired needs two score lists of the same length, at least 2")
+    if c.shape != p.shape or (queries is not None and len(queries) != c.size):
+        raise ValueError("paired needs two score lists of the same length, and a query for each row")
     d = c - p
+    if queries is not None:
+        first_seen: dict[str, int] = {}
+        group = np.asarray([first_seen.setdefault(query, len(first_seen)) for query in queries], dtype=np.int64)
+        d = np.bincount(group, weights=d) / np.bincount(group)
+    if d.size < 2:
+        raise ValueError("paired needs at least 2 queries")
     return Paired(mean=float(d.mean()), stderr=float(d.std(ddof=1) / np.sqrt(d.size)), n=int(d.size))
 
 
@@ -204,16 +215,16 @@ def compare(
     notes = []
     if len(c.queries) < len(challenger.queries):
         notes.append(
-            f"{len(challenger.queries) - len(c.queries)} of the challenger's {len(challenger.queries)} held-out "
-            f"queries have no answer from {incumbent.label} (the held-out queries changed): compared on the rest"
+            f"{len(challenger.queries) - len(c.queries)} of the challenger's {len(challenger.queries)} responses to "
+            f"held-out queries have no counterpart from {incumbent.label} (the held-out queries, or "
+            "evaluate.responses_per_query, changed): compared on the rest"
         )
-    if len(c.queries) < 2:
-        return Comparison(
-            challenger.label, incumbent.label, len(c.queries), None, Paired(0.0, 0.0, 0), kl, judge_name, notes
-        )
-    gold = paired(judge(c.queries, c.responses), judge(p.queries, p.responses)) if judge else None
-    proxy_diff = paired(proxy(c.queries, c.responses), proxy(p.queries, p.responses))
-    return Comparison(challenger.label, incumbent.label, len(c.queries), gold, proxy_diff, kl, judge_name, notes)
+    queries = len(set(c.queries))  # a query answered k times (evaluate.responses_per_query) counts once
+    if queries < 2:
+        return Comparison(challenger.label, incumbent.label, queries, None, Paired(0.0, 0.0, 0), kl, judge_name, notes)
+    gold = paired(judge(c.queries, c.responses), judge(p.queries, p.responses), c.queries) if judge else None
+    proxy_diff = paired(proxy(c.queries, c.responses), proxy(p.queries, p.responses), c.queries)
+    return Comparison(challenger.label, incumbent.label, queries, gold, proxy_diff, kl, judge_name, notes)
 
 
 def decide(comparison: Comparison, rule: PromotionParams) -> Decision:

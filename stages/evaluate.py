@@ -74,6 +74,7 @@ def main(params: Params) -> None:
         batch_size=cfg.batch_size,
         labeler=labeler,
         kl_estimator=params.ppo.kl.estimator,
+        responses_per_query=cfg.responses_per_query,
     )
     queries = setup.queries
 
@@ -92,7 +93,9 @@ def main(params: Params) -> None:
     # the shipped policy's weights, so its sample set is the policy's.
     shipped_update = snapshot_update(snapshots[-1]) if snapshots and snapshot_matches(policy, snapshots[-1]) else None
     # the other checkpoints on the first evaluate.curve_queries queries, paired with the base's samples there
-    curve_setup = replace(setup, queries=queries[: curve_queries(len(queries), cfg.curve_queries, cfg.batch_size)])
+    curve_setup = replace(
+        setup, queries=queries[: curve_queries(len(queries), cfg.curve_queries, setup.queries_per_batch)]
+    )
     points = [curve_point(0, base_set, base_set)]
     for snapshot in snapshots:
         update = snapshot_update(snapshot)

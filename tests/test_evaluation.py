@@ -70,7 +70,23 @@ def test_paired_improvement_by_hand():
         paired_improvement([1.0], [0.0])
 
 
-def sample_set(proxy, gold, kl, valid, responses, kl_k1=None, kl_exact=None):
+def test_paired_improvement_averages_each_querys_responses_first():
+    """Two queries, two responses each (rows 0-1: query 0, rows 2-3: query 1). Base [0, 1, 2, 3]:
+    population std sqrt(1.25); differences [1, 3, 0, 2]: per query 2 and 1, mean 1.5, sample sd
+    sqrt(0.5); improvement 1.5 / sqrt(1.25) = 1.341641, standard error sqrt(0.5) / sqrt(2) / sqrt(1.25)
+    = 0.447214. As four independent rows the error would be sd([1, 3, 0, 2]) / 2 / sqrt(1.25) = 0.577350."""
+    policy, base = [1.0, 4.0, 2.0, 5.0], [0.0, 1.0, 2.0, 3.0]
+    gain, stderr = paired_improvement(policy, base, responses_per_query=2)
+    assert gain == pytest.approx(1.341641, abs=1e-6) and stderr == pytest.approx(0.447214, abs=1e-6)
+    assert paired_improvement(policy, base)[1] == pytest.approx(0.577350, abs=1e-6)
+    assert paired_improvement(policy, base)[0] == gain  # the mean is every response's either way
+    with pytest.raises(ValueError, match="at least 2 queries"):
+        paired_improvement([1.0, 2.0], [0.0, 0.0], responses_per_query=2)
+    with pytest.raises(ValueError, match="not whole groups"):
+        paired_improvement([1.0, 2.0, 3.0, 4.0, 5.0], [0.0, 1.0, 2.0, 3.0, 4.0], responses_per_query=2)
+
+
+def sample_set(proxy, gold, kl, valid, responses, kl_k1=None, kl_exact=None, responses_per_query=1):
     kl = torch.tensor(kl)
     return SampleSet(
         responses=torch.tensor(responses),
@@ -81,7 +97,45 @@ def sample_set(proxy, gold, kl, valid, responses, kl_k1=None, kl_exact=None):
         kl_k1=kl if kl_k1 is None else torch.tensor(kl_k1),
         kl_exact=kl if kl_exact is None else torch.tensor(kl_exact),
         texts=["x"] * len(proxy),
+        responses_per_query=responses_per_query,
     )
+
+
+def test_summarize_with_two_responses_per_query_takes_errors_over_queries():
+    """Three queries, two responses each. Means are over the six responses; standard errors over the
+    three queries' means; gold/queries counts queries."""
+    k = 2
+    base = sample_set(
+        [0.0] * 6, [0.0, 1.0, 2.0, 3.0, 0.0, 0.0], [0.0] * 6, [True] * 6, [[1]] * 6, responses_per_query=k
+    )
+    policy = sample_set(
+        [1.0] * 6,
+        [1.0, 4.0, 2.0, 5.0, 1.0, 1.0],  # differences [1, 3, 0, 2, 1, 1]: per query 2, 1, 1
+        [1.0, 3.0, 2.0, 2.0, 5.0, 5.0],  # per query 2, 2, 5: mean 3, sd sqrt(3)
+        [True] * 6,
+        [[1]] * 6,
+        responses_per_query=k,
+    )
+    metrics = summarize(base, policy)
+    assert metrics["gold/queries"] == 3 and metrics["responses_per_query"] == 2
+    assert metrics["kl/mean"] == pytest.approx(3.0) and metrics["kl/stderr"] == pytest.approx(1.0)  # sqrt(3)/sqrt(3)
+    scale = np.std([0.0, 1.0, 2.0, 3.0, 0.0, 0.0])  # the single responses' spread, not the query means'
+    assert metrics["gold/improvement_in_base_std"] == pytest.approx((4 / 3) / scale)
+    assert metrics["gold/improvement_stderr_in_base_std"] == pytest.approx(np.std([2, 1, 1], ddof=1) / 3**0.5 / scale)
+    # a curve checkpoint on the first two queries pairs with the base's first four rows
+    point = curve_point(5, policy.first(2), base)
+    assert point["queries"] == 2 and point["kl"] == pytest.approx(2.0) and point["kl_stderr"] == pytest.approx(0.0)
+    assert policy.first(2).responses_per_query == 2 and len(policy.first(2).proxy) == 4
+
+
+def test_response_rows_repeat_the_query_for_each_of_its_responses():
+    from rlhf_pipeline.evaluation_report import sample_rows
+
+    base = sample_set([0.0, 0.1, 0.2, 0.3], None, [0.0] * 4, [True] * 4, [[1]] * 4, responses_per_query=2)
+    policy = sample_set([1.0, 1.1, 1.2, 1.3], None, [0.5] * 4, [True] * 4, [[1]] * 4, responses_per_query=2)
+    rows = sample_rows(["q0", "q1"], base, policy)
+    assert [r["query"] for r in rows] == ["q0", "q0", "q1", "q1"]
+    assert [r["policy_proxy"] for r in rows] == [1.0, 1.1, 1.2, 1.3]
 
 
 def test_summarize_by_hand():
@@ -274,6 +328,42 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     assert (result.kl_exact > 0).all()  # exact: never negative, unlike k1
     itself = sample_and_score(base, Evaluation(**{**setup.__dict__, "batch_size": 4}))
     assert torch.equal(itself.kl, torch.zeros(6)) and torch.equal(itself.kl_exact, torch.zeros(6))
+
+
+def test_several_responses_per_query_are_sampled_on_one_prefill_and_scored_on_their_query(
+    tiny_base_dir, tiny_tokenizer
+):
+    """evaluate.responses_per_query = 2: rows 2i and 2i + 1 answer query i, drawn as the sampler draws
+    two samples per query on the same stream; the KLs are the base's full forward on each row's own query,
+    and the proxy the reward model's score of each row with its own query."""
+    from rlhf_pipeline.evaluation import Evaluation, sample_and_score
+    from rlhf_pipeline.reward.normalization import task_scores
+    from rlhf_pipeline.sampling import response_outputs
+
+    pad = tiny_tokenizer.pad_token_id
+    queries = torch.randint(0, 250, (5, 5), generator=torch.Generator().manual_seed(2))
+    queries[:2, :2] = pad
+    base, policy, setup = tiny_evaluation(tiny_base_dir, tiny_tokenizer, [1], 1.5, 6, queries, seed=4, batch_size=6)
+    setup = Evaluation(**{**setup.__dict__, "responses_per_query": 2})
+    assert setup.queries_per_batch == 3  # 6 responses at once: 3 queries, then 2
+    sampler = setup.sampler
+    result = sample_and_score(policy, setup)
+    assert len(result.responses) == 10 and result.num_queries == 5
+    generator, expected = torch.Generator().manual_seed(4), []
+    with torch.no_grad():
+        for rows in (slice(0, 3), slice(3, 5)):
+            expected.append(sampler.sample(policy, queries[rows], generator, num_samples=2)[0])
+        responses = torch.cat([out.responses for out in expected])
+        full = torch.cat([queries.repeat_interleave(2, 0), responses], 1)
+        ref = response_outputs(base, full, full != pad, 5, sampler.task.temperature, pad).logprobs
+        logprobs, mask = torch.cat([out.logprobs for out in expected]), torch.cat([out.mask for out in expected])
+        truncated, valid = sampler.truncate(responses)
+        proxy = task_scores(setup.reward_model, queries.repeat_interleave(2, 0), truncated, valid, -1.0, 6)
+    assert torch.equal(result.responses, truncated)
+    assert not torch.equal(result.responses[0::2], result.responses[1::2])  # two draws, not one twice
+    torch.testing.assert_close(result.kl, sequence_kl(logprobs, ref, mask), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(result.proxy, proxy, atol=1e-5, rtol=1e-5)
+    assert (result.kl_exact > 0).all()
 
 
 def test_the_exact_kl_measures_k1s_mean_with_less_spread(tiny_base_dir, tiny_tokenizer):

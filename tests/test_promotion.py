@@ -4,6 +4,7 @@ project: tests/test_registry.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from rlhf_pipeline.params.promotion import PromotionParams
@@ -87,7 +88,26 @@ def test_sides_pair_by_query_and_repeated_queries_pair_in_order():
     result = compare(challenger, incumbent, proxy=scorer, judge=None, judge_name=None, kl=1.0)
     assert seen[0] == [("a", "ca1"), ("b", "cb"), ("a", "ca2")]
     assert seen[1] == [("a", "pa1"), ("b", "pb"), ("a", "pa2")]
-    assert result.queries == 3 and any("1 of the challenger's 4" in note for note in result.notes)
+    # "a" answered twice on each side is one query with two responses (evaluate.responses_per_query)
+    assert result.queries == 2 and result.proxy.n == 2
+    assert any("1 of the challenger's 4 responses" in note for note in result.notes)
+
+
+def test_paired_averages_a_querys_responses_before_the_error():
+    # query a: differences 1 and 3 (mean 2); query b: 0 and 0; query c: -1 and 5 (mean 2)
+    challenger = [2.0, 4.0, 1.0, 1.0, 0.0, 6.0]
+    incumbent = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    result = paired(challenger, incumbent, ["a", "a", "b", "b", "c", "c"])
+    assert result.n == 3 and result.mean == pytest.approx(4 / 3)
+    assert result.stderr == pytest.approx(np.std([2.0, 0.0, 2.0], ddof=1) / np.sqrt(3))
+    # every row its own query: the error of six independent differences, a different number
+    alone = paired(challenger, incumbent)
+    assert alone.n == 6 and alone.stderr == pytest.approx(np.std([1, 3, 0, 0, -1, 5], ddof=1) / np.sqrt(6))
+    assert alone.stderr != pytest.approx(result.stderr)
+    # one row per query: the same as without queries, to the bit
+    assert paired(challenger, incumbent, list("abcdef")) == alone
+    with pytest.raises(ValueError, match="at least 2 queries"):
+        paired([1.0, 2.0], [0.0, 0.0], ["a", "a"])
 
 
 @pytest.mark.parametrize(

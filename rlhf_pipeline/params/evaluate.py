@@ -11,7 +11,18 @@ class EvaluateParams(Strict):
     num_queries: int = Field(
         256, gt=0, le=MAX_ROWS, description="Held-out test queries to sample (capped by the split)."
     )
-    batch_size: int = Field(32, gt=0, le=MAX_BATCH)
+    batch_size: int = Field(
+        32, gt=0, le=MAX_BATCH, description="Responses sampled at once (batch_size // responses_per_query queries)."
+    )
+    responses_per_query: int = Field(
+        1,
+        gt=0,
+        le=MAX_SMALL,
+        description="Responses each model (base, policy, every curve checkpoint) draws for every held-out query, "
+        "the query's prefill run once. Scores and KLs are averaged over a query's responses before a standard "
+        "error is taken: more responses shrink the gold gain's paired SE almost as more queries would, since "
+        "most of its variance lies between the responses to one query (bench/results/eval_variance_probe.md).",
+    )
     curve_queries: int | None = Field(
         None,
         gt=0,
