@@ -3,9 +3,10 @@
 ``promotion.*``.
 
 Both sides are read from ``evaluation/responses.jsonl`` (every held-out query with the base's and
-the policy's response), the challenger's from the workspace, the incumbent's from git at its
-version's commit; the first version, with no ``prod`` yet, meets the base model's responses in
-the challenger's own file. The two sides are paired by query and scored the same way:
+the policy's response, k rows for a query answered k times: ``evaluate.responses_per_query``), the
+challenger's from the workspace, the incumbent's from git at its version's commit; the first version,
+with no ``prod`` yet, meets the base model's responses in the challenger's own file. The two sides are
+paired by query (a query's j-th responses together) and scored the same way:
 
 - gold: the judge (``promotion.judge``) scores each response text, apart from where the labels
   came from, so a round of bad labels cannot vouch for itself;
