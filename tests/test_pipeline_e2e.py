@@ -321,6 +321,29 @@ def test_changing_a_normalisation_param_reruns_only_downstream(project, tmp_path
     assert ran_stages(result) == {"train_reward", "normalize_reward", "train_policy", "evaluate"}
 
 
+def test_two_responses_per_query_rerun_only_evaluate_and_repeat_each_query(project, tmp_path):
+    """evaluate.responses_per_query: 2 on a copy of the tiny run: only evaluate reruns; every held-out query
+    has two rows in a row, two draws; errors and counts are over the 16 queries; the curve's checkpoint is
+    on whole batches of queries: 3 wanted, one batch of 4 queries x 2 responses (batch_size 8 counts responses)."""
+    root, _ = project
+    clone = tmp_path / "clone"
+    shutil.copytree(root, clone, symlinks=True)
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["evaluate"]["responses_per_query"] = 2
+    params["evaluate"]["curve_queries"] = 3
+    (clone / "params.yaml").write_text(yaml.safe_dump(params))
+    assert ran_stages(sh(["dvc", "repro"], clone)) == {"evaluate"}
+    metrics = json.loads((clone / "metrics/evaluate.json").read_text())
+    assert metrics["responses_per_query"] == 2 and metrics["queries"] == 16 and metrics["gold/queries"] == 16
+    rows = [json.loads(line) for line in (clone / "evaluation/responses.jsonl").read_text().splitlines()]
+    firsts, seconds = rows[0::2], rows[1::2]
+    assert len(rows) == 32 and [r["query"] for r in firsts] == [r["query"] for r in seconds]
+    assert any(a["policy_response"] != b["policy_response"] for a, b in zip(firsts, seconds))
+    points = json.loads((clone / "evaluation/overoptimization.json").read_text())
+    assert [p["queries"] for p in points] == [16, 4, 16]
+    assert "16, 2 response(s) to each" in (clone / "evaluation/report.md").read_text()
+
+
 # Declared keys that the tiny run (simulated labels) does not reach, and the path that reads them.
 READ_ON_OTHER_PATHS = {
     ("preferences", "data.queries.test_fraction"): "user labels without a split column",
