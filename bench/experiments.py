@@ -118,21 +118,56 @@ def experiment_logs(paths: list[Path]) -> dict[str, str]:
     return logs
 
 
+RM_ACCURACY_LINE = re.compile(r"^train_reward: test accuracy ([0-9.]+) ", re.MULTILINE)
+
+
+def logged_metrics(log: str, source: str) -> dict[str, float | None]:
+    """The table's metrics as a run's output printed them: ``evaluate``'s metrics (the JSON object it
+    prints) and ``train_reward``'s test accuracy (3 decimals). For runs whose results are gone (a
+    ``--temp`` experiment in a clone since deleted) but whose logs were kept. The label ceiling on the
+    test rows is not printed (``preferences`` prints the ceiling over all labels), so it is None."""
+    start = log.rfind("Running stage 'evaluate'")
+    opening = log.find("\n{\n", start)
+    closing = log.find("\n}\n", opening)
+    if start < 0 or opening < 0 or closing < 0:
+        raise SystemExit(f"{source}: no metrics printed by the evaluate stage (was the run complete?)")
+    printed = json.loads(log[opening + 1 : closing + 2])
+    accuracy = RM_ACCURACY_LINE.search(log)
+    if accuracy is None:
+        raise SystemExit(f"{source}: no 'train_reward: test accuracy' line (did this run train its reward model?)")
+    printed[keys.RM_ACCURACY] = float(accuracy.group(1))
+    return {column: printed.get(key) for column, key in METRICS.items()}
+
+
 def collect(
-    experiments: list[Experiment], baseline_times: dict[str, int], run_logs: dict[str, str] | None = None
+    experiments: list[Experiment],
+    baseline_times: dict[str, int],
+    run_logs: dict[str, str] | None = None,
+    from_logs: bool = False,
 ) -> dict[str, float | None]:
     """Fill each experiment's metrics and stage times (from ``run_logs`` where it has the experiment's
-    output, else from the queue's log); return the workspace (baseline) metrics."""
+    output, else from the queue's log); return the workspace (baseline) metrics. ``from_logs``: the
+    metrics too come from ``run_logs`` (:func:`logged_metrics`), not from `dvc exp show`, and the
+    baseline's are the caller's to read."""
     run_logs = run_logs or {}
-    rows = existing_experiments()
-    workspace = next(row for row in exp_rows() if row.get("rev") == "workspace")
+    if from_logs:
+        missing = [e.name for e in experiments if e.name not in run_logs]
+        if missing:
+            raise SystemExit(f"--from-logs: no --run-logs file is the output of {', '.join(missing)}")
+        rows = {}
+        workspace: dict = {}
+    else:
+        rows = existing_experiments()
+        workspace = next(row for row in exp_rows() if row.get("rev") == "workspace")
     for experiment in experiments:
-        row = rows.get(experiment.name)
-        if row is None:
+        if from_logs:
+            experiment.metrics = logged_metrics(run_logs[experiment.name], experiment.name)
+        elif (row := rows.get(experiment.name)) is None:
             raise SystemExit(
                 f"experiment {experiment.name!r} did not produce a result: see `dvc queue logs {experiment.name}`"
             )
-        experiment.metrics = {column: metric(row, key) for column, key in METRICS.items()}
+        else:
+            experiment.metrics = {column: metric(row, key) for column, key in METRICS.items()}
         log = run_logs.get(experiment.name) or dvc("queue", "logs", experiment.name, capture=True)
         own = stage_times(log)
         experiment.reran = list(own)

@@ -35,6 +35,17 @@ SETTINGS = [
         {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"},
         2,
     ),
+    ("MKL_CBWR=AVX512 (Intel AVX-512 hosts)", {"MKL_CBWR": "AVX512"}, 2),
+    (
+        "portable's variables with MKL_CBWR=AVX512",
+        {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+        2,
+    ),
+    (
+        "every variable at AVX-512",
+        {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+        2,
+    ),
     ("MKL_CBWR=SSE4_2", {"MKL_CBWR": "SSE4_2"}, 2),
     ("MKL_CBWR=COMPATIBLE", {"MKL_CBWR": "COMPATIBLE"}, 2),
     ("MKL_ENABLE_INSTRUCTIONS=SSE4_2", {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}, 2),

@@ -21,6 +21,7 @@ from experiments import (
     collect,
     emit,
     experiment_logs,
+    logged_metrics,
     parser,
     render,
     run_all,
@@ -49,7 +50,15 @@ def main() -> None:
         help="the output of seed experiments run outside the queue (`dvc exp run --temp -n seed-N-LABEL ... > log`): "
         "their stage times come from these instead of `dvc queue logs`",
     )
+    p.add_argument(
+        "--from-logs",
+        action="store_true",
+        help="with --no-run: read every metric from the logs (--baseline-log, --run-logs) instead of `dvc exp show`, "
+        "for experiments run in a clone that is gone (the label ceiling is not in a log: n/a)",
+    )
     args = p.parse_args()
+    if args.from_logs and not args.no_run:
+        p.error("--from-logs reads finished runs' logs: pass --no-run too")
     suffix = f"-{args.label}" if args.label else ""
     runs = [Experiment(f"seed-{seed}{suffix}", {"seed": str(seed)}) for seed in args.seeds]
     # how fast this machine is today: its speed has varied 2x from day to day, and the wall times with it
@@ -60,7 +69,9 @@ def main() -> None:
     baseline_times = {}
     for log in [*args.earlier_logs, args.baseline_log]:  # the last run of each stage wins
         baseline_times |= stage_times(log.read_text())
-    baseline = collect(runs, baseline_times, experiment_logs(args.run_logs))
+    baseline = collect(runs, baseline_times, experiment_logs(args.run_logs), from_logs=args.from_logs)
+    if args.from_logs:
+        baseline = logged_metrics(args.baseline_log.read_text(errors="replace"), str(args.baseline_log))
     table = render(runs, baseline_times, baseline, "default seed")
     everyone = [baseline] + [run.metrics for run in runs]
     minutes = [sum(baseline_times.values())] + [sum(run.stage_seconds.values()) for run in runs]

@@ -1,10 +1,10 @@
 """Helpers of the benchmark scripts: the FLOP count of fused attention with grouped key/value heads
 and the step profile's operator groups (bench/common.py), the comparison of two ``dvc.lock`` files
 (bench/lock_diff.py), the evaluation's variance components (bench/probe_eval_variance.py), the
-logs of experiments run outside the queue (bench/experiments.py), the reward bench's page faults
-a step (bench/reward_throughput.py), the malloc trace's windows (bench/probe_malloc_trace.py), the sides'
-processes taking turns and the hypervisor's steal (bench/common.py), and both throughput benches end to end
-on the tiny model."""
+logs of experiments run outside the queue and the metrics they print (bench/experiments.py), the
+reward bench's page faults a step (bench/reward_throughput.py), the malloc trace's windows
+(bench/probe_malloc_trace.py), the sides' processes taking turns and the hypervisor's steal
+(bench/common.py), and both throughput benches end to end on the tiny model."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from common import (  # noqa: E402
     steal_note,
     steal_share,
 )
-from experiments import experiment_logs  # noqa: E402
+from experiments import experiment_logs, logged_metrics  # noqa: E402
 from probe_eval_variance import standard_error, variance_components  # noqa: E402
 from probe_malloc_trace import windows  # noqa: E402
 from process_start import WRAPPER  # noqa: E402
@@ -136,6 +136,29 @@ def test_an_experiment_run_outside_the_queue_is_found_by_the_name_its_log_report
     other.write_text("Running stage 'base_model':\n")
     with pytest.raises(SystemExit, match="repro.log"):
         experiment_logs([log, other])
+
+
+def test_the_metrics_a_run_printed_are_read_from_its_log_and_a_cut_log_is_an_error():
+    """bench/seeds.py --from-logs: the evaluate stage's printed JSON (the checkpoint curve's JSON of an
+    earlier stage must not be taken for it) and train_reward's accuracy line; the test-row ceiling is not
+    printed, so it is None; a log that stops before evaluate's metrics stops the report, naming it."""
+    head = (
+        "Running stage 'train_reward':\n"
+        "train_reward: test accuracy 0.646 on 288 held-out rows; saved models/reward_unnormalized\n"
+        "Running stage 'train_policy':\n{\n \"kl/mean\": 9.9\n}\n"
+        "Running stage 'evaluate':\nevaluate base: 286/286 queries sampled (26 s)\n"
+    )
+    log = head + (
+        '{\n "kl/mean": 5.398,\n "kl/stderr": 0.266,\n "gold/improvement_in_base_std": 0.899,\n'
+        ' "gold/queries": 286,\n "device": "cpu (fp32)"\n}\nstage evaluate: done in 92 s\n'
+    )
+    read = logged_metrics(log, "seed_3.log")
+    assert read["KL"] == 5.398 and read["KL SE"] == 0.266
+    assert read["gold gain (base σ)"] == 0.899 and read["queries"] == 286
+    assert read["RM test acc"] == 0.646
+    assert read["label ceiling"] is None and read["exact KL"] is None
+    with pytest.raises(SystemExit, match="seed_4.log: no metrics printed by the evaluate stage"):
+        logged_metrics(head, "seed_4.log")
 
 
 def test_page_faults_a_step_count_each_step_from_its_start_to_its_end_only():
