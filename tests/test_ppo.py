@@ -388,6 +388,37 @@ def test_the_budget_reading_samples_its_chunks_in_one_pass_as_it_would_one_by_on
     assert one_pass > 1e-4 and one_pass == pytest.approx(chunked, rel=1e-5)
 
 
+@pytest.mark.parametrize("freeze_layers", [0, 1])
+def test_the_budget_reading_runs_the_reference_head_only_in_the_exact_kl_and_reads_the_same_bits(
+    tiny_base_dir, reward_model, queries, freeze_layers, monkeypatch
+):
+    """The reading needs only the exact KL: the reference's logprobs are not made (its LM head projects each
+    response token once, in the KL, not twice), and the KL is the one read with them made, bit for bit."""
+    params = make_params(kl={"budget": 5.0, "budget_check_responses": 24}, freeze_layers=freeze_layers)
+    trainer = make_trainer(tiny_base_dir, reward_model, queries, params)
+    trainer.optimize(trainer.rollout(0), trainer.advantages(trainer.rollout(0)), 0)
+    head = trainer.ref_model.get_output_embeddings()
+    rows = []
+    hook = head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[:-1].numel()))
+    try:
+        without_logprobs = trainer.extra_kl(1)
+        counted_without = sum(rows)
+        rows.clear()
+        real = PPOTrainer.reference_logprobs
+        monkeypatch.setattr(
+            PPOTrainer, "reference_logprobs", lambda self, *a, logprobs=True, **k: real(self, *a, logprobs=True, **k)
+        )
+        with_logprobs = trainer.extra_kl(1)
+        counted_with = sum(rows)
+    finally:
+        hook.remove()
+    positions = 24 * params.task.response_length
+    assert counted_without == positions and counted_with == 2 * positions
+    assert without_logprobs > 1e-4 and without_logprobs == with_logprobs
+    with pytest.raises(ValueError, match="neither"):
+        real(trainer, torch.zeros(2, 3, dtype=torch.long), None, logprobs=False)
+
+
 def test_critic_free_estimators_build_no_value_head_and_sample_query_groups(tiny_base_dir, reward_model, queries):
     """GRPO with 4 samples per query: no value head or value loss; the rollout holds 4 consecutive
     responses to each of batch_size / 4 queries, and each group's advantages sum to 0."""

@@ -283,26 +283,48 @@ class PPOTrainer:
         )
 
     def reference_logprobs(
-        self, query_responses: Tensor, trunk: Tensor | None, policy_hidden: Tensor | None = None, mask=None
-    ) -> tuple[Tensor, Tensor | None]:
+        self,
+        query_responses: Tensor,
+        trunk: Tensor | None,
+        policy_hidden: Tensor | None = None,
+        mask=None,
+        logprobs: bool = True,
+    ) -> tuple[Tensor | None, Tensor | None]:
         """(B, R) logprobs of the responses under the reference policy: the frozen base model, or
         the policy with its LoRA adapter off (one copy of the weights); and, given the policy's final
-        hidden states at the response positions, each response's exact KL (the budget's measure)."""
+        hidden states at the response positions, each response's exact KL (the budget's measure).
+        ``logprobs=False`` (the KL reading, which needs only the KL): no logprobs (None), so the
+        reference's LM head runs only inside the exact KL, not a second time over every response token;
+        the KL is the same bytes, being made from the same hidden states."""
         if policy_hidden is not None and mask is None:
             raise ValueError("reference_logprobs: the exact KL needs the responses' mask")
+        if not logprobs and policy_hidden is None:
+            raise ValueError("reference_logprobs: asked for neither logprobs nor the exact KL")
         reference = self.ref_model if self.ref_model is not None else self.policy.lm
         self._offload(self.ref_model, True)
         with self._ctx(), self.policy.adapter_disabled() if self.ref_model is None else nullcontext():
-            out = self.response_outputs(reference, query_responses, trunk)
+            if logprobs:
+                out = self.response_outputs(reference, query_responses, trunk)
+                ref_logprobs, ref_hidden = out.logprobs, out.hidden
+            else:
+                ref_logprobs = None
+                ref_hidden = response_hidden(
+                    reference,
+                    query_responses,
+                    query_responses != self.pad_id,
+                    self.query_length,
+                    self.trunk_start,
+                    trunk,
+                )
             kl = None
             if policy_hidden is not None:
                 mine, theirs = (
                     partial(response_logits, lm, temperature=self.task.temperature, pad_token_id=self.pad_id)
                     for lm in (self.policy.lm, reference)
                 )
-                kl = exact_kl_by_rows(mine, theirs, policy_hidden, out.hidden, mask)
+                kl = exact_kl_by_rows(mine, theirs, policy_hidden, ref_hidden, mask)
         self._offload(self.ref_model, False)
-        return out.logprobs, kl
+        return ref_logprobs, kl
 
     def scores(self, queries: Tensor, truncated: Tensor, valid: Tensor) -> tuple[Tensor, Tensor | None]:
         """(B,) the task's score of each response, and (B,) its gold score when a labeler is at hand."""
@@ -405,7 +427,7 @@ class PPOTrainer:
                 query_responses = torch.cat([queries, sampled.responses], 1)
                 trunk = sampled.hidden[self.freeze] if self.use_trunk else None
                 hidden = self.policy_hidden(query_responses, trunk)
-                exact.append(self.reference_logprobs(query_responses, trunk, hidden, sampled.mask)[1])
+                exact.append(self.reference_logprobs(query_responses, trunk, hidden, sampled.mask, logprobs=False)[1])
         return distributed.gather_rows(self.accelerator, torch.cat(exact)).mean().item()
 
     # ---- 1: rollout -------------------------------------------------------------------------
