@@ -282,6 +282,13 @@ class PPOTrainer:
             trunk,
         )
 
+    def response_hidden(self, model: nn.Module, query_responses: Tensor, trunk: Tensor | None) -> Tensor:
+        """``model``'s final hidden states at the positions that predict the response tokens, without its LM
+        head: from the trunk when the split applies."""
+        return response_hidden(
+            model, query_responses, query_responses != self.pad_id, self.query_length, self.trunk_start, trunk
+        )
+
     def reference_logprobs(
         self,
         query_responses: Tensor,
@@ -308,14 +315,7 @@ class PPOTrainer:
                 ref_logprobs, ref_hidden = out.logprobs, out.hidden
             else:
                 ref_logprobs = None
-                ref_hidden = response_hidden(
-                    reference,
-                    query_responses,
-                    query_responses != self.pad_id,
-                    self.query_length,
-                    self.trunk_start,
-                    trunk,
-                )
+                ref_hidden = self.response_hidden(reference, query_responses, trunk)
             kl = None
             if policy_hidden is not None:
                 mine, theirs = (
@@ -396,9 +396,7 @@ class PPOTrainer:
         distributions at each response token): only with ``ppo.kl.budget``."""
         if self.cfg.kl.budget is None:
             return None
-        return response_hidden(
-            self.policy.lm, query_responses, query_responses != self.pad_id, self.query_length, self.trunk_start, trunk
-        )
+        return self.response_hidden(self.policy.lm, query_responses, trunk)
 
     def checked_kl(self, ro: Rollout, update: int) -> float:
         """The current policy's mean exact KL over its rollout's responses and ``kl.budget_check_responses``
