@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.io import write_figure
-from rlhf_pipeline.ppo.kl import exact_kl_by_rows, kl_penalty
+from rlhf_pipeline.ppo.kl import exact_kl_and_ref_logprobs_by_rows, kl_penalty
 from rlhf_pipeline.progress import Progress
 from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.reward.normalization import task_scores
@@ -42,8 +42,8 @@ from rlhf_pipeline.sampling import (
     iterate_batches,
     response_hidden,
     response_logits,
-    response_outputs,
     shared_lower_blocks,
+    zero_at_pad,
 )
 
 
@@ -205,17 +205,23 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
             query_responses = torch.cat([repeat_rows(queries[rows], per_query_rows), out.responses], 1)
             temperature, pad = sampler.task.temperature, sampler.pad_token_id
             mask, trunk = query_responses != pad, out.hidden.get(shared)
-            reference = response_outputs(base, query_responses, mask, queries.shape[1], temperature, pad, shared, trunk)
-            kls.append(sequence_kl(out.logprobs, reference.logprobs, out.mask, setup.kl_estimator))
-            kls_k1.append(
-                kls[-1] if setup.kl_estimator == "k1" else sequence_kl(out.logprobs, reference.logprobs, out.mask)
-            )
             # the model's own logprobs came with its samples: only its hidden states are needed here
-            own = response_hidden(model, query_responses, mask, queries.shape[1], shared, trunk)
+            own, reference = (
+                response_hidden(m, query_responses, mask, queries.shape[1], shared, trunk) for m in (model, base)
+            )
             mine, theirs = (
                 partial(response_logits, m, temperature=temperature, pad_token_id=pad) for m in (model, base)
             )
-            kls_exact.append(exact_kl_by_rows(mine, theirs, own, reference.hidden, out.mask))
+            # one projection of the reference's head serves the exact KL and the sampled tokens' logprobs
+            kl_exact, reference_logprobs = exact_kl_and_ref_logprobs_by_rows(
+                mine, theirs, own, reference, out.mask, out.responses
+            )
+            reference_logprobs = zero_at_pad(reference_logprobs, out.responses, pad)
+            kls.append(sequence_kl(out.logprobs, reference_logprobs, out.mask, setup.kl_estimator))
+            kls_k1.append(
+                kls[-1] if setup.kl_estimator == "k1" else sequence_kl(out.logprobs, reference_logprobs, out.mask)
+            )
+            kls_exact.append(kl_exact)
         truncated.append(trunc)
         valids.append(valid)
         lines.update(rows.stop)

@@ -356,9 +356,13 @@ def response_outputs(
     else:
         logprobs = torch.cat([part[0] for part in parts])
         entropies = torch.cat([part[1] for part in parts]) if entropy else None
-    # padding after an EOS (stop mode) is masked downstream; keep it finite here
-    logprobs = torch.where(labels == pad_token_id, torch.zeros_like(logprobs), logprobs)
-    return ResponseOutputs(logprobs, entropies, hidden)
+    return ResponseOutputs(zero_at_pad(logprobs, labels, pad_token_id), entropies, hidden)
+
+
+def zero_at_pad(logprobs: Tensor, labels: Tensor, pad_token_id: int) -> Tensor:
+    """``logprobs`` (B, R) with 0 where the response token is the pad: padding after an EOS (stop mode)
+    is masked downstream, and its logprob (of a token never drawn) is kept finite here."""
+    return torch.where(labels == pad_token_id, torch.zeros_like(logprobs), logprobs)
 
 
 def iterate_batches(n: int, batch_size: int):

@@ -330,6 +330,26 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     assert torch.equal(itself.kl, torch.zeros(6)) and torch.equal(itself.kl_exact, torch.zeros(6))
 
 
+def test_the_base_s_head_projects_each_response_token_once_for_both_kls(tiny_base_dir, tiny_tokenizer):
+    """The k1 KL (the base's logprobs of the sampled tokens) and the exact KL (the base's whole
+    distribution) read one projection of the base's LM head: each response token's hidden state goes
+    through it once, not twice; the KLs are checked against full forwards in the test above."""
+    from rlhf_pipeline.evaluation import sample_and_score
+
+    queries = torch.randint(0, 250, (6, 5), generator=torch.Generator().manual_seed(0))
+    base, policy, setup = tiny_evaluation(tiny_base_dir, tiny_tokenizer, [1], 1.5, 6, queries, seed=3, batch_size=4)
+    positions = []
+    hook = base.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: positions.append(args[0].shape[:-1].numel())
+    )
+    try:
+        result = sample_and_score(policy, setup)
+    finally:
+        hook.remove()
+    assert sum(positions) == 6 * 6  # 6 responses of 6 tokens, in batches of 4 and 2
+    assert result.kl.abs().max() > 1e-3 and (result.kl_exact > 0).all()
+
+
 def test_several_responses_per_query_are_sampled_on_one_prefill_and_scored_on_their_query(
     tiny_base_dir, tiny_tokenizer
 ):
