@@ -78,7 +78,7 @@ with torch.no_grad():
         reference = response_outputs(base, query_responses, mask, query_length, temperature, pad)
         own = response_hidden(policy, query_responses, mask, query_length)
         mine, theirs = (partial(response_logits, m, temperature=temperature, pad_token_id=pad) for m in (policy, base))
-        kl = exact_kl_by_rows(mine, theirs, own, reference.hidden, out.mask)
+        kl, _ = exact_kl_by_rows(mine, theirs, own, reference.hidden, out.mask)
         digest.update(out.responses.numpy().tobytes() + reference.logprobs.numpy().tobytes() + kl.numpy().tobytes())
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.io import write_figure
-from rlhf_pipeline.ppo.kl import exact_kl_and_ref_logprobs_by_rows, kl_penalty
+from rlhf_pipeline.ppo.kl import exact_kl_by_rows, kl_penalty
 from rlhf_pipeline.progress import Progress
 from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.reward.normalization import task_scores
@@ -213,8 +213,8 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
                 partial(response_logits, m, temperature=temperature, pad_token_id=pad) for m in (model, base)
             )
             # one projection of the reference's head serves the exact KL and the sampled tokens' logprobs
-            kl_exact, reference_logprobs = exact_kl_and_ref_logprobs_by_rows(
-                mine, theirs, own, reference, out.mask, out.responses
+            kl_exact, reference_logprobs = exact_kl_by_rows(
+                mine, theirs, own, reference, out.mask, labels=out.responses
             )
             reference_logprobs = zero_at_pad(reference_logprobs, out.responses, pad)
             kls.append(sequence_kl(out.logprobs, reference_logprobs, out.mask, setup.kl_estimator))

@@ -629,15 +629,18 @@ def test_exact_kl_by_rows_is_exact_kl_of_the_whole_batch_however_the_rows_split(
     mask = torch.rand(7, 5, generator=gen) > 0.3
     whole = kl.exact_kl(hidden @ head, ref_hidden @ ref_head, mask)
     for rows in (1, 3, 7, 8):
-        by_rows = kl.exact_kl_by_rows(lambda h: h @ head, lambda h: h @ ref_head, hidden, ref_hidden, mask, rows)
+        by_rows, no_logprobs = kl.exact_kl_by_rows(
+            lambda h: h @ head, lambda h: h @ ref_head, hidden, ref_hidden, mask, rows
+        )
+        assert no_logprobs is None
         assert by_rows.shape == (7,)
         torch.testing.assert_close(by_rows, whole)
     assert (whole > 0).all()  # two different heads: every row with a kept position has KL
 
 
 def test_the_exact_kl_and_the_reference_logprobs_come_from_one_pass_of_the_reference_head():
-    """exact_kl_and_ref_logprobs_by_rows: the KL of exact_kl_by_rows and the reference's logprobs of the
-    labels, as from the whole batch's logits, however the rows split; the reference head runs once per row."""
+    """exact_kl_by_rows with labels: the same KL and the reference's logprobs of the labels, as from the
+    whole batch's logits, however the rows split; the reference head runs once per row."""
     gen = torch.Generator().manual_seed(1)
     hidden, ref_hidden = torch.randn(7, 5, 4, generator=gen), torch.randn(7, 5, 4, generator=gen)
     head, ref_head = torch.randn(4, 11, generator=gen), torch.randn(4, 11, generator=gen)
@@ -651,8 +654,8 @@ def test_the_exact_kl_and_the_reference_logprobs_come_from_one_pass_of_the_refer
             projected.append(len(h))
             return h @ ref_head
 
-        kls, logprobs = kl.exact_kl_and_ref_logprobs_by_rows(
-            lambda h: h @ head, ref_logits_of, hidden, ref_hidden, mask, labels, rows
+        kls, logprobs = kl.exact_kl_by_rows(
+            lambda h: h @ head, ref_logits_of, hidden, ref_hidden, mask, rows, labels=labels
         )
         assert sum(projected) == 7 and kls.shape == (7,) and logprobs.shape == (7, 5)
         torch.testing.assert_close(kls, whole_kl)

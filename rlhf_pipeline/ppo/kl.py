@@ -102,48 +102,30 @@ def exact_kl_by_rows(
     ref_hidden: Tensor,
     mask: Tensor,
     rows: int = 8,
-) -> Tensor:
+    labels: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """(B,) :func:`exact_kl` of each response from both models' final hidden states at the response
     positions (B, R, H), which ``logits_of`` and ``ref_logits_of`` turn into (rows, R, V) logits (each
-    model's LM head at the sampling temperature), and the responses' ``mask`` (B, R).
+    model's LM head at the sampling temperature), and the responses' ``mask`` (B, R); with ``labels``
+    (B, R), the sampled tokens, also the reference's log-probabilities of them (B, R), read off the same
+    reference logits (else None).
+
+    .. math:: \\log q_t(y_t) = z^{\\text{ref}}_{t, y_t} - \\log\\sum_v e^{z^{\\text{ref}}_{t,v}}
 
     Why by rows: the two distributions over the vocabulary take ``2 * B * R * V`` floats at once
     (1.2 GB for 128 responses of 24 tokens over SmolLM2's 49k tokens), ``rows`` of them take a
     sixteenth of that. The KL budget's reading in PPO and the evaluation's exact KL both go through
-    it."""
-    return torch.cat(
-        [
-            exact_kl(logits_of(mine), ref_logits_of(theirs), part)
-            for mine, theirs, part in zip(hidden.split(rows), ref_hidden.split(rows), mask.split(rows))
-        ]
-    )
-
-
-def exact_kl_and_ref_logprobs_by_rows(
-    logits_of: Callable[[Tensor], Tensor],
-    ref_logits_of: Callable[[Tensor], Tensor],
-    hidden: Tensor,
-    ref_hidden: Tensor,
-    mask: Tensor,
-    labels: Tensor,
-    rows: int = 8,
-) -> tuple[Tensor, Tensor]:
-    """:func:`exact_kl_by_rows`, and the reference's log-probabilities (B, R) of ``labels`` (B, R), the
-    sampled tokens, read off the same (rows, R, V) reference logits.
-
-    .. math:: \\log q_t(y_t) = z^{\\text{ref}}_{t, y_t} - \\log\\sum_v e^{z^{\\text{ref}}_{t,v}}
-
-    Why: the evaluation's k1 KL needs the reference's logprobs of the sampled tokens and its exact KL the
-    reference's whole distribution, so one LM-head projection serves both; a second would cost
+    it. Why the logprobs here: the evaluation's k1 KL needs the reference's logprobs of the sampled
+    tokens beside its exact KL, so one LM-head projection serves both; a second would cost
     ``2 * R * H * V`` FLOPs a response (0.5 TFLOP over the default's 584 held-out responses)."""
     kls, logprobs = [], []
-    for mine, theirs, part, tokens in zip(
-        hidden.split(rows), ref_hidden.split(rows), mask.split(rows), labels.split(rows)
-    ):
-        ref_logits = ref_logits_of(theirs)
-        kls.append(exact_kl(logits_of(mine), ref_logits, part))
-        logprobs.append(logprobs_from_logits(ref_logits, tokens))
-    return torch.cat(kls), torch.cat(logprobs)
+    for start in range(0, len(hidden), rows):
+        part = slice(start, start + rows)
+        ref_logits = ref_logits_of(ref_hidden[part])
+        kls.append(exact_kl(logits_of(hidden[part]), ref_logits, mask[part]))
+        if labels is not None:
+            logprobs.append(logprobs_from_logits(ref_logits, labels[part]))
+    return torch.cat(kls), torch.cat(logprobs) if labels is not None else None
 
 
 def kl_trend(kls: Sequence[float], window: int) -> tuple[float, float]:

@@ -322,7 +322,7 @@ class PPOTrainer:
                     partial(response_logits, lm, temperature=self.task.temperature, pad_token_id=self.pad_id)
                     for lm in (self.policy.lm, reference)
                 )
-                kl = exact_kl_by_rows(mine, theirs, policy_hidden, ref_hidden, mask)
+                kl, _ = exact_kl_by_rows(mine, theirs, policy_hidden, ref_hidden, mask)
         self._offload(self.ref_model, False)
         return ref_logprobs, kl
 
