@@ -3,9 +3,11 @@ memory costs on a 262k-token vocabulary (Gemma 3's), and what the bound on it gi
 
 Each setting runs in its own process, on the same tiny random ``gemma3_text`` model whose only large
 part is Gemma's vocabulary (hidden size 64, 2 blocks): ``--rounds`` times, a perturbed copy of the base
-samples ``--rows`` queries for ``--response-length`` tokens, then the base's reference pass and the exact
-KL by rows run on the responses, as ``evaluate`` does for each checkpoint. Its (rows, 16, 262,144) fp32
-logits are 1.6 GB a block; sampling's (rows, 262,144) are 100 MB a step. Settings:
+samples ``--rows`` queries for ``--response-length`` tokens, then both models' final hidden states and the
+exact KL by rows, whose reference logits also give the sampled tokens' logprobs, as ``evaluate`` does for
+each checkpoint (since 2026-12-02; before, the base's head ran once more over every response, in blocks of
+up to 512 MiB). Each block of 8 responses' (8, 16, 262,144) fp32 logits is 134 MB a model; sampling's
+(rows, 262,144) are 100 MB a step. Settings:
 
 - ``system``, the reference: glibc's own malloc settings (``RLHF_MALLOC=system``);
 - ``keep, unbounded``: no block mapped apart, trim at 2 GiB, no bound on what is kept (as shipped on
@@ -52,7 +54,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from rlhf_pipeline import numerics
 from rlhf_pipeline.ppo.kl import exact_kl_by_rows
-from rlhf_pipeline.sampling import response_hidden, response_logits, response_outputs, sample_on_device
+from rlhf_pipeline.sampling import response_hidden, response_logits, sample_on_device, zero_at_pad
 numerics.pin(numerics.PORTABLE, 2)
 vocab, query_length, pad, temperature = 262_144, 64, 0, 0.7
 config = AutoConfig.for_model(
@@ -75,11 +77,13 @@ with torch.no_grad():
         )
         query_responses = torch.cat([queries, out.responses], 1)
         mask = query_responses != pad
-        reference = response_outputs(base, query_responses, mask, query_length, temperature, pad)
-        own = response_hidden(policy, query_responses, mask, query_length)
+        # as evaluation.sample_and_score does: both models to their final hidden states, then one pass of
+        # each head in blocks of 8 responses gives the exact KL and the reference's logprobs of the samples
+        own, reference = (response_hidden(m, query_responses, mask, query_length) for m in (policy, base))
         mine, theirs = (partial(response_logits, m, temperature=temperature, pad_token_id=pad) for m in (policy, base))
-        kl, _ = exact_kl_by_rows(mine, theirs, own, reference.hidden, out.mask)
-        digest.update(out.responses.numpy().tobytes() + reference.logprobs.numpy().tobytes() + kl.numpy().tobytes())
+        kl, logprobs = exact_kl_by_rows(mine, theirs, own, reference, out.mask, labels=out.responses)
+        logprobs = zero_at_pad(logprobs, out.responses, pad)
+        digest.update(out.responses.numpy().tobytes() + logprobs.numpy().tobytes() + kl.numpy().tobytes())
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({
     "kept": kept, "peak_mb": allocator.peak_rss_mb(), "faults": usage.ru_minflt, "system_s": usage.ru_stime,
