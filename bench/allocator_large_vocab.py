@@ -4,10 +4,10 @@ memory costs on a 262k-token vocabulary (Gemma 3's), and what the bound on it gi
 Each setting runs in its own process, on the same tiny random ``gemma3_text`` model whose only large
 part is Gemma's vocabulary (hidden size 64, 2 blocks): ``--rounds`` times, a perturbed copy of the base
 samples ``--rows`` queries for ``--response-length`` tokens, then both models' final hidden states and the
-exact KL by rows, whose reference logits also give the sampled tokens' logprobs, as ``evaluate`` does for
-each checkpoint (since 2026-12-02; before, the base's head ran once more over every response, in blocks of
-up to 512 MiB). Each block of 8 responses' (8, 16, 262,144) fp32 logits is 134 MB a model; sampling's
-(rows, 262,144) are 100 MB a step. Settings:
+exact KL by rows, whose reference logits also give the sampled tokens' logprobs: the function ``evaluate``
+calls for each checkpoint's batch (``evaluation.exact_kl_and_reference_logprobs``; before 2026-12-02 the
+base's head ran once more over every response, in blocks of up to 512 MiB). Each block of 8 responses'
+(8, 16, 262,144) fp32 logits is 134 MB a model; sampling's (rows, 262,144) are 100 MB a step. Settings:
 
 - ``system``, the reference: glibc's own malloc settings (``RLHF_MALLOC=system``);
 - ``keep, unbounded``: no block mapped apart, trim at 2 GiB, no bound on what is kept (as shipped on
@@ -43,7 +43,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHILD = """
 import copy, hashlib, json, resource, sys
-from functools import partial
 from rlhf_pipeline import allocator
 rounds, rows, response_length, bounded = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 if not bounded:
@@ -53,8 +52,8 @@ import rlhf_pipeline.offline
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from rlhf_pipeline import numerics
-from rlhf_pipeline.ppo.kl import exact_kl_by_rows
-from rlhf_pipeline.sampling import response_hidden, response_logits, sample_on_device, zero_at_pad
+from rlhf_pipeline.evaluation import exact_kl_and_reference_logprobs
+from rlhf_pipeline.sampling import sample_on_device
 numerics.pin(numerics.PORTABLE, 2)
 vocab, query_length, pad, temperature = 262_144, 64, 0, 0.7
 config = AutoConfig.for_model(
@@ -75,14 +74,8 @@ with torch.no_grad():
             policy, queries, queries != pad, response_length, temperature, pad, generator=generator,
             eos_token_id=None, stop_at_eos=False,
         )
-        query_responses = torch.cat([queries, out.responses], 1)
-        mask = query_responses != pad
-        # as evaluation.sample_and_score does: both models to their final hidden states, then one pass of
-        # each head in blocks of 8 responses gives the exact KL and the reference's logprobs of the samples
-        own, reference = (response_hidden(m, query_responses, mask, query_length) for m in (policy, base))
-        mine, theirs = (partial(response_logits, m, temperature=temperature, pad_token_id=pad) for m in (policy, base))
-        kl, logprobs = exact_kl_by_rows(mine, theirs, own, reference, out.mask, labels=out.responses)
-        logprobs = zero_at_pad(logprobs, out.responses, pad)
+        # the function evaluation.sample_and_score calls for each checkpoint's batch
+        kl, logprobs = exact_kl_and_reference_logprobs(policy, base, queries, out, temperature, pad)
         digest.update(out.responses.numpy().tobytes() + logprobs.numpy().tobytes() + kl.numpy().tobytes())
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({

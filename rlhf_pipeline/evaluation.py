@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_pipeline import metric_keys as keys
+from rlhf_pipeline.decoding import SampleOutput
 from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.io import write_figure
 from rlhf_pipeline.ppo.kl import exact_kl_by_rows, kl_penalty
@@ -202,21 +203,15 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
             kls_k1.append(kls[-1])  # used only with another estimator, where k1 of the base is 0 too
             kls_exact.append(kls[-1])
         else:
-            query_responses = torch.cat([repeat_rows(queries[rows], per_query_rows), out.responses], 1)
-            temperature, pad = sampler.task.temperature, sampler.pad_token_id
-            mask, trunk = query_responses != pad, out.hidden.get(shared)
-            # the model's own logprobs came with its samples: only its hidden states are needed here
-            own, reference = (
-                response_hidden(m, query_responses, mask, queries.shape[1], shared, trunk) for m in (model, base)
+            kl_exact, reference_logprobs = exact_kl_and_reference_logprobs(
+                model,
+                base,
+                repeat_rows(queries[rows], per_query_rows),
+                out,
+                sampler.task.temperature,
+                sampler.pad_token_id,
+                shared,
             )
-            mine, theirs = (
-                partial(response_logits, m, temperature=temperature, pad_token_id=pad) for m in (model, base)
-            )
-            # one projection of the reference's head serves the exact KL and the sampled tokens' logprobs
-            kl_exact, reference_logprobs = exact_kl_by_rows(
-                mine, theirs, own, reference, out.mask, labels=out.responses
-            )
-            reference_logprobs = zero_at_pad(reference_logprobs, out.responses, pad)
             kls.append(sequence_kl(out.logprobs, reference_logprobs, out.mask, setup.kl_estimator))
             kls_k1.append(
                 kls[-1] if setup.kl_estimator == "k1" else sequence_kl(out.logprobs, reference_logprobs, out.mask)
@@ -250,6 +245,36 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
         texts=texts,
         responses_per_query=per_query_rows,
     )
+
+
+def exact_kl_and_reference_logprobs(
+    model: nn.Module,
+    reference: nn.Module,
+    queries: Tensor,
+    samples: SampleOutput,
+    temperature: float,
+    pad_token_id: int,
+    shared: int = 0,
+) -> tuple[Tensor, Tensor]:
+    """The exact KL of ``model`` from ``reference`` on ``model``'s own ``samples`` of ``queries`` (one
+    query row per response), (B,), and the reference's logprobs of the sampled tokens, 0 at pad, (B, R).
+
+    Both models run to their final hidden states over query and response; with ``shared`` > 0 lower
+    blocks both start from the trunk the sampler captured at that block. The model's own logprobs came
+    with its samples, so only its hidden states are needed; one projection of the reference's head, a few
+    rows at a time, serves both the exact KL and the sampled tokens' logprobs."""
+    query_responses = torch.cat([queries, samples.responses], 1)
+    mask, trunk = query_responses != pad_token_id, samples.hidden.get(shared)
+    own, theirs = (
+        response_hidden(m, query_responses, mask, queries.shape[1], shared, trunk) for m in (model, reference)
+    )
+    model_logits, reference_logits = (
+        partial(response_logits, m, temperature=temperature, pad_token_id=pad_token_id) for m in (model, reference)
+    )
+    kl_exact, reference_logprobs = exact_kl_by_rows(
+        model_logits, reference_logits, own, theirs, samples.mask, labels=samples.responses
+    )
+    return kl_exact, zero_at_pad(reference_logprobs, samples.responses, pad_token_id)
 
 
 def repeat_rows(queries: Tensor, times: int) -> Tensor:

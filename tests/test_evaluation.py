@@ -330,6 +330,38 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     assert torch.equal(itself.kl, torch.zeros(6)) and torch.equal(itself.kl_exact, torch.zeros(6))
 
 
+def test_exact_kl_and_reference_logprobs_equal_full_forwards_and_are_zero_at_pad(tiny_base_dir, tiny_tokenizer):
+    """The one function the evaluation (and the large-vocabulary probe) turns a batch of samples into its
+    KLs with: the exact KL of both models' full forwards over the real tokens, and the reference's
+    logprobs of the sampled tokens, 0 where a response was padded after its stop."""
+    from rlhf_pipeline.decoding import SampleOutput
+    from rlhf_pipeline.evaluation import exact_kl_and_reference_logprobs
+    from rlhf_pipeline.sampling import response_outputs
+
+    pad = tiny_tokenizer.pad_token_id
+    queries = torch.randint(0, 250, (4, 5), generator=torch.Generator().manual_seed(6))
+    base, policy, setup = tiny_evaluation(tiny_base_dir, tiny_tokenizer, [0, 1], 1.5, 6, queries, seed=2, batch_size=4)
+    temperature = setup.sampler.task.temperature
+    with torch.no_grad():
+        out = setup.sampler.sample(policy, queries, torch.Generator().manual_seed(2))[0]
+        responses, mask = out.responses.clone(), out.mask.clone()
+        responses[1, 3:], mask[1, 3:] = pad, False  # row 1 stopped after 3 tokens
+        samples = SampleOutput(responses, out.logprobs, None, mask)
+        kl_exact, reference_logprobs = exact_kl_and_reference_logprobs(policy, base, queries, samples, temperature, pad)
+        full = torch.cat([queries, responses], 1)
+        args = (full, full != pad, 5, temperature, pad)
+        theirs = response_outputs(base, *args)
+        expected_kl = kl.exact_kl(
+            response_logits(policy, response_outputs(policy, *args).hidden, temperature, pad),
+            response_logits(base, theirs.hidden, temperature, pad),
+            mask,
+        )
+    torch.testing.assert_close(kl_exact, expected_kl, atol=1e-4, rtol=1e-4)
+    assert (kl_exact > 0).all()
+    torch.testing.assert_close(reference_logprobs, theirs.logprobs, atol=1e-4, rtol=1e-4)
+    assert torch.equal(reference_logprobs[1, 3:], torch.zeros(3)) and (reference_logprobs[0] < 0).all()
+
+
 def test_the_base_s_head_projects_each_response_token_once_for_both_kls(tiny_base_dir, tiny_tokenizer):
     """The k1 KL (the base's logprobs of the sampled tokens) and the exact KL (the base's whole
     distribution) read one projection of the base's LM head: each response token's hidden state goes
