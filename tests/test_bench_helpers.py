@@ -1,10 +1,11 @@
-"""Helpers of the benchmark scripts: the FLOP count of fused attention with grouped key/value heads
-and the step profile's operator groups (bench/common.py), the comparison of two ``dvc.lock`` files
-(bench/lock_diff.py), the evaluation's variance components (bench/probe_eval_variance.py), the
-logs of experiments run outside the queue and the metrics they print (bench/experiments.py), the
-reward bench's page faults a step (bench/reward_throughput.py), the malloc trace's windows
-(bench/probe_malloc_trace.py), the sides' processes taking turns and the hypervisor's steal
-(bench/common.py), and both throughput benches end to end on the tiny model."""
+"""Helpers of the benchmark scripts: the FLOP count of fused attention with grouped key/value heads and the
+step profile's operator groups (bench/common.py), the comparison of two ``dvc.lock`` files
+(bench/lock_diff.py), the evaluation's variance components (bench/probe_eval_variance.py), the logs of
+experiments run outside the queue and the metrics they print (bench/experiments.py), the reward bench's
+page faults a step (bench/reward_throughput.py), the malloc trace's windows
+(bench/probe_malloc_trace.py), the reward step's op-by-op timer (bench/probe_reward_ops.py), the sides'
+processes taking turns and the hypervisor's steal (bench/common.py), and both throughput benches end to
+end on the tiny model."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from common import (  # noqa: E402
 from experiments import experiment_logs, logged_metrics  # noqa: E402
 from probe_eval_variance import standard_error, variance_components  # noqa: E402
 from probe_malloc_trace import windows  # noqa: E402
+from probe_reward_ops import OpTimes, grouped  # noqa: E402
 from process_start import WRAPPER  # noqa: E402
 
 
@@ -124,6 +126,26 @@ def test_the_step_profile_counts_a_matrix_products_time_and_flops_apart_from_the
     assert profile.seconds["attention"] == 0
     assert any(name.startswith("aten::mul") for name, _ in profile.largest_other)
     assert len(profile.row()) == len(PROFILE_HEADERS)
+
+
+def test_the_op_timer_times_only_while_on_and_counts_a_product_s_flops_in_its_group():
+    """bench/probe_reward_ops.py: ops before ``on`` are not timed; a 64 x 32 by 32 x 16 product counts
+    2 * 64 * 32 * 16 FLOPs (torch's formula, addmm's too) and falls in "matrix products", a multiplication
+    in "other"; every group of the bench's profile is present, empty ones at 0."""
+    a, b, bias = torch.randn(64, 32), torch.randn(32, 16), torch.randn(16)
+    timer = OpTimes()
+    with timer:
+        torch.mul(a, a)  # not yet on
+        timer.on = True
+        torch.mm(a, b)
+        torch.addmm(bias, a, b)
+        torch.mul(a, a)
+    assert timer.product_flops == 2 * (2 * 64 * 32 * 16)
+    assert timer.calls == {"aten::mm": 1, "aten::addmm": 1, "aten::mul": 1}
+    groups = grouped(dict(timer.seconds))
+    assert list(groups) == ["matrix products", "attention", "optimizer step", "other"]
+    assert groups["matrix products"] == timer.seconds["aten::mm"] + timer.seconds["aten::addmm"] > 0
+    assert groups["other"] == timer.seconds["aten::mul"] > 0 and groups["attention"] == 0
 
 
 def test_an_experiment_run_outside_the_queue_is_found_by_the_name_its_log_reports(tmp_path):
