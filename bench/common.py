@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import rlhf_pipeline.offline  # noqa: F401  (first: offline and quiet before transformers loads)
 
+import collections
 import multiprocessing
 import os
 import platform
@@ -35,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from rlhf_pipeline import allocator, numerics
 
@@ -363,8 +366,6 @@ def grouped_query_attention_formulas() -> dict:
     with fewer key/value heads, and some torch releases' formulas refuse that shape (an AssertionError
     mid-update); the kernel repeats each key/value head for its group, which is what the count should
     see. Where torch already counts grouped heads, the count is unchanged."""
-    import torch
-    from torch.utils.flop_counter import flop_registry
 
     def repeated_heads(formula, query_at: int):
         def count(*args, out_val=None, **kwargs):
@@ -396,8 +397,6 @@ class MatmulFlops:
         self.total: int | None = None
 
     def start(self) -> None:
-        from torch.utils.flop_counter import FlopCounterMode
-
         self.mode = FlopCounterMode(display=False, custom_mapping=grouped_query_attention_formulas())
         self.mode.__enter__()
 
@@ -427,41 +426,89 @@ def op_group(name: str) -> str:
 
 
 class StepProfile:
-    """torch's CPU profiler around what runs between :meth:`start` and :meth:`stop` (a benchmark's
-    extra step after its timed ones): seconds of self time per :data:`OP_GROUPS` group, and the matrix
-    products' FLOPs as the profiler counts them (``with_flops``), so their rate on this CPU."""
+    """torch's CPU profiler around what runs between each :meth:`start` and :meth:`stop` (a benchmark's
+    steps after its timed ones): per step (the mean over the steps profiled), seconds of self time per
+    :data:`OP_GROUPS` group, and the matrix products' FLOPs as the profiler counts them (``with_flops``),
+    so their rate on this CPU.
+
+    A subclass times the ops another way by overriding :meth:`_begin_timing` and :meth:`_end_timing`
+    (:class:`OpTimeProfile`: a clock around each aten op, without the profiler's own cost)."""
+
+    title = "torch profiler, self CPU time"
+    method = "under torch.profiler (CPU activity, with_flops, record_shapes), FLOPs as the profiler counts them"
+    other_labels = "calls, input shapes"
 
     def __init__(self):
-        self.profiler = None
-        self.seconds: dict[str, float] = {}
-        self.matmul_flops = 0.0
-        self.wall = 0.0
-        self.largest_other: list[tuple[str, float]] = []
+        self.steps = 0
+        self._started: float | None = None
+        self._wall = 0.0
+        self._seconds = dict.fromkeys(GROUP_NAMES, 0.0)
+        self._matmul_flops = 0.0
+        self._other: collections.Counter = collections.Counter()  # an "other" op's label: its seconds
 
     def start(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        self.profiler = profile(activities=[ProfilerActivity.CPU], with_flops=True, record_shapes=True)
-        self.profiler.start()
+        self._begin_timing()
         self._started = time.perf_counter()
 
     def stop(self) -> None:
-        if self.profiler is None:
+        if self._started is None:
             return
-        self.wall = time.perf_counter() - self._started
-        self.profiler.stop()
-        seconds = dict.fromkeys(GROUP_NAMES, 0.0)
-        other = []
-        # one aggregation, by op and input shapes: the groups sum it, and "other" is listed from it
-        for event in self.profiler.key_averages(group_by_input_shape=True):
-            group, event_seconds = op_group(event.key), event.self_cpu_time_total / 1e6
-            seconds[group] += event_seconds
+        self._wall += time.perf_counter() - self._started
+        self._started = None
+        for op, label, seconds, flops in self._end_timing():
+            group = op_group(op)
+            self._seconds[group] += seconds
             if group == "matrix products":
-                self.matmul_flops += event.flops or 0
+                self._matmul_flops += flops
             elif group == "other":
-                other.append((f"{event.key} {event.count}x {event.input_shapes[:2]}", event_seconds))
-        self.largest_other = sorted(other, key=lambda item: -item[1])[:6]
-        self.seconds, self.profiler = seconds, None
+                self._other[label] += seconds
+        self.steps += 1
+
+    def _begin_timing(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], with_flops=True, record_shapes=True)
+        self._profiler.start()
+
+    def _end_timing(self) -> list[tuple[str, str, float, float]]:
+        """Each op timed since :meth:`_begin_timing`: (its name, its label in "other", its self seconds, its
+        FLOPs). One aggregation, by op and input shapes: the groups sum it, and "other" is listed from it."""
+        self._profiler.stop()
+        events = self._profiler.key_averages(group_by_input_shape=True)
+        self._profiler = None
+        return [
+            (
+                event.key,
+                f"{event.key} {event.count}x {event.input_shapes[:2]}",
+                event.self_cpu_time_total / 1e6,
+                event.flops or 0,
+            )
+            for event in events
+        ]
+
+    @property
+    def wall(self) -> float:
+        """A profiled step's wall time, with the timing's own cost in it."""
+        return self._wall / max(self.steps, 1)
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """A profiled step's seconds per group of :data:`GROUP_NAMES`, every group present."""
+        return {group: value / max(self.steps, 1) for group, value in self._seconds.items()}
+
+    @property
+    def matmul_flops(self) -> float:
+        return self._matmul_flops / max(self.steps, 1)
+
+    @property
+    def other_seconds(self) -> dict[str, float]:
+        """A profiled step's seconds per label of the "other" group."""
+        return {label: value / max(self.steps, 1) for label, value in self._other.items()}
+
+    @property
+    def largest_other(self) -> list[tuple[str, float]]:
+        """The six largest labels of the "other" group, with their seconds, largest first."""
+        return sorted(self.other_seconds.items(), key=lambda item: -item[1])[:6]
 
     def other_summary(self) -> str:
         """The six largest (op, input shapes) of the "other" group: calls, first two shapes, seconds."""
@@ -469,11 +516,55 @@ class StepProfile:
 
     def row(self) -> list[str]:
         """Cells for :data:`PROFILE_HEADERS`."""
-        matmul = self.seconds["matrix products"]
-        cells = [f"{self.wall:.2f}", *(f"{self.seconds[group]:.2f}" for group in GROUP_NAMES)]
-        cells.append(f"{self.matmul_flops / 1e9:.0f}")
-        cells.append(f"{self.matmul_flops / matmul / 1e9:.0f}" if matmul else "n/a")
+        matmul, flops = self.seconds["matrix products"], self.matmul_flops
+        cells = [f"{self.wall:.2f}", *(f"{value:.2f}" for value in self.seconds.values())]
+        cells.append(f"{flops / 1e9:.0f}")
+        cells.append(f"{flops / matmul / 1e9:.0f}" if matmul else "n/a")
         return cells
+
+
+class OpClock(TorchDispatchMode):
+    """While entered: the seconds of each aten op (two clock reads around it, nothing recorded
+    inside it) and the matrix products' FLOPs (torch's own formulas)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds: collections.Counter = collections.Counter()
+        self.flops: collections.Counter = collections.Counter()
+        self._names: dict = {}  # an op: (its name, whether it is a matrix product)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        seconds = time.perf_counter() - start
+        if func not in self._names:
+            name = f"aten::{func.overloadpacket.__name__}"
+            self._names[func] = (name, op_group(name) == "matrix products")
+        name, is_product = self._names[func]
+        self.seconds[name] += seconds
+        if is_product:
+            self.flops[name] += flop_registry[func.overloadpacket](*args, **kwargs, out_val=out)
+        return out
+
+
+class OpTimeProfile(StepProfile):
+    """:class:`StepProfile`'s readings, each aten op timed by an :class:`OpClock` instead of the profiler,
+    whose own cost on the AMD EPYC made up most of its "other" group (``results/reward_speed_profile.md``).
+    The clock keeps ops apart by name, not by input shape: an op's label is its name, the same on every side."""
+
+    title = "aten ops timed one by one by a TorchDispatchMode clock, no profiler"
+    method = "each aten op timed by two clock reads around it (a TorchDispatchMode), FLOPs by torch's formulas"
+    other_labels = "by name"
+
+    def _begin_timing(self) -> None:
+        self._clock = OpClock()
+        self._clock.__enter__()
+
+    def _end_timing(self) -> list[tuple[str, str, float, float]]:
+        self._clock.__exit__(None, None, None)
+        clock, self._clock = self._clock, None
+        return [(name, name, seconds, clock.flops[name]) for name, seconds in clock.seconds.items()]
 
 
 PROFILE_HEADERS = ["profiled step s", *(f"{group} s" for group in GROUP_NAMES), "matmul GFLOP", "matmul GFLOP/s"]
@@ -484,15 +575,24 @@ class StepGate:
     parent's word that this side's turn has come and starts the clock; the trainer calls :meth:`step_ended`
     from its per-step callback, which stops the clock, reports the step and waits for the next turn.
 
-    Each step's wall time, and :func:`usage_now` at its start and its end, are this process's own. The step
-    numbered ``profile_step`` (from 1) runs under a :class:`StepProfile` started when its turn begins.
+    Each step's wall time, and :func:`usage_now` at its start and its end, are this process's own. The
+    ``profile_steps`` steps from the one numbered ``profile_step`` (from 1) run under one ``profile_kind``
+    (:class:`StepProfile` or :class:`OpTimeProfile`), started when each one's turn begins and stopped as it ends.
     """
 
-    def __init__(self, connection, steps: int, profile_step: int | None = None):
-        self.connection, self.steps, self.profile_step = connection, steps, profile_step
+    def __init__(
+        self,
+        connection,
+        steps: int,
+        profile_step: int | None = None,
+        profile_steps: int = 1,
+        profile_kind: type[StepProfile] = StepProfile,
+    ):
+        self.connection, self.steps = connection, steps
+        self.profiled = range(profile_step, profile_step + profile_steps) if profile_step else range(0)
+        self.profile: StepProfile | None = profile_kind() if profile_step else None
         self.seconds: list[float] = []
         self.usage: list[tuple[tuple, tuple]] = []  # (usage_now() at a step's start, at its end)
-        self.profile: StepProfile | None = None
         self._began: tuple[float, tuple] | None = None
 
     def begin(self) -> None:
@@ -501,8 +601,7 @@ class StepGate:
             self.connection.send(("ready",))
         if self.connection.recv() != "go":
             raise RuntimeError("the benchmark's parent sent something other than 'go'")
-        if len(self.seconds) + 1 == self.profile_step:
-            self.profile = StepProfile()
+        if len(self.seconds) + 1 in self.profiled:
             self.profile.start()
         self._began = (time.perf_counter(), usage_now())
 
@@ -514,7 +613,7 @@ class StepGate:
         now, usage = time.perf_counter(), usage_now()
         if self._began is None or len(self.seconds) >= self.steps:
             raise RuntimeError(f"a step ended past the {self.steps} this side was to run, or outside its turn")
-        if self.profile is not None and len(self.seconds) + 1 == self.profile_step:
+        if len(self.seconds) + 1 in self.profiled:
             self.profile.stop()
         began, began_usage = self._began
         self.seconds.append(now - began)
@@ -524,10 +623,11 @@ class StepGate:
             self.begin()
 
 
-def _run_side(connection, trainer, trainer_args: tuple, steps: int, profile_step: int | None) -> None:
+def _run_side(connection, trainer, trainer_args: tuple, steps: int, profiling: tuple) -> None:
     """A side's process: ``trainer(gate, *trainer_args)`` loads its model, calls ``gate.begin()`` before its
-    first step and ``gate.step_ended()`` after each; what it returns goes back to the parent with the times."""
-    gate = StepGate(connection, steps, profile_step)
+    first step and ``gate.step_ended()`` after each; what it returns goes back to the parent with the times.
+    ``profiling``: :class:`StepGate`'s (profile_step, profile_steps, profile_kind)."""
+    gate = StepGate(connection, steps, *profiling)
     try:
         extra = trainer(gate, *trainer_args)
         if len(gate.seconds) < steps:
@@ -540,7 +640,7 @@ def _run_side(connection, trainer, trainer_args: tuple, steps: int, profile_step
 @dataclass
 class SideResult:
     """What one side's process measured: each step's seconds, (usage at its start, at its end), the profiled
-    step's :class:`StepProfile` (None without one) and what its trainer returned."""
+    steps' :class:`StepProfile` (None without one) and what its trainer returned."""
 
     seconds: list[float]
     usage: list[tuple[tuple, tuple]]
@@ -553,6 +653,8 @@ def run_in_turns(
     steps: int,
     interleaved: bool = False,
     profile_step: int | None = None,
+    profile_steps: int = 1,
+    profile_kind: type[StepProfile] = StepProfile,
 ) -> tuple[dict[str, SideResult], list[str]]:
     """Run each side's trainer in a process of its own (spawned: a fresh interpreter, its own malloc heap, as a
     user runs one trainer), one step at a time.
@@ -566,7 +668,8 @@ def run_in_turns(
     what a step reuses from the last-level cache (``bench/results/probe_llc_neighbour.md``).
 
     ``trainers`` maps a side's name to (a module-level function ``trainer(gate, *args)``, its ``args``); each
-    runs ``steps`` steps. Returns each side's :class:`SideResult` and the order in which the steps ran. A side
+    runs ``steps`` steps; the ``profile_steps`` from step ``profile_step`` (from 1) run under a ``profile_kind``
+    (see :class:`StepGate`). Returns each side's :class:`SideResult` and the order in which the steps ran. A side
     that fails or dies stops the run with an error naming it.
     """
     context = multiprocessing.get_context("spawn")
@@ -578,7 +681,9 @@ def run_in_turns(
         trainer, trainer_args = trainers[side]
         parent_end, child_end = context.Pipe()
         process = context.Process(
-            target=_run_side, args=(child_end, trainer, trainer_args, steps, profile_step), name=f"bench-{side}"
+            target=_run_side,
+            args=(child_end, trainer, trainer_args, steps, (profile_step, profile_steps, profile_kind)),
+            name=f"bench-{side}",
         )
         process.start()
         child_end.close()

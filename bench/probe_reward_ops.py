@@ -2,10 +2,11 @@
 
 ``bench/reward_throughput.py --profile`` reads one step under torch's profiler, whose own cost on the AMD
 EPYC made up most of its "other" column (``results/reward_speed_profile.md``). Here each aten op of a step is
-timed by a ``TorchDispatchMode`` instead (two clock reads around the op, nothing recorded inside it), in
-each side's own process, on the bench's workload and settings (``reward_throughput.argument_parser``'s
-defaults: 8 pairs a step, prompt 64 + 2 x 24 tokens, the portable pin, the shipped allocator). Steps 1 and 2
-run untimed (allocation, Adam's state); ``--steps`` more are timed op by op and averaged.
+timed by ``common.OpTimeProfile`` instead (two clock reads around the op, nothing recorded inside it). The
+sides run as the bench runs them (``common.run_in_turns``: each in its own process, ours and then TRL's), on
+the bench's workload and settings (``reward_throughput.argument_parser``'s defaults: 8 pairs a step,
+prompt 64 + 2 x 24 tokens, the portable pin, the shipped allocator). Steps 1 and 2 run untimed (allocation,
+Adam's state); ``--steps`` more are timed op by op and averaged.
 
 The table groups the ops as the bench's profile does (``common.op_group``): the matrix products (with the
 rate torch's FLOP formulas for them imply), attention forward and backward, the optimizer step (Adam, and
@@ -22,141 +23,75 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import GROUP_NAMES, cpu_name, emit_table, measured_matmul_flops, op_group  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils.flop_counter import flop_registry  # noqa: E402
+import reward_throughput  # noqa: E402
+from common import (  # noqa: E402
+    GROUP_NAMES,
+    OpTimeProfile,
+    cpu_name,
+    emit_table,
+    measured_matmul_flops,
+    prepare,
+    run_in_turns,
+)
+
+UNTIMED = 2  # steps run before the timed ones: allocation, Adam's state
 
 
-class OpTimes(TorchDispatchMode):
-    """Seconds and calls per aten op, and the matrix products' FLOPs (torch's own formulas), while ``on``."""
-
-    def __init__(self):
-        super().__init__()
-        self.on = False
-        self.seconds: collections.Counter = collections.Counter()
-        self.calls: collections.Counter = collections.Counter()
-        self.product_flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.on:
-            return func(*args, **(kwargs or {}))
-        start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        name = f"aten::{func.overloadpacket.__name__}"
-        self.seconds[name] += time.perf_counter() - start
-        self.calls[name] += 1
-        if op_group(name) == "matrix products":
-            self.product_flops += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
-        return out
-
-
-class Gate:
-    """The bench's ``StepGate`` as one process needs it: the first ``untimed`` steps run with the timer off."""
-
-    def __init__(self, timer: OpTimes, untimed: int, steps: int):
-        self.timer, self.untimed, self.steps = timer, untimed, untimed + steps
-        self.walls: list[float] = []
-        self._start = 0.0
-
-    def begin(self) -> None:
-        self._start = time.perf_counter()
-
-    restart_clock = begin
-
-    def step_ended(self) -> None:
-        self.walls.append(time.perf_counter() - self._start)
-        self.timer.on = len(self.walls) >= self.untimed
-        self._start = time.perf_counter()
-
-
-def grouped(seconds: dict[str, float]) -> dict[str, float]:
-    """Seconds per group of ``common.OP_GROUPS`` (the bench's profile's groups), every group present."""
-    groups = dict.fromkeys(GROUP_NAMES, 0.0)
-    for name, value in seconds.items():
-        groups[op_group(name)] += value
-    return groups
-
-
-def run_side(side: str, steps: int) -> dict:
-    """One side's steps in this process: the mean seconds per op over the timed steps, and each step's wall."""
-    import reward_throughput
-
-    untimed = 2
-    args = reward_throughput.argument_parser().parse_args(["--steps", str(untimed + steps - 1)])
-    timer = OpTimes()
-    gate = Gate(timer, untimed, steps)
-    _, tokenizer = reward_throughput.prepare(args)
-    data = reward_throughput.make_data(
-        tokenizer, args.batch_pairs * gate.steps, args.prompt_tokens, args.response_tokens, args.seed
-    )
-    with timer:
-        (reward_throughput.train_ours if side == "ours" else reward_throughput.train_trl)(gate, data, args)
-    return {
-        "seconds": {name: value / steps for name, value in timer.seconds.items()},
-        "product_flops": timer.product_flops / steps,
-        "walls": gate.walls[untimed:],
-    }
+def ratio_row(label: str, ours: float, trl: float) -> list[str]:
+    """One line of the table: seconds a step on each side and TRL's over ours."""
+    return [label, f"{ours:.3f}", f"{trl:.3f}", f"{trl / ours:.2f}" if ours else "-"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3, help="steps timed op by op, after 2 untimed ones")
-    parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)  # a child's side
+    parser.add_argument("--steps", type=int, default=3, help=f"steps timed op by op, after {UNTIMED} untimed ones")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--output")
     args = parser.parse_args()
-    if args.side:
-        print(json.dumps(run_side(args.side, args.steps)))
-        return
-    env = [f"device: CPU ({cpu_name()}), 2 threads; 2048x2048 fp32 product {measured_matmul_flops() / 1e9:.0f} GFLOP/s"]
-    sides = {}
-    for side in ("ours", "trl"):  # each in its own process, one after the other, as the bench's sequential order
-        command = [sys.executable, __file__, "--side", side, "--steps", str(args.steps)]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-        sides[side] = json.loads(done.stdout.strip().splitlines()[-1])
-    groups = {side: grouped(result["seconds"]) for side, result in sides.items()}
-    rows = []
-    for name in GROUP_NAMES:
-        ours, trl = groups["ours"][name], groups["trl"][name]
-        if name == "matrix products":
-            name += " (GFLOP/s ours, TRL: " + ", ".join(
-                f"{sides[side]['product_flops'] / groups[side][name] / 1e9:.0f}" for side in ("ours", "trl")
-            )
-            name += ")"
-        rows.append([name, f"{ours:.3f}", f"{trl:.3f}", f"{trl / ours:.2f}" if ours else "-"])
-    other = {name for side in sides for name in sides[side]["seconds"] if op_group(name) == "other"}
-    seconds = {side: collections.Counter(sides[side]["seconds"]) for side in sides}
-    for name in sorted(other, key=lambda name: -(seconds["ours"][name] + seconds["trl"][name]))[:6]:
-        ours, trl = seconds["ours"][name], seconds["trl"][name]
-        rows.append([f"other: {name}", f"{ours:.3f}", f"{trl:.3f}", f"{trl / ours:.2f}" if ours else "-"])
-    totals = {side: sum(groups[side].values()) for side in sides}
-    walls = {side: sum(sides[side]["walls"]) / len(sides[side]["walls"]) for side in sides}
-    rows.append(["all ops", f"{totals['ours']:.3f}", f"{totals['trl']:.3f}", f"{totals['trl'] / totals['ours']:.2f}"])
-    rows.append(
-        [
-            "step's wall, timed steps' mean",
-            f"{walls['ours']:.3f}",
-            f"{walls['trl']:.3f}",
-            f"{walls['trl'] / walls['ours']:.2f}",
-        ]
+
+    bench = reward_throughput.argument_parser().parse_args([])
+    _, tokenizer = prepare(bench)
+    steps = UNTIMED + args.steps
+    data = reward_throughput.make_data(
+        tokenizer, bench.batch_pairs * steps, bench.prompt_tokens, bench.response_tokens, bench.seed
     )
-    flops = {side: sides[side]["product_flops"] / 1e9 for side in sides}
+    env = [f"device: CPU ({cpu_name()}), 2 threads; 2048x2048 fp32 product {measured_matmul_flops() / 1e9:.0f} GFLOP/s"]
+    measured, _ = run_in_turns(
+        {"ours": (reward_throughput.train_ours, (data, bench)), "trl": (reward_throughput.train_trl, (data, bench))},
+        steps=steps,
+        profile_step=UNTIMED + 1,
+        profile_steps=args.steps,
+        profile_kind=OpTimeProfile,
+    )
+    ours, trl = measured["ours"].profile, measured["trl"].profile
+
+    rows = []
+    for group in GROUP_NAMES:
+        label = group
+        if group == "matrix products":
+            rates = (profile.matmul_flops / profile.seconds[group] / 1e9 for profile in (ours, trl))
+            label += " (GFLOP/s ours, TRL: {:.0f}, {:.0f})".format(*rates)
+        rows.append(ratio_row(label, ours.seconds[group], trl.seconds[group]))
+    other = {"ours": ours.other_seconds, "trl": trl.other_seconds}
+    for op, _ in (collections.Counter(other["ours"]) + collections.Counter(other["trl"])).most_common(6):
+        rows.append(ratio_row(f"other: {op}", other["ours"].get(op, 0.0), other["trl"].get(op, 0.0)))
+    rows.append(ratio_row("all ops", sum(ours.seconds.values()), sum(trl.seconds.values())))
+    rows.append(ratio_row("step's wall, timed steps' mean", ours.wall, trl.wall))
+
+    timed = {side: measured[side].seconds[UNTIMED:] for side in measured}
     notes = [
-        f"{args.steps} steps a side timed op by op after 2 untimed; seconds are means a step",
-        f"matrix products: {flops['ours']:.0f} GFLOP a step ours, {flops['trl']:.0f} TRL's: the FLOP bound "
-        f"{flops['trl'] / flops['ours']:.2f}x",
+        f"{args.steps} steps a side timed op by op after {UNTIMED} untimed; seconds are means a step",
+        f"matrix products: {ours.matmul_flops / 1e9:.0f} GFLOP a step ours, {trl.matmul_flops / 1e9:.0f} TRL's: "
+        f"the FLOP bound {trl.matmul_flops / ours.matmul_flops:.2f}x",
         "each step's wall (s): ours "
-        + ", ".join(f"{w:.2f}" for w in sides["ours"]["walls"])
+        + ", ".join(f"{w:.2f}" for w in timed["ours"])
         + "; TRL "
-        + ", ".join(f"{w:.2f}" for w in sides["trl"]["walls"]),
+        + ", ".join(f"{w:.2f}" for w in timed["trl"]),
         "the wall includes the timer's own cost (two clock reads an op, about 3,500 ops a step) and Python's",
     ]
     emit_table(

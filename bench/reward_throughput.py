@@ -15,10 +15,11 @@ CPU, for 1 warmup step + ``--steps`` timed steps each:
 Usage::
 
     .venv/bin/python bench/reward_throughput.py [--model smollm2|smollm2-random|tiny] [--tiny] [--steps 6]
-        [--profile] [--order sequential|interleaved] [--first ours|trl]
+        [--profile [torch|ops]] [--order sequential|interleaved] [--first ours|trl]
         [--cpu-numerics portable|compatible|native] [--markdown] [--output FILE]
 
-``--profile`` adds one more step per side under torch's profiler and a table of where its time goes.
+``--profile`` adds one more step per side under torch's profiler and a table of where its time goes; ``--profile ops``
+times that step's aten ops one by one instead (``common.OpTimeProfile``), without the profiler's own cost.
 Each side runs in a process of its own, as a user runs one trainer. ``--order sequential`` (the default) runs all
 of ours, then all of TRL's, each alone; ``--order interleaved`` loads both and runs their steps in turn, one
 each, so a drift in the machine's speed over minutes falls on both (``bench/results/benchmarks.md`` says why it
@@ -38,7 +39,9 @@ import torch  # noqa: E402
 from common import (
     MODEL_NAMES,
     PROFILE_HEADERS,
+    OpTimeProfile,
     StepGate,
+    StepProfile,
     benchmark_parser,
     emit,
     environment_lines,
@@ -51,6 +54,8 @@ from common import (
     steal_note,
     trl_cpu_arguments,
 )  # noqa: E402
+
+PROFILE_KINDS = {"torch": StepProfile, "ops": OpTimeProfile}  # --profile's choices
 
 
 def make_data(tokenizer, num_pairs: int, prompt_tokens: int, response_tokens: int, seed: int):
@@ -183,9 +188,12 @@ def argument_parser():
     )
     parser.add_argument(
         "--profile",
-        action="store_true",
-        help="run one more step per side under torch's profiler and add a table of where its time goes "
-        "(matrix products, attention, optimizer step, other), the matrix products' GFLOP/s and the largest other ops",
+        nargs="?",
+        const="torch",
+        choices=["torch", "ops"],
+        help="run one more step per side under torch's profiler (or, with 'ops', with each aten op timed by a clock "
+        "of its own, common.OpTimeProfile) and add a table of where its time goes (matrix products, attention, "
+        "optimizer step, other), the matrix products' GFLOP/s and the largest other ops",
     )
     parser.add_argument(
         "--first",
@@ -201,7 +209,8 @@ def main(argv=None) -> None:
     args = argument_parser().parse_args(argv)
 
     model_dir, tokenizer = prepare(args)
-    num_pairs = args.batch_pairs * (args.steps + 1 + args.profile)
+    steps = args.steps + 1 + bool(args.profile)  # the warm-up step, the timed ones, the profiled one
+    num_pairs = args.batch_pairs * steps
     data = make_data(tokenizer, num_pairs, args.prompt_tokens, args.response_tokens, args.seed)
 
     first = ("trl", "ours") if args.first == "trl" else ("ours", "trl")
@@ -210,9 +219,10 @@ def main(argv=None) -> None:
     trainers = {"ours": train_ours, "trl": train_trl}
     measured, _order = run_in_turns(
         {name: (trainers[name], (data, args)) for name in sides},
-        steps=args.steps + 1 + args.profile,
+        steps=steps,
         interleaved=args.order == "interleaved",
-        profile_step=args.steps + 2 if args.profile else None,
+        profile_step=steps if args.profile else None,
+        profile_kind=PROFILE_KINDS[args.profile or "torch"],
     )
     results = {name: measured[name].seconds for name in ("ours", "trl") if name in measured}  # ours' row first
     profiles = {name: measured[name].profile for name in results if measured[name].profile is not None}
@@ -291,25 +301,26 @@ def main(argv=None) -> None:
     ]
     if profiles:
         profile_rows = [[labels[name].split(" (")[0], *profiles[name].row()] for name in profiles]
-        table += "\n\nWhere one more step's time goes (torch profiler, self CPU time):\n\n" + render_table(
+        kind = PROFILE_KINDS[args.profile]
+        table += f"\n\nWhere one more step's time goes ({kind.title}):\n\n" + render_table(
             ["implementation", *PROFILE_HEADERS], profile_rows, args.markdown
         )
         notes.append(
-            "profile: one step per side after the timed ones, under torch.profiler (CPU activity, with_flops, "
-            "record_shapes); matrix products = aten::mm/addmm/bmm/baddbmm, attention = the scaled-dot-product "
+            f"profile: one step per side after the timed ones, {kind.method}; matrix products = "
+            "aten::mm/addmm/bmm/baddbmm, attention = the scaled-dot-product "
             "kernels and their backward, optimizer step = Adam's fused or foreach kernels and gradient clipping's "
             "norms, other = every other op's self time (RMS norms, activations, masks, copies, zeroing, the "
             "clipping's scaling); the groups' sum is below the step's wall time by the time "
-            "outside any op (Python, the trainers' own bookkeeping); matmul GFLOP/s = the profiler's FLOP count of "
-            "those ops over their self time."
+            "outside any op (Python, the trainers' own bookkeeping); matmul GFLOP/s = those ops' FLOPs over their "
+            "self time."
         )
         notes += [
-            f"largest other ops (calls, input shapes), {name}: {profiles[name].other_summary()}" for name in profiles
+            f"largest other ops ({kind.other_labels}), {name}: {profiles[name].other_summary()}" for name in profiles
         ]
         notes.append(
-            "the profiler's own cost: the profiled step against the timed steps' median, "
+            "the timing's own cost: the profiled step against the timed steps' median, "
             + "; ".join(f"{name} {profile.wall:.2f} s against {med[name]:.2f} s" for name, profile in profiles.items())
-            + " (where the two differ, the profiler has slowed the ops it timed, and their times above are inflated)"
+            + " (where the two differ, the timing has slowed the ops it timed, and their times above are inflated)"
         )
     emit(
         render_report("Reward-model training throughput", environment_lines(model_name), table, notes, args.markdown),

@@ -3,9 +3,9 @@ step profile's operator groups (bench/common.py), the comparison of two ``dvc.lo
 (bench/lock_diff.py), the evaluation's variance components (bench/probe_eval_variance.py), the logs of
 experiments run outside the queue and the metrics they print (bench/experiments.py), the reward bench's
 page faults a step (bench/reward_throughput.py), the malloc trace's windows
-(bench/probe_malloc_trace.py), the reward step's op-by-op timer (bench/probe_reward_ops.py), the sides'
-processes taking turns and the hypervisor's steal (bench/common.py), and both throughput benches end to
-end on the tiny model."""
+(bench/probe_malloc_trace.py), the reward step's op-by-op timer (bench/common.py, for
+bench/probe_reward_ops.py), the sides' processes taking turns and the hypervisor's steal (bench/common.py),
+and both throughput benches end to end on the tiny model."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the be
 import lock_diff  # noqa: E402
 from common import (  # noqa: E402
     PROFILE_HEADERS,
+    OpTimeProfile,
     StepProfile,
     cpu_ticks,
     grouped_query_attention_formulas,
@@ -38,7 +39,6 @@ from common import (  # noqa: E402
 from experiments import experiment_logs, logged_metrics  # noqa: E402
 from probe_eval_variance import standard_error, variance_components  # noqa: E402
 from probe_malloc_trace import windows  # noqa: E402
-from probe_reward_ops import OpTimes, grouped  # noqa: E402
 from process_start import WRAPPER  # noqa: E402
 
 
@@ -128,24 +128,29 @@ def test_the_step_profile_counts_a_matrix_products_time_and_flops_apart_from_the
     assert len(profile.row()) == len(PROFILE_HEADERS)
 
 
-def test_the_op_timer_times_only_while_on_and_counts_a_product_s_flops_in_its_group():
-    """bench/probe_reward_ops.py: ops before ``on`` are not timed; a 64 x 32 by 32 x 16 product counts
-    2 * 64 * 32 * 16 FLOPs (torch's formula, addmm's too) and falls in "matrix products", a multiplication
-    in "other"; every group of the bench's profile is present, empty ones at 0."""
+def test_the_op_time_profile_times_only_between_start_and_stop_and_counts_a_product_s_flops_in_its_group():
+    """common.OpTimeProfile (bench/probe_reward_ops.py's timer): ops outside start/stop are not timed; a
+    64 x 32 by 32 x 16 product counts 2 * 64 * 32 * 16 FLOPs (torch's formula, addmm's too) and falls in
+    "matrix products", a multiplication in "other" under its name; over two profiled steps every reading is a
+    step's mean; the row has every header's cell."""
     a, b, bias = torch.randn(64, 32), torch.randn(32, 16), torch.randn(16)
-    timer = OpTimes()
-    with timer:
-        torch.mul(a, a)  # not yet on
-        timer.on = True
+    profile = OpTimeProfile()
+    torch.mul(a, a)  # before the first step: not timed
+    for _ in range(2):
+        profile.start()
         torch.mm(a, b)
         torch.addmm(bias, a, b)
         torch.mul(a, a)
-    assert timer.product_flops == 2 * (2 * 64 * 32 * 16)
-    assert timer.calls == {"aten::mm": 1, "aten::addmm": 1, "aten::mul": 1}
-    groups = grouped(dict(timer.seconds))
-    assert list(groups) == ["matrix products", "attention", "optimizer step", "other"]
-    assert groups["matrix products"] == timer.seconds["aten::mm"] + timer.seconds["aten::addmm"] > 0
-    assert groups["other"] == timer.seconds["aten::mul"] > 0 and groups["attention"] == 0
+        profile.stop()
+        torch.sub(a, a)  # between steps: not timed
+    assert profile.steps == 2
+    assert profile.matmul_flops == 2 * (2 * 64 * 32 * 16)  # a step's, not the two steps' sum
+    assert list(profile.seconds) == ["matrix products", "attention", "optimizer step", "other"]
+    assert profile.seconds["matrix products"] > 0 and profile.seconds["attention"] == 0
+    assert list(profile.other_seconds) == ["aten::mul"]
+    assert profile.seconds["other"] == profile.other_seconds["aten::mul"] > 0
+    assert profile.wall >= sum(profile.seconds.values())
+    assert len(profile.row()) == len(PROFILE_HEADERS)
 
 
 def test_an_experiment_run_outside_the_queue_is_found_by_the_name_its_log_reports(tmp_path):
@@ -275,6 +280,17 @@ def test_the_profiled_step_is_the_one_numbered():
     assert results["large"].profile.matmul_flops == 2 * 64**3
 
 
+def test_the_profiled_steps_run_under_the_profile_kind_asked_for_and_read_as_a_step_s_mean():
+    """profile_steps from profile_step: steps 2 and 3 of 4 under an OpTimeProfile, whose products are a
+    step's (2 n^3), not the sum of the two steps'."""
+    results, _ = run_in_turns(
+        {"ours": (fake_trainer, (0.0, 32))}, steps=4, profile_step=2, profile_steps=2, profile_kind=OpTimeProfile
+    )
+    profile = results["ours"].profile
+    assert isinstance(profile, OpTimeProfile) and profile.steps == 2
+    assert profile.matmul_flops == 2 * 32**3
+
+
 def run_bench(script: str, arguments: list[str], tmp_path: Path) -> tuple[str, str]:
     """A benchmark script run as `make bench` runs it, its model cached under ``tmp_path``: (report, stderr)."""
     report = tmp_path / f"{script}.md"
@@ -306,14 +322,19 @@ def test_the_ppo_bench_runs_each_side_in_its_own_process_in_turns(tmp_path):
 
 
 def test_the_reward_bench_takes_turns_with_trl_s_trainer_end_to_end(tmp_path):
-    """The reward bench on the tiny model, as `make bench` runs it but for two timed steps and TRL's side first:
-    both sides ran their steps through their callbacks (TRL's max_steps the gate's count), each in its own
-    process, and the report says so and still lists ours first."""
-    text, stderr = run_bench("reward_throughput.py", ["--tiny", "--steps", "2", "--first", "trl"], tmp_path)
+    """The reward bench on the tiny model, as `make bench` runs it but for two timed steps, TRL's side first and
+    one more step under the op clock: both sides ran their steps through their callbacks (TRL's max_steps the
+    gate's count), each in its own process, and the report says so, still lists ours first and has each side's
+    profiled step."""
+    arguments = ["--tiny", "--steps", "2", "--first", "trl", "--profile", "ops"]
+    text, stderr = run_bench("reward_throughput.py", arguments, tmp_path)
     assert text.index("| rlhf_pipeline train_reward_model") < text.index("| TRL 1.12 RewardTrainer")  # ours' row first
     assert "order: sequential, all of TRL's and then all of ours; each side in a process of its own" in text
     times = [line for line in stderr.splitlines() if "step times" in line]
-    assert len(times) == 2 and all(line.count(",") == 2 for line in times), times  # 3 steps a side
+    assert len(times) == 2 and all(line.count(",") == 3 for line in times), times  # 4 steps a side
+    profiled = text.split("Where one more step's time goes (aten ops timed one by one", 1)[1]
+    assert "| rlhf_pipeline train_reward_model |" in profiled and "| TRL 1.12 RewardTrainer |" in profiled
+    assert "largest other ops (by name), ours: aten::" in text
 
 
 def test_the_hypervisor_s_steal_is_its_share_of_the_cpu_time_over_the_timed_steps():
