@@ -15,7 +15,7 @@ CPU, for 1 warmup step + ``--steps`` timed steps each:
 Usage::
 
     .venv/bin/python bench/reward_throughput.py [--model smollm2|smollm2-random|tiny] [--tiny] [--steps 6]
-        [--profile [torch|ops]] [--order sequential|interleaved] [--first ours|trl]
+        [--profile [torch|ops]] [--order sequential|interleaved|mirrored] [--first ours|trl]
         [--cpu-numerics portable|compatible|native] [--markdown] [--output FILE]
 
 ``--profile`` adds one more step per side under torch's profiler and a table of where its time goes; ``--profile ops``
@@ -23,7 +23,9 @@ times that step's aten ops one by one instead (``common.OpTimeProfile``), withou
 Each side runs in a process of its own, as a user runs one trainer. ``--order sequential`` (the default) runs all
 of ours, then all of TRL's, each alone; ``--order interleaved`` loads both and runs their steps in turn, one
 each, so a drift in the machine's speed over minutes falls on both (``bench/results/benchmarks.md`` says why it
-is not the default). ``--first trl`` starts with TRL's side.
+is not the default). ``--order mirrored`` runs the sequential order twice, the second time backwards (ours, TRL's,
+TRL's, ours: four processes, each alone), so that a drift linear in time falls on both sides alike without their
+steps sharing the cache; it takes twice as long. ``--first trl`` starts with TRL's side.
 """
 
 from __future__ import annotations
@@ -138,9 +140,11 @@ def train_trl(gate: StepGate, data, args) -> str:
     return f"{type(optimizer).__name__} ({config.optim})"
 
 
-def order_note(order: str, seconds: dict[str, list[float]], steps: int, first: str) -> str:
-    """How the two sides' steps were taken, and with ``interleaved`` the ratio of each step pair run back to
-    back (TRL's k-th timed step over ours): the measure a drift over minutes cannot move."""
+def order_note(order: str, passes: list[dict[str, list[float]]], steps: int, first: str) -> str:
+    """How the two sides' steps were taken (``passes``: each pass's seconds a side, warm-up step first). With
+    ``interleaved``, the ratio of each step pair run back to back (TRL's k-th timed step over ours); with
+    ``mirrored``, each pass's ratio of the medians: the measures a drift over minutes cannot move, or moves
+    in opposite ways."""
     names = {"ours": "ours", "trl": "TRL's"}
     one, other = (names["trl"], names["ours"]) if first == "trl" else (names["ours"], names["trl"])
     if order == "sequential":
@@ -148,6 +152,20 @@ def order_note(order: str, seconds: dict[str, list[float]], steps: int, first: s
             f"order: sequential, all of {one} and then all of {other}; each side in a process of its own (spawned), "
             "one after the other, each alone in memory."
         )
+    if order == "mirrored":
+        text = (
+            f"order: mirrored, all of {one}, then all of {other}, then all of {other} again and all of {one} again; "
+            "each run a process of its own (spawned), alone in memory, so that a drift linear in time falls on "
+            "both sides alike; the timed steps are both runs' together"
+        )
+        if len(passes[0]) < 2:
+            return text + "."
+        ratios = [
+            statistics.median(run["trl"][1 : steps + 1]) / statistics.median(run["ours"][1 : steps + 1])
+            for run in passes
+        ]
+        return text + "; TRL's median step over ours, each pass: " + ", ".join(f"{r:.2f}x" for r in ratios) + "."
+    seconds = passes[0]
     text = (
         f"order: interleaved, one step of {one} and then one of {other}, in turn; each side in a process of its own "
         "(spawned), both loaded before the first step"
@@ -179,12 +197,14 @@ def argument_parser():
     parser.add_argument("--only", choices=["ours", "trl"], help="run one side only (debugging)")
     parser.add_argument(
         "--order",
-        choices=["sequential", "interleaved"],
+        choices=["sequential", "interleaved", "mirrored"],
         default="sequential",
         help="sequential (the default): each side's process runs all its steps alone, as a user runs one trainer; "
         "interleaved: both load, then they take turns a step at a time, so that the machine's drift over minutes "
         "falls on both alike (on a 2-core Intel Xeon it read 1.50-1.57x where sequential read 1.39-1.49x, TRL's "
-        "steps being the slower interleaved: the last-level cache, bench/results/probe_llc_neighbour.md)",
+        "steps being the slower interleaved: the last-level cache, bench/results/probe_llc_neighbour.md); "
+        "mirrored: sequential, then sequential backwards (ours, TRL, TRL, ours), each run alone, so that a drift "
+        "linear in time falls on both alike; twice the time",
     )
     parser.add_argument(
         "--profile",
@@ -217,29 +237,35 @@ def main(argv=None) -> None:
     sides = [name for name in first if not args.only or name == args.only]
     print(f"[reward_throughput] loading {', '.join(sides)}, then steps {args.order}", file=sys.stderr, flush=True)
     trainers = {"ours": train_ours, "trl": train_trl}
-    measured, _order = run_in_turns(
-        {name: (trainers[name], (data, args)) for name in sides},
-        steps=steps,
-        interleaved=args.order == "interleaved",
-        profile_step=steps if args.profile else None,
-        profile_kind=PROFILE_KINDS[args.profile or "torch"],
-    )
+    runs = []  # one pass of run_in_turns, or with mirrored two, the second backwards
+    for pass_sides in [sides, sides[::-1]] if args.order == "mirrored" else [sides]:
+        runs.append(
+            run_in_turns(
+                {name: (trainers[name], (data, args)) for name in pass_sides},
+                steps=steps,
+                interleaved=args.order == "interleaved",
+                profile_step=steps if args.profile else None,
+                profile_kind=PROFILE_KINDS[args.profile or "torch"],
+            )[0]
+        )
+        for name in pass_sides:
+            print(
+                f"[reward_throughput] {name} step times: {[round(t, 3) for t in runs[-1][name].seconds]}",
+                file=sys.stderr,
+                flush=True,
+            )
+    measured = runs[0]  # the warm-up step, the profile and TRL's optimizer are the first pass's
     results = {name: measured[name].seconds for name in ("ours", "trl") if name in measured}  # ours' row first
     profiles = {name: measured[name].profile for name in results if measured[name].profile is not None}
-    timed_usage = {name: measured[name].usage[1 : args.steps + 1] for name in results}
+    # the timed steps (and their usage): every pass's, after its warm-up step
+    timed = {name: [t for run in runs for t in run[name].seconds[1 : args.steps + 1]] for name in results}
+    timed_usage = {name: [u for run in runs for u in run[name].usage[1 : args.steps + 1]] for name in results}
     trl_optimizer = measured["trl"].extra if "trl" in measured else "n/a"
-    for name in sides:
-        print(
-            f"[reward_throughput] {name} step times: {[round(t, 3) for t in results[name]]}",
-            file=sys.stderr,
-            flush=True,
-        )
 
     labels = {
         "ours": "rlhf_pipeline train_reward_model (score_best_of_n, N=2, prompt shared in one packed sequence)",
         "trl": "TRL 1.12 RewardTrainer (AutoModelForSequenceClassification)",
     }
-    timed = {name: times[1 : args.steps + 1] for name, times in results.items()}
     sec = {name: sum(t) / len(t) for name, t in timed.items()}
     # the median shows the steady state: on CPU the first timed step still pays one-off allocations
     med = {name: statistics.median(t) for name, t in timed.items()}
@@ -276,7 +302,8 @@ def main(argv=None) -> None:
         f"workload: {args.batch_pairs} pairs/step, prompt {args.prompt_tokens} tokens + chosen/rejected "
         f"{args.response_tokens} tokens each "
         f"(fixed-seed random token ids, no padding), full fine-tune, lr {args.lr}, 1 warmup step + {args.steps} "
-        "timed steps per side (mean of the timed steps).",
+        + ("timed steps per side" if len(runs) == 1 else f"timed steps per side and run, {len(runs)} runs a side")
+        + " (mean of the timed steps).",
         f"ours: Adam (eps 1e-5), one microbatch per step; per step it runs {args.batch_pairs} packed rows of prompt "
         "+ chosen + rejected "
         f"({args.batch_pairs}x{args.prompt_tokens + 2 * args.response_tokens} tokens, block attention mask).",
@@ -285,7 +312,7 @@ def main(argv=None) -> None:
         f"{trl_optimizer}, "
         "no eval/logging/saving/gradient checkpointing, report_to none, use_cpu, dataloader workers 0; a step's time "
         "runs from its turn's start (TRL's first: on_train_begin) to its on_step_end callback.",
-        order_note(args.order, results, args.steps, args.first),
+        order_note(args.order, [{name: run[name].seconds for name in run} for run in runs], args.steps, args.first),
         "speed vs TRL = TRL seconds/step / implementation seconds/step (>1 means faster than TRL), from the mean "
         "and from the median of the timed steps.",
         "page faults a timed step (median; minor faults, and the system time the process spent, on its threads "

@@ -10,6 +10,7 @@ and both throughput benches end to end on the tiny model."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from torch.utils.flop_counter import flop_registry
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benchmarks are scripts, not a package
 
 import lock_diff  # noqa: E402
+import reward_throughput  # noqa: E402
 from common import (  # noqa: E402
     PROFILE_HEADERS,
     OpTimeProfile,
@@ -322,19 +324,36 @@ def test_the_ppo_bench_runs_each_side_in_its_own_process_in_turns(tmp_path):
 
 
 def test_the_reward_bench_takes_turns_with_trl_s_trainer_end_to_end(tmp_path):
-    """The reward bench on the tiny model, as `make bench` runs it but for two timed steps, TRL's side first and
-    one more step under the op clock: both sides ran their steps through their callbacks (TRL's max_steps the
-    gate's count), each in its own process, and the report says so, still lists ours first and has each side's
-    profiled step."""
-    arguments = ["--tiny", "--steps", "2", "--first", "trl", "--profile", "ops"]
+    """The reward bench on the tiny model, as `make bench` runs it but for two timed steps, TRL's side first, the
+    mirrored order and one more step under the op clock: both sides ran their steps through their callbacks
+    (TRL's max_steps the gate's count), each run in its own process, TRL's, ours, ours, TRL's; the report says
+    so, still lists ours first and has each side's profiled step."""
+    arguments = ["--tiny", "--steps", "2", "--first", "trl", "--order", "mirrored", "--profile", "ops"]
     text, stderr = run_bench("reward_throughput.py", arguments, tmp_path)
     assert text.index("| rlhf_pipeline train_reward_model") < text.index("| TRL 1.12 RewardTrainer")  # ours' row first
-    assert "order: sequential, all of TRL's and then all of ours; each side in a process of its own" in text
+    assert "order: mirrored, all of TRL's, then all of ours, then all of ours again and all of TRL's again" in text
+    assert re.search(r"TRL's median step over ours, each pass: \d+\.\d\dx, \d+\.\d\dx\.", text)
+    assert "1 warmup step + 2 timed steps per side and run, 2 runs a side" in text
     times = [line for line in stderr.splitlines() if "step times" in line]
-    assert len(times) == 2 and all(line.count(",") == 3 for line in times), times  # 4 steps a side
+    assert [line.split()[1] for line in times] == ["trl", "ours", "ours", "trl"], times
+    assert all(line.count(",") == 3 for line in times), times  # 4 steps a run: warm-up, 2 timed, profiled
     profiled = text.split("Where one more step's time goes (aten ops timed one by one", 1)[1]
     assert "| rlhf_pipeline train_reward_model |" in profiled and "| TRL 1.12 RewardTrainer |" in profiled
     assert "largest other ops (by name), ours: aten::" in text
+
+
+def test_the_reward_bench_s_order_note_says_how_the_steps_ran_and_each_mirrored_pass_s_ratio():
+    """Sequential: one pass, the first side named first; mirrored: TRL's median timed step over ours in
+    each pass (the warm-up step, first, left out)."""
+    passes = [
+        {"ours": [9.0, 1.0, 2.0, 3.0], "trl": [9.0, 3.0, 3.0, 3.0]},
+        {"trl": [9.0, 4.0, 4.0], "ours": [9.0, 2.0, 2.0]},
+    ]
+    assert reward_throughput.order_note("sequential", passes[:1], 3, "trl").startswith(
+        "order: sequential, all of TRL's and then all of ours;"
+    )
+    assert reward_throughput.order_note("mirrored", passes, 2, "ours").endswith("each pass: 2.00x, 2.00x.")
+    assert reward_throughput.order_note("mirrored", passes, 3, "ours").endswith("each pass: 1.50x, 2.00x.")
 
 
 def test_the_hypervisor_s_steal_is_its_share_of_the_cpu_time_over_the_timed_steps():
