@@ -3,10 +3,10 @@
 ``bench/reward_throughput.py --profile`` reads one step under torch's profiler, whose own cost on the AMD
 EPYC made up most of its "other" column (``results/reward_speed_profile.md``). Here each aten op of a step is
 timed by ``common.OpTimeProfile`` instead (two clock reads around the op, nothing recorded inside it). The
-sides run as the bench runs them (``common.run_in_turns``: each in its own process, ours and then TRL's), on
-the bench's workload and settings (``reward_throughput.argument_parser``'s defaults: 8 pairs a step,
-prompt 64 + 2 x 24 tokens, the portable pin, the shipped allocator). Steps 1 and 2 run untimed (allocation,
-Adam's state); ``--steps`` more are timed op by op and averaged.
+sides run as the bench's sequential order runs them (``common.run_in_turns``: each in its own process, ours
+and then TRL's), on the bench's workload and settings (``reward_throughput.argument_parser``'s defaults: 8
+pairs a step, prompt 64 + 2 x 24 tokens, the portable pin, the shipped allocator). Steps 1 and 2 run untimed
+(allocation, Adam's state); ``--steps`` more are timed op by op and averaged.
 
 The table groups the ops as the bench's profile does (``common.op_group``): the matrix products (with the
 rate torch's FLOP formulas for them imply), attention forward and backward, the optimizer step (Adam, and
