@@ -486,24 +486,28 @@ class StepProfile:
             for event in events
         ]
 
+    def _per_step(self, total: float) -> float:
+        """A total over the profiled steps as a step's mean (0 before any step was profiled)."""
+        return total / max(self.steps, 1)
+
     @property
     def wall(self) -> float:
         """A profiled step's wall time, with the timing's own cost in it."""
-        return self._wall / max(self.steps, 1)
+        return self._per_step(self._wall)
 
     @property
     def seconds(self) -> dict[str, float]:
         """A profiled step's seconds per group of :data:`GROUP_NAMES`, every group present."""
-        return {group: value / max(self.steps, 1) for group, value in self._seconds.items()}
+        return {group: self._per_step(value) for group, value in self._seconds.items()}
 
     @property
     def matmul_flops(self) -> float:
-        return self._matmul_flops / max(self.steps, 1)
+        return self._per_step(self._matmul_flops)
 
     @property
     def other_seconds(self) -> dict[str, float]:
         """A profiled step's seconds per label of the "other" group."""
-        return {label: value / max(self.steps, 1) for label, value in self._other.items()}
+        return {label: self._per_step(value) for label, value in self._other.items()}
 
     @property
     def largest_other(self) -> list[tuple[str, float]]:
