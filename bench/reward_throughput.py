@@ -231,8 +231,7 @@ def main(argv=None) -> None:
 
     model_dir, tokenizer = prepare(args)
     steps = args.steps + 1 + bool(args.profile)  # the warm-up step, the timed ones, the profiled one
-    num_pairs = args.batch_pairs * steps
-    data = make_data(tokenizer, num_pairs, args.prompt_tokens, args.response_tokens, args.seed)
+    data = make_data(tokenizer, args.batch_pairs * steps, args.prompt_tokens, args.response_tokens, args.seed)
 
     first = ("trl", "ours") if args.first == "trl" else ("ours", "trl")
     sides = [name for name in first if not args.only or name == args.only]
@@ -240,12 +239,16 @@ def main(argv=None) -> None:
     trainers = {"ours": train_ours, "trl": train_trl}
     runs = []  # one pass of run_in_turns, or with mirrored two, the second backwards
     for pass_sides in [sides, sides[::-1]] if args.order == "mirrored" else [sides]:
+        # the report's profile is the first pass's: a later pass runs without the profiled step, and with its
+        # data cut to match (our trainer runs as many steps as its data holds)
+        pass_steps = steps if not runs else args.steps + 1
+        pass_data = tuple(tensor[: args.batch_pairs * pass_steps] for tensor in data)
         runs.append(
             run_in_turns(
-                {name: (trainers[name], (data, args)) for name in pass_sides},
-                steps=steps,
+                {name: (trainers[name], (pass_data, args)) for name in pass_sides},
+                steps=pass_steps,
                 interleaved=args.order == "interleaved",
-                profile_step=steps if args.profile else None,
+                profile_step=steps if args.profile and not runs else None,
                 profile_kind=PROFILE_KINDS[args.profile or "torch"],
             )[0]
         )
@@ -334,7 +337,8 @@ def main(argv=None) -> None:
             ["implementation", *PROFILE_HEADERS], profile_rows, args.markdown
         )
         notes.append(
-            f"profile: one step per side after the timed ones, {kind.method}; matrix products = "
+            f"profile: one step per side after the timed ones{' of the first pass' if len(runs) > 1 else ''}, "
+            f"{kind.method}; matrix products = "
             "aten::mm/addmm/bmm/baddbmm, attention = the scaled-dot-product "
             "kernels and their backward, optimizer step = Adam's fused or foreach kernels and gradient clipping's "
             "norms, other = every other op's self time (RMS norms, activations, masks, copies, zeroing, the "

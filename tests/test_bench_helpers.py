@@ -325,9 +325,9 @@ def test_the_ppo_bench_runs_each_side_in_its_own_process_in_turns(tmp_path):
 
 def test_the_reward_bench_takes_turns_with_trl_s_trainer_end_to_end(tmp_path):
     """The reward bench on the tiny model, as `make bench` runs it but for two timed steps, TRL's side first, the
-    mirrored order and one more step under the op clock: both sides ran their steps through their callbacks
-    (TRL's max_steps the gate's count), each run in its own process, TRL's, ours, ours, TRL's; the report says
-    so, still lists ours first and has each side's profiled step."""
+    mirrored order and one more step under the op clock in the first pass: both sides ran their steps through
+    their callbacks (TRL's max_steps the gate's count), each run in its own process, TRL's, ours, ours, TRL's;
+    the report says so, still lists ours first and has each side's profiled step."""
     arguments = ["--tiny", "--steps", "2", "--first", "trl", "--order", "mirrored", "--profile", "ops"]
     text, stderr = run_bench("reward_throughput.py", arguments, tmp_path)
     assert text.index("| rlhf_pipeline train_reward_model") < text.index("| TRL 1.12 RewardTrainer")  # ours' row first
@@ -336,10 +336,12 @@ def test_the_reward_bench_takes_turns_with_trl_s_trainer_end_to_end(tmp_path):
     assert "1 warmup step + 2 timed steps per side and run, 2 runs a side" in text
     times = [line for line in stderr.splitlines() if "step times" in line]
     assert [line.split()[1] for line in times] == ["trl", "ours", "ours", "trl"], times
-    assert all(line.count(",") == 3 for line in times), times  # 4 steps a run: warm-up, 2 timed, profiled
+    # 4 steps in each first-pass run (warm-up, 2 timed, profiled), 3 in the second pass's (no profiled step)
+    assert [line.count(",") for line in times] == [3, 3, 2, 2], times
     profiled = text.split("Where one more step's time goes (aten ops timed one by one", 1)[1]
     assert "| rlhf_pipeline train_reward_model |" in profiled and "| TRL 1.12 RewardTrainer |" in profiled
     assert "largest other ops (by name), ours: aten::" in text
+    assert "profile: one step per side after the timed ones of the first pass, each aten op timed" in text
 
 
 def test_the_reward_bench_s_order_note_says_how_the_steps_ran_and_each_mirrored_pass_s_ratio():
