@@ -8,6 +8,10 @@ Usage:
 
     make run 2>&1 | tee run.log
     .venv/bin/python bench/seeds.py --baseline-log run.log --seeds 2 3 --output bench/results/seeds.md
+
+``--set KEY=VALUE`` (repeatable) gives every seed's experiment these params too: a candidate default
+over several seeds (include the default's own seed in ``--seeds`` then, since the workspace row is the
+shipped default, not the candidate).
 """
 
 from __future__ import annotations
@@ -30,10 +34,30 @@ from experiments import (
 )
 
 
+def seed_experiments(seeds: list[int], label: str, sets: list[str]) -> list[Experiment]:
+    """One experiment a seed, named ``seed-N-LABEL``, with ``seed=N`` and the ``KEY=VALUE`` params of ``sets``."""
+    overrides = {}
+    for item in sets:
+        key, equals, value = item.partition("=")
+        if not equals or not key or key == "seed":
+            raise SystemExit(f"--set {item!r}: give KEY=VALUE, a params.yaml key other than seed (--seeds sets it)")
+        overrides[key] = value
+    suffix = f"-{label}" if label else ""
+    return [Experiment(f"seed-{seed}{suffix}", {"seed": str(seed), **overrides}) for seed in seeds]
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--seeds", type=int, nargs="+", default=[2, 3], help="seeds other than params.yaml's")
     p.add_argument("--label", default="", help="appended to each experiment's name (seed-2-LABEL): a new study")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a param every seed's experiment also sets (repeatable): a candidate default over the seeds",
+    )
     p.add_argument(
         "--earlier-logs",
         type=Path,
@@ -59,8 +83,7 @@ def main() -> None:
     args = p.parse_args()
     if args.from_logs and not args.no_run:
         p.error("--from-logs reads finished runs' logs: pass --no-run too")
-    suffix = f"-{args.label}" if args.label else ""
-    runs = [Experiment(f"seed-{seed}{suffix}", {"seed": str(seed)}) for seed in args.seeds]
+    runs = seed_experiments(args.seeds, args.label, args.sets)
     # how fast this machine is today: its speed has varied 2x from day to day, and the wall times with it
     rates = [measured_matmul_flops() / 1e9]
     if not args.no_run:
@@ -73,9 +96,12 @@ def main() -> None:
     if args.from_logs:
         baseline = logged_metrics(args.baseline_log.read_text(errors="replace"), str(args.baseline_log))
     table = render(runs, baseline_times, baseline, "default seed")
-    everyone = [baseline] + [run.metrics for run in runs]
-    minutes = [sum(baseline_times.values())] + [sum(run.stage_seconds.values()) for run in runs]
-    summary = [f"Over {len(everyone)} seeds, mean (sd):", ""]
+    # a candidate (--set) is summarised over its own runs: the workspace row is the shipped default, not the candidate
+    shipped = [] if args.sets else [(baseline, sum(baseline_times.values()))]
+    everyone = [m for m, _ in shipped] + [run.metrics for run in runs]
+    minutes = [t for _, t in shipped] + [sum(run.stage_seconds.values()) for run in runs]
+    what = f"the candidate's {len(everyone)} seeds (the shipped default's row left out)" if args.sets else None
+    summary = [f"Over {what or f'{len(everyone)} seeds'}, mean (sd):", ""]
     summary += [f"- {column}: {seed_summary([m[column] for m in everyone])}" for column in METRICS]
     summary.append(f"- pipeline wall time (s): {seed_summary([float(m) for m in minutes])}")
     summary.append(

@@ -42,6 +42,7 @@ from experiments import experiment_logs, logged_metrics  # noqa: E402
 from probe_eval_variance import standard_error, variance_components  # noqa: E402
 from probe_malloc_trace import windows  # noqa: E402
 from process_start import WRAPPER  # noqa: E402
+from seeds import seed_experiments  # noqa: E402
 
 
 def test_grouped_key_value_heads_count_as_the_query_heads_they_serve():
@@ -165,6 +166,23 @@ def test_an_experiment_run_outside_the_queue_is_found_by_the_name_its_log_report
     other.write_text("Running stage 'base_model':\n")
     with pytest.raises(SystemExit, match="repro.log"):
         experiment_logs([log, other])
+
+
+def test_a_candidate_default_sets_its_params_on_every_seed_and_a_malformed_set_is_refused():
+    """bench/seeds.py --set: each seed's experiment carries the candidate's params besides its seed (what the
+    queue passes as --set-param and the table prints as the change); a --set without '=' or one naming the
+    seed (--seeds' job) stops the study, naming the argument."""
+    runs = seed_experiments([1, 3], "cut", ["data.preferences.num_labels=768", "ppo.kl.budget_check_responses=64"])
+    assert [run.name for run in runs] == ["seed-1-cut", "seed-3-cut"]
+    assert runs[1].overrides == {
+        "seed": "3",
+        "data.preferences.num_labels": "768",
+        "ppo.kl.budget_check_responses": "64",
+    }
+    assert seed_experiments([2], "", [])[0].overrides == {"seed": "2"}
+    for bad in ("data.preferences.num_labels", "seed=4", "=3"):
+        with pytest.raises(SystemExit, match=re.escape(repr(bad))):
+            seed_experiments([1], "cut", [bad])
 
 
 def test_the_metrics_a_run_printed_are_read_from_its_log_and_a_cut_log_is_an_error():
