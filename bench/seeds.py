@@ -96,12 +96,15 @@ def main() -> None:
     if args.from_logs:
         baseline = logged_metrics(args.baseline_log.read_text(errors="replace"), str(args.baseline_log))
     table = render(runs, baseline_times, baseline, "default seed")
-    # a candidate (--set) is summarised over its own runs: the workspace row is the shipped default, not the candidate
-    shipped = [] if args.sets else [(baseline, sum(baseline_times.values()))]
-    everyone = [m for m, _ in shipped] + [run.metrics for run in runs]
-    minutes = [t for _, t in shipped] + [sum(run.stage_seconds.values()) for run in runs]
-    what = f"the candidate's {len(everyone)} seeds (the shipped default's row left out)" if args.sets else None
-    summary = [f"Over {what or f'{len(everyone)} seeds'}, mean (sd):", ""]
+    everyone = [run.metrics for run in runs]
+    minutes = [sum(run.stage_seconds.values()) for run in runs]
+    if args.sets:  # a candidate is summarised over its own runs: the workspace row is the shipped default, not it
+        heading = f"Over the candidate's {len(runs)} seeds (the shipped default's row left out), mean (sd):"
+    else:
+        everyone.insert(0, baseline)
+        minutes.insert(0, sum(baseline_times.values()))
+        heading = f"Over {len(everyone)} seeds, mean (sd):"
+    summary = [heading, ""]
     summary += [f"- {column}: {seed_summary([m[column] for m in everyone])}" for column in METRICS]
     summary.append(f"- pipeline wall time (s): {seed_summary([float(m) for m in minutes])}")
     summary.append(
