@@ -45,6 +45,44 @@ def test_seeded_and_certain_draws():
     assert torch.allclose(logprobs, torch.zeros(3))
 
 
+@pytest.mark.parametrize(
+    ("batch", "vocab", "sum_bytes", "reductions"),
+    [(37, 49_153, 2**21, 8), (9, 1000, 2**13, 9), (5, 512, 1, 5), (3, 100, 2**21, 1)],
+)
+def test_the_draw_is_the_padded_single_reduction_draw(monkeypatch, batch, vocab, sum_bytes, reductions):
+    """The weights written into the block layout and the float64 block sums made a few rows at a time (on
+    a CPU) give the very bytes of padding a (B, V) copy and summing it in one call: the same tokens and
+    logprobs. Cases: SmolLM2's vocabulary over row chunks that do not divide the batch; a vocabulary split
+    into blocks with a partial one; one row a chunk; a vocabulary under one block."""
+    from rlhf_pipeline import decoding
+
+    monkeypatch.setattr(decoding, "FLOAT64_SUM_BYTES", sum_bytes)
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
+    num_blocks = -(-vocab // 256)
+    weights = (logits - logits.amax(-1, keepdim=True)).exp()
+    blocks = torch.nn.functional.pad(weights, (0, num_blocks * 256 - vocab)).view(batch, num_blocks, 256)
+    calls, real_sum = [], torch.sum
+    monkeypatch.setattr(torch, "sum", lambda *a, **k: calls.append(1) or real_sum(*a, **k))
+    chunked = decoding.block_sums_float64(blocks)
+    monkeypatch.setattr(torch, "sum", real_sum)
+    assert len(calls) == reductions  # the case splits the batch as it says
+    assert torch.equal(chunked, blocks.sum(-1, dtype=torch.float64))
+    u = torch.rand((batch, 1), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    block_sums = blocks.sum(-1, dtype=torch.float64)
+    block_cdf = block_sums.cumsum(-1)
+    total = block_cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    block = torch.searchsorted(block_cdf, target, right=True)
+    rest = target - (block_cdf.gather(-1, block) - block_sums.gather(-1, block))
+    inner = blocks[torch.arange(batch), block.squeeze(-1)].cumsum(-1, dtype=torch.float64)
+    rest = torch.minimum(rest.clamp(min=0.0), torch.nextafter(inner[:, -1:], torch.zeros_like(inner[:, -1:])))
+    expected = (block * 256 + torch.searchsorted(inner, rest, right=True)).squeeze(-1)
+    tokens, logprobs = sample_from_logits(logits, uniforms=u)
+    assert torch.equal(tokens, expected)
+    drawn, peak = logits.gather(-1, expected[:, None]).squeeze(-1), logits.amax(-1)
+    assert torch.equal(logprobs, drawn - peak - total.squeeze(-1).log().float())
+
+
 def test_draw_queries_covers_the_pool_before_repeating():
     from rlhf_pipeline.queries import draw_queries
 
