@@ -8,10 +8,13 @@ The shipped draw writes the weights straight into the block layout and sums a fe
 draw the same tokens with the same logprobs, bit for bit.
 
 Workloads: 256 rows (preferences' 64 queries x 4 samples, the default's widest step) and 96 rows (the
-evaluation's batch) of SmolLM2's vocabulary, and 96 rows of Gemma 3's 262,144 tokens.
+evaluation's batch) of SmolLM2's vocabulary, and 96 rows of Gemma 3's 262,144 tokens; then, with ``models/base``
+built, one whole preferences call (64 queries x 4 samples, 24 query tokens, 16 sampled) with each draw.
 
-Usage: ``.venv/bin/python bench/probe_draw.py [--repeats 20] [--markdown] [--output FILE]``, alone on the machine,
-under the stages' numerics (``portable``: AVX2 kernels, 2 threads). Findings: ``bench/results/zen3_2026-12-03/``.
+Usage: ``.venv/bin/python bench/probe_draw.py [--repeats 20] [--calls 3] [--profile] [--markdown] [--output FILE]``,
+alone on the machine, under the stages' numerics (``portable``: AVX2 kernels, 2 threads). ``--profile`` also prints
+where the shipped call's time goes, aten op by aten op (:class:`common.OpClock`).
+Findings: ``bench/results/zen3_2026-12-03/``.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import emit_table, environment_lines  # noqa: E402
+from common import OpClock, emit_table, environment_lines, render_table  # noqa: E402
 
-from rlhf_pipeline import numerics  # noqa: E402
-from rlhf_pipeline.decoding import sample_from_logits  # noqa: E402
+from rlhf_pipeline import numerics, sampling  # noqa: E402
+from rlhf_pipeline.decoding import sample_from_logits, step_uniforms  # noqa: E402
+
+BASE = "models/base"  # `dvc repro base_model`: SmolLM2-135M-Instruct, as the stages load it
+QUERY, RESPONSE, QUERIES, SAMPLES = 24, 16, 64, 4  # one of preferences' calls
 
 WORKLOADS = [
     (256, 49_153, "SmolLM2, preferences' 64 x 4"),
@@ -57,6 +63,57 @@ def one_reduction_draw(logits: torch.Tensor, uniforms: torch.Tensor, block_size:
     return token, drawn - peak.squeeze(-1) - total.squeeze(-1).log().to(logits.dtype)
 
 
+def one_reduction_sample_from_logits(logits, generator=None, block_size=256, process_share=(0, 1), uniforms=None):
+    """:func:`one_reduction_draw` in the sampler's place: its uniforms drawn as the shipped draw draws them."""
+    u = step_uniforms(generator, logits.shape[0], process_share, logits.device) if uniforms is None else uniforms
+    return one_reduction_draw(logits, u.to(logits.device, torch.float64), block_size)
+
+
+def preferences_call(model, queries: torch.Tensor, pad: int, draw) -> sampling.SampleOutput:
+    """One of preferences' sampling calls (64 queries x 4 samples, 16 tokens at 0.7) with ``draw`` as the draw."""
+    shipped, sampling.sample_from_logits = sampling.sample_from_logits, draw
+    try:
+        mask = torch.ones_like(queries, dtype=torch.bool)
+        generator = torch.Generator().manual_seed(1)
+        return sampling.sample_responses(model, queries, mask, RESPONSE, 0.7, pad, generator, num_samples=SAMPLES)
+    finally:
+        sampling.sample_from_logits = shipped
+
+
+def sampling_row(repeats: int, profile: bool) -> list[str] | None:
+    """The whole call on the real model, both draws interleaved; None without ``models/base``."""
+    if not Path(BASE, "config.json").exists():
+        return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32).eval()
+    pad = AutoTokenizer.from_pretrained(BASE).pad_token_id
+    queries = torch.randint(100, 40_000, (QUERIES, QUERY), generator=torch.Generator().manual_seed(3))
+    draws = {"before": one_reduction_sample_from_logits, "after": sample_from_logits}
+    outputs = {side: preferences_call(model, queries, pad, draw) for side, draw in draws.items()}  # also warms up
+    same = all(
+        torch.equal(getattr(outputs["before"], name), getattr(outputs["after"], name))
+        for name in ("responses", "logprobs")
+    )
+    times = {side: [] for side in draws}
+    for _ in range(repeats):
+        for side, draw in draws.items():
+            times[side].append(milliseconds(lambda d=draw: preferences_call(model, queries, pad, d)) / 1000)
+    old, new = (statistics.median(times[side]) for side in draws)
+    if profile:  # where the shipped call's time goes, each aten op timed by a clock around it
+        clock = OpClock()
+        with clock:
+            preferences_call(model, queries, pad, sample_from_logits)
+        ops = [
+            [name, f"{seconds:.2f}", f"{clock.flops[name] / seconds / 1e9:.0f}" if clock.flops[name] else ""]
+            for name, seconds in clock.seconds.most_common(8)
+        ]
+        ops.append(["all ops", f"{sum(clock.seconds.values()):.2f}", ""])
+        print(render_table(["aten op (the shipped call)", "s", "GFLOP/s"], ops, markdown=True) + "\n", flush=True)
+    label = f"{QUERIES} x {SAMPLES} rows, {RESPONSE} tokens: a whole preferences call on {BASE}, s"
+    return [label, f"{old:.2f}", f"{new:.2f}", f"{old / new:.2f}x", str(same)]
+
+
 def milliseconds(draw) -> float:
     started = time.perf_counter()
     draw()
@@ -66,6 +123,8 @@ def milliseconds(draw) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=3, help="timed whole sampling calls a side")
+    parser.add_argument("--profile", action="store_true", help="also print the shipped call's time by aten op")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--output")
     args = parser.parse_args()
@@ -81,10 +140,23 @@ def main() -> None:
             times["before"].append(milliseconds(lambda x=logits, u=uniforms: one_reduction_draw(x, u)))
             times["after"].append(milliseconds(lambda x=logits, u=uniforms: sample_from_logits(x, uniforms=u)))
         old, new = (statistics.median(times[side]) for side in ("before", "after"))
-        rows.append([f"{batch} x {vocab:,} ({label})", f"{old:.1f}", f"{new:.1f}", f"{old / new:.2f}x", str(same)])
-    headers = ["rows x vocabulary", "one reduction, ms", "shipped, ms", "speed-up", "same tokens and logprobs"]
-    notes = [f"median of {args.repeats} interleaved draws a side, after one untimed draw each (the byte check)"]
-    emit_table("The decoding step's draw on a CPU", environment_lines("synthetic logits"), headers, rows, notes, args)
+        rows.append([f"{batch} x {vocab:,} ({label}), ms", f"{old:.1f}", f"{new:.1f}", f"{old / new:.2f}x", str(same)])
+    call = sampling_row(args.calls, args.profile)
+    rows += [call] if call else []
+    headers = ["workload", "one reduction", "shipped", "speed-up", "same tokens and logprobs"]
+    notes = [
+        f"draws: median of {args.repeats} interleaved draws a side, after one untimed draw each (the byte check)",
+        f"the whole call: median of {args.calls} interleaved calls a side after one each; "
+        + (f"on {BASE}" if call else f"left out: no {BASE} (`dvc repro base_model`)"),
+    ]
+    emit_table(
+        "The decoding step's draw on a CPU",
+        environment_lines(f"synthetic logits for the draws; {BASE} (SmolLM2-135M-Instruct) for the whole call"),
+        headers,
+        rows,
+        notes,
+        args,
+    )
 
 
 if __name__ == "__main__":
