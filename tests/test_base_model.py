@@ -14,7 +14,7 @@ from conftest import add_pipeline_definition, full_params, run_stage_script
 from rlhf_pipeline.io import content_hash
 from rlhf_pipeline.modelcard import read_card as read_model_card
 from rlhf_pipeline.models import load_tokenizer
-from rlhf_pipeline.sources import build_tiny_model
+from rlhf_pipeline.sources import build_tiny_model, embedded_gguf_path, gguf_parsed_once
 
 pytestmark = pytest.mark.e2e  # each test runs the base_model stage
 
@@ -131,6 +131,32 @@ def test_a_saved_tokenizer_pads_as_asked_and_forgets_how_it_was_loaded(tmp_path)
     assert config["padding_side"] == "left" and not {"local_files_only", "is_local"} & set(config)
     assert AutoTokenizer.from_pretrained(tmp_path).padding_side == "left"
     assert tokenizer.padding_side == "right" and tokenizer.init_kwargs.get("local_files_only")  # the caller's as it was
+
+
+def test_a_gguf_is_parsed_once_while_it_loads(monkeypatch):
+    """transformers parses a GGUF anew for each config, tokenizer and weights it reads from it: within
+    gguf_parsed_once the embedded file is parsed once, by whichever path names it, and gguf's reader is
+    its own again after the block, also when the block raises."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    parses = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parses.append(path)
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    path = embedded_gguf_path()
+    with gguf_parsed_once():
+        configs = [load_gguf_checkpoint(str(path), return_tensors=False)["config"] for _ in range(2)]
+        assert gguf.GGUFReader(path) is gguf.GGUFReader(str(path.parent / ".." / path.parent.name / path.name))
+    assert len(parses) == 1 and configs[0] == configs[1] and configs[0]["model_type"] == "llama"
+    assert gguf.GGUFReader is CountingReader
+    with pytest.raises(RuntimeError, match="inside"), gguf_parsed_once():
+        raise RuntimeError("inside")
+    assert gguf.GGUFReader is CountingReader
 
 
 def run_base_model(root: Path, source: str) -> subprocess.CompletedProcess:
