@@ -144,17 +144,21 @@ def quote_error(error: BaseException, limit: int = 600) -> str:
 
 
 @contextmanager
-def gguf_parsed_once() -> Iterator[None]:
-    """Within it, each GGUF file is parsed once. Loading one reads it up to five times: the source's check
-    (:func:`admit_gguf`), transformers for the tokenizer's config, the tokenizer, and the model's config and
-    weights, and the card's provenance. Each ``gguf.GGUFReader`` walks every metadata field, about 2.7 s for
-    SmolLM2's 49,152-token vocabulary on this project's CPU, so parsing once takes 6 s off loading the default
-    (21 -> 15 s, bench/results/zen3_2026-12-03/gguf_load.py). ``gguf.GGUFReader`` is swapped for a memo while
-    the block runs: the callers import it when they run, and a reader is a read-only memory map of the file,
-    so one serves every read, the same bytes."""
+def gguf_memoised() -> Iterator[None]:
+    """Within it, each GGUF file is parsed once, and gguf's tensor-name map built once per architecture.
+    Loading a GGUF reads the file up to five times: the source's check (:func:`admit_gguf`), transformers for
+    the tokenizer's config, the tokenizer, and the model's config and weights, and the card's provenance. Each
+    ``gguf.GGUFReader`` walks every metadata field, about 2.7 s for SmolLM2's 49,152-token vocabulary on this
+    project's CPU. transformers also builds ``gguf.get_tensor_name_map`` anew for each of the model's 397
+    modules as it matches the weights' names, 8 ms each. Memoising both takes the default's load from 21 to
+    10 s (bench/results/zen3_2026-12-03/gguf_load.py).
+
+    Both are swapped for memos while the block runs. The callers import them when they run; a reader is a
+    read-only memory map of the file and a name map is only read after it is built, so one serves every
+    caller, the same bytes."""
     import gguf
 
-    reader_class, readers = gguf.GGUFReader, {}
+    reader_class, name_map, readers, name_maps = gguf.GGUFReader, gguf.get_tensor_name_map, {}, {}
 
     def parsed(path, mode="r"):
         key = (os.path.realpath(path), mode)
@@ -162,11 +166,16 @@ def gguf_parsed_once() -> Iterator[None]:
             readers[key] = reader_class(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = parsed
+    def built(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = name_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = parsed, built
     try:
         yield
     finally:
-        gguf.GGUFReader = reader_class
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
 
 
 def load_gguf(gguf: Path, source: str | None = None):
@@ -234,7 +243,7 @@ def load_source_model(source: str, revision: str | None = None):
 
     if source == EMBEDDED_SMOLLM2:
         gguf = embedded_gguf_path()
-        with gguf_parsed_once():
+        with gguf_memoised():
             model, tokenizer = load_gguf(gguf)
         provenance = {
             "source": source,
@@ -247,7 +256,7 @@ def load_source_model(source: str, revision: str | None = None):
         return model, tokenizer, provenance
     if is_gguf_source(source):  # a user's GGUF, as the default's
         require_tracked_location(source, KEY, LOCAL_MODELS, "local model")
-        with gguf_parsed_once():
+        with gguf_memoised():
             gguf = admit_gguf(source, KEY)
             model, tokenizer = load_gguf(gguf, source)
             return model, tokenizer, gguf_provenance(source, gguf)

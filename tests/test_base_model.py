@@ -14,7 +14,7 @@ from conftest import add_pipeline_definition, full_params, run_stage_script
 from rlhf_pipeline.io import content_hash
 from rlhf_pipeline.modelcard import read_card as read_model_card
 from rlhf_pipeline.models import load_tokenizer
-from rlhf_pipeline.sources import build_tiny_model, embedded_gguf_path, gguf_parsed_once
+from rlhf_pipeline.sources import build_tiny_model, embedded_gguf_path, gguf_memoised
 
 pytestmark = pytest.mark.e2e  # each test runs the base_model stage
 
@@ -133,30 +133,39 @@ def test_a_saved_tokenizer_pads_as_asked_and_forgets_how_it_was_loaded(tmp_path)
     assert tokenizer.padding_side == "right" and tokenizer.init_kwargs.get("local_files_only")  # the caller's as it was
 
 
-def test_a_gguf_is_parsed_once_while_it_loads(monkeypatch):
-    """transformers parses a GGUF anew for each config, tokenizer and weights it reads from it: within
-    gguf_parsed_once the embedded file is parsed once, by whichever path names it, and gguf's reader is
-    its own again after the block, also when the block raises."""
+def test_a_gguf_is_parsed_once_and_its_name_map_built_once_while_it_loads(monkeypatch):
+    """transformers parses a GGUF anew for each config, tokenizer and weights it reads from it, and builds
+    gguf's tensor-name map anew for each module: within gguf_memoised the embedded file is parsed once, by
+    whichever path names it, a name map is built once per architecture and depth, and gguf's own functions
+    are back after the block, also when the block raises."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    parses = []
+    parses, builds = [], []
 
     class CountingReader(gguf.GGUFReader):
         def __init__(self, path, mode="r"):
             parses.append(path)
             super().__init__(path, mode)
 
+    def counting_name_map(arch, n_blocks, build=gguf.get_tensor_name_map):
+        builds.append((arch, n_blocks))
+        return build(arch, n_blocks)
+
     monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting_name_map)
     path = embedded_gguf_path()
-    with gguf_parsed_once():
+    with gguf_memoised():
         configs = [load_gguf_checkpoint(str(path), return_tensors=False)["config"] for _ in range(2)]
         assert gguf.GGUFReader(path) is gguf.GGUFReader(str(path.parent / ".." / path.parent.name / path.name))
+        maps = [gguf.get_tensor_name_map(arch, 30) for arch in (gguf.MODEL_ARCH.LLAMA,) * 2 + (gguf.MODEL_ARCH.GEMMA3,)]
     assert len(parses) == 1 and configs[0] == configs[1] and configs[0]["model_type"] == "llama"
-    assert gguf.GGUFReader is CountingReader
-    with pytest.raises(RuntimeError, match="inside"), gguf_parsed_once():
+    assert maps[0] is maps[1] and maps[2] is not maps[0] and len(builds) == 2
+    assert maps[0].get_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q"
+    assert gguf.GGUFReader is CountingReader and gguf.get_tensor_name_map is counting_name_map
+    with pytest.raises(RuntimeError, match="inside"), gguf_memoised():
         raise RuntimeError("inside")
-    assert gguf.GGUFReader is CountingReader
+    assert gguf.GGUFReader is CountingReader and gguf.get_tensor_name_map is counting_name_map
 
 
 def run_base_model(root: Path, source: str) -> subprocess.CompletedProcess:
