@@ -17,6 +17,7 @@ Like SmolLM2, the tiny tokenizer ships with pad == eos, so the stage's dedicated
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import tempfile
@@ -158,18 +159,13 @@ def gguf_memoised() -> Iterator[None]:
     caller, the same bytes."""
     import gguf
 
-    reader_class, name_map, readers, name_maps = gguf.GGUFReader, gguf.get_tensor_name_map, {}, {}
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    reader_of = functools.cache(reader_class)  # by the file's real path: one reader however a caller names it
 
     def parsed(path, mode="r"):
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = reader_class(path, mode)
-        return readers[key]
+        return reader_of(os.path.realpath(path), mode)
 
-    def built(arch, n_blocks):
-        if (arch, n_blocks) not in name_maps:
-            name_maps[arch, n_blocks] = name_map(arch, n_blocks)
-        return name_maps[arch, n_blocks]
+    built = functools.cache(name_map)  # by (architecture, blocks)
 
     gguf.GGUFReader, gguf.get_tensor_name_map = parsed, built
     try:
