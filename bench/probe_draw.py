@@ -80,15 +80,20 @@ def preferences_call(model, queries: torch.Tensor, pad: int, draw) -> sampling.S
         sampling.sample_from_logits = shipped
 
 
-def sampling_row(repeats: int, profile: bool) -> list[str] | None:
-    """The whole call on the real model, both draws interleaved; None without ``models/base``."""
-    if not Path(BASE, "config.json").exists():
-        return None
+def base_model_and_queries() -> tuple[torch.nn.Module, int, torch.Tensor]:
+    """``models/base`` in fp32, its pad id, and one preferences call's queries (random tokens, seeded)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32).eval()
     pad = AutoTokenizer.from_pretrained(BASE).pad_token_id
-    queries = torch.randint(100, 40_000, (QUERIES, QUERY), generator=torch.Generator().manual_seed(3))
+    return model, pad, torch.randint(100, 40_000, (QUERIES, QUERY), generator=torch.Generator().manual_seed(3))
+
+
+def sampling_row(repeats: int, profile: bool) -> list[str] | None:
+    """The whole call on the real model, both draws interleaved; None without ``models/base``."""
+    if not Path(BASE, "config.json").exists():
+        return None
+    model, pad, queries = base_model_and_queries()
     draws = {"before": one_reduction_sample_from_logits, "after": sample_from_logits}
     outputs = {side: preferences_call(model, queries, pad, draw) for side, draw in draws.items()}  # also warms up
     same = all(

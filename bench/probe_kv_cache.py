@@ -17,21 +17,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 from common import OpClock, emit_table, environment_lines, render_table  # noqa: E402
+from probe_draw import BASE, QUERIES, RESPONSE, SAMPLES, base_model_and_queries, milliseconds  # noqa: E402
+from probe_draw import preferences_call as call_with_draw  # noqa: E402
 from transformers.cache_utils import DynamicCache, DynamicLayer  # noqa: E402
 
 from rlhf_pipeline import allocator, numerics, sampling  # noqa: E402
+from rlhf_pipeline.decoding import sample_from_logits  # noqa: E402
 
-BASE = "models/base"  # `dvc repro base_model`: SmolLM2-135M-Instruct, as the stages load it
-QUERY, RESPONSE, QUERIES, SAMPLES = 24, 16, 64, 4  # one of preferences' calls
 RESERVE = RESPONSE  # tokens of room a layer makes each time it outgrows its buffer
 
 
@@ -84,17 +83,9 @@ def sampling_cache(cache_class):
 
 
 def preferences_call(model, queries: torch.Tensor, pad: int, cache_class) -> sampling.SampleOutput:
-    """One of preferences' sampling calls (64 queries x 4 samples, 16 tokens at 0.7) over ``cache_class``."""
+    """One of preferences' sampling calls (:func:`probe_draw.preferences_call`, shipped draw) over ``cache_class``."""
     with sampling_cache(cache_class):
-        mask = torch.ones_like(queries, dtype=torch.bool)
-        generator = torch.Generator().manual_seed(1)
-        return sampling.sample_responses(model, queries, mask, RESPONSE, 0.7, pad, generator, num_samples=SAMPLES)
-
-
-def seconds(call) -> float:
-    started = time.perf_counter()
-    call()
-    return time.perf_counter() - started
+        return call_with_draw(model, queries, pad, sample_from_logits)
 
 
 def profile_rows(model, queries, pad, caches) -> list[list[str]]:
@@ -120,9 +111,7 @@ def main() -> None:
     allocator.keep_freed_memory()  # as a stage does
     if not Path(BASE, "config.json").exists():
         raise SystemExit(f"bench/probe_kv_cache.py needs {BASE}: run `dvc repro base_model` first")
-    model = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32).eval()
-    pad = transformers.AutoTokenizer.from_pretrained(BASE).pad_token_id
-    queries = torch.randint(100, 40_000, (QUERIES, QUERY), generator=torch.Generator().manual_seed(3))
+    model, pad, queries = base_model_and_queries()
     caches = {"transformers' DynamicCache": DynamicCache, "room reserved": RoomyCache}
     outputs = {side: preferences_call(model, queries, pad, cache) for side, cache in caches.items()}  # also warms up
     if RoomyCache.made == 0:
@@ -132,7 +121,7 @@ def main() -> None:
     times = {side: [] for side in caches}
     for _ in range(args.calls):  # interleaved, so a drift in the machine's rate falls on both
         for side, cache in caches.items():
-            times[side].append(seconds(lambda c=cache: preferences_call(model, queries, pad, c)))
+            times[side].append(milliseconds(lambda c=cache: preferences_call(model, queries, pad, c)) / 1000)
     old, new = (statistics.median(times[side]) for side in caches)
     if args.profile:
         print(render_table(["aten op", *caches], profile_rows(model, queries, pad, caches), markdown=True) + "\n")
