@@ -40,9 +40,11 @@ from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.reward.normalization import task_scores
 from rlhf_pipeline.sampling import (
     ResponseSampler,
+    final_state_layer,
     iterate_batches,
     response_hidden,
     response_logits,
+    sampled_response_hidden,
     shared_lower_blocks,
     zero_at_pad,
 )
@@ -187,16 +189,19 @@ def sample_and_score(model: nn.Module, setup: Evaluation, progress: str | None =
     The KL of the base from itself is 0 without a forward pass. For another model, the base and the
     model each run one forward over query and response (the exact KL needs both distributions at every
     response position); a model that shares its lowest blocks with the base (a PPO policy trained with
-    frozen lower blocks) hands both its trunk, captured while sampling, so only the blocks above it run."""
+    frozen lower blocks) hands both its trunk, captured while sampling, so only the blocks above it run,
+    and its own final states at the response positions come from the sampling forwards too, so only the
+    base runs them."""
     base, queries, sampler = setup.base, setup.queries.to(model_device(model)), setup.sampler
     per_query_rows = setup.responses_per_query
     generator = torch.Generator().manual_seed(setup.seed)
     truncated, valids, kls, kls_k1, kls_exact = [], [], [], [], []
     shared = 0 if model is base else shared_lower_blocks(model, base)
+    capture = (shared, final_state_layer(model)) if shared else ()
     lines = Progress(progress, len(queries), "queries sampled")
     for rows in iterate_batches(len(queries), setup.queries_per_batch):
         out, trunc, valid = sampler.sample(
-            model, queries[rows], generator, num_samples=per_query_rows, capture_layers=(shared,) if shared else ()
+            model, queries[rows], generator, num_samples=per_query_rows, capture_layers=capture
         )
         if model is base:
             kls.append(torch.zeros(len(out.responses)))
@@ -261,13 +266,15 @@ def exact_kl_and_reference_logprobs(
 
     Both models run to their final hidden states over query and response; with ``shared`` > 0 lower
     blocks both start from the trunk the sampler captured at that block. The model's own logprobs came
-    with its samples, so only its hidden states are needed; one projection of the reference's head, a few
-    rows at a time, serves both the exact KL and the sampled tokens' logprobs."""
+    with its samples, so only its hidden states are needed, and where the sampler captured its final states
+    (:func:`sampled_response_hidden`) not even a forward of it; one projection of the reference's head, a
+    few rows at a time, serves both the exact KL and the sampled tokens' logprobs."""
     query_responses = torch.cat([queries, samples.responses], 1)
-    mask, trunk = query_responses != pad_token_id, samples.hidden.get(shared)
-    own, theirs = (
-        response_hidden(m, query_responses, mask, queries.shape[1], shared, trunk) for m in (model, reference)
-    )
+    mask, trunk, query_length = query_responses != pad_token_id, samples.hidden.get(shared), queries.shape[1]
+    own = sampled_response_hidden(samples, model, query_length)
+    if own is None:
+        own = response_hidden(model, query_responses, mask, query_length, shared, trunk)
+    theirs = response_hidden(reference, query_responses, mask, query_length, shared, trunk)
     model_logits, reference_logits = (
         partial(response_logits, m, temperature=temperature, pad_token_id=pad_token_id) for m in (model, reference)
     )

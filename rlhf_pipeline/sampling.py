@@ -323,6 +323,24 @@ def response_hidden(
     return hidden_from(model, query_responses, attention_mask, start_layer, trunk)[:, query_length - 1 : -1]
 
 
+def final_state_layer(model: nn.Module) -> int:
+    """The capture index of ``model``'s final, normed hidden state (its number of blocks): in a sampling
+    call's ``capture_layers`` it keeps, from the sampling forwards, the states the LM head drew each token from."""
+    return len(transformer_layers(backbone_of(model)))
+
+
+def sampled_response_hidden(samples: SampleOutput, model: nn.Module, query_length: int) -> Tensor | None:
+    """(B, R, H) ``model``'s final hidden states at the positions that predicted the response tokens, as
+    the sampling forwards made them (the last query position and every response position but the last:
+    :func:`response_hidden`'s positions); None unless the call captured :func:`final_state_layer`.
+
+    Why: with the trunk split, the exact KL otherwise runs the policy's top blocks over query and response
+    again for states the KV-cache decoding already made. These are those states, not a recomputation
+    that rounds differently (within about 1e-5 on SmolLM2): the distribution the tokens were drawn from."""
+    states = samples.hidden.get(final_state_layer(model))
+    return None if states is None else states[:, query_length - 1 : -1]
+
+
 def response_outputs(
     model: nn.Module,
     query_responses: Tensor,

@@ -330,6 +330,52 @@ def test_kl_from_a_shared_trunk_equals_a_full_reference_pass(tiny_base_dir, tiny
     assert torch.equal(itself.kl, torch.zeros(6)) and torch.equal(itself.kl_exact, torch.zeros(6))
 
 
+def test_with_a_shared_trunk_the_policy_s_kl_states_are_the_sampling_forwards(
+    tiny_base_dir, tiny_tokenizer, monkeypatch
+):
+    """A policy that shares its lowest block with the base: its half of the exact KL is read off the final
+    states its sampling forwards made, so its unshared block runs only while sampling (a prefill and one
+    step a token), not once more over query and response; those states are a forward's within rounding, and
+    the KL and the base's logprobs agree with the forward's (the logprobs the same bytes: the base still
+    runs its own forward)."""
+    import rlhf_pipeline.evaluation as evaluation
+    from rlhf_pipeline.evaluation import sample_and_score
+    from rlhf_pipeline.sampling import final_state_layer, response_hidden, sampled_response_hidden
+
+    pad, length = tiny_tokenizer.pad_token_id, 6
+    queries = torch.randint(0, 250, (6, 5), generator=torch.Generator().manual_seed(0))
+    queries[:2, :2] = pad
+    base, policy, setup = tiny_evaluation(tiny_base_dir, tiny_tokenizer, [1], 1.5, length, queries, 3, 6)
+
+    def run():
+        calls = []
+        hook = policy.model.layers[1].register_forward_hook(lambda *_: calls.append(1))
+        try:
+            return sample_and_score(policy, setup), len(calls)
+        finally:
+            hook.remove()
+
+    kept, kept_calls = run()
+    assert kept_calls == 1 + length  # one batch: the prefill and a step per sampled token, the last one's too
+    monkeypatch.setattr(evaluation, "sampled_response_hidden", lambda *_: None)  # the forward instead
+    forward, forward_calls = run()
+    assert forward_calls == kept_calls + 1
+    assert torch.equal(kept.responses, forward.responses) and torch.equal(kept.kl, forward.kl)
+    torch.testing.assert_close(kept.kl_exact, forward.kl_exact, atol=1e-5, rtol=1e-5)
+    assert kept.kl_exact.abs().max() > 1e-3
+    with torch.no_grad():
+        samples = setup.sampler.sample(
+            policy, queries, torch.Generator().manual_seed(3), capture_layers=(1, final_state_layer(policy))
+        )[0]
+        full = torch.cat([queries, samples.responses], 1)
+        again = response_hidden(policy, full, full != pad, 5, 1, samples.hidden[1])
+    states = sampled_response_hidden(samples, policy, 5)
+    assert states.shape == again.shape == (6, length, policy.config.hidden_size)
+    torch.testing.assert_close(states, again, atol=1e-5, rtol=1e-5)
+    assert sampled_response_hidden(samples.rows(slice(0, 2)), policy, 5).shape[0] == 2
+    assert sampled_response_hidden(setup.sampler.sample(policy, queries, torch.Generator())[0], policy, 5) is None
+
+
 def test_exact_kl_and_reference_logprobs_equal_full_forwards_and_are_zero_at_pad(tiny_base_dir, tiny_tokenizer):
     """The one function the evaluation (and the large-vocabulary probe) turns a batch of samples into its
     KLs with: the exact KL of both models' full forwards over the real tokens, and the reference's

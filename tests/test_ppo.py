@@ -175,6 +175,39 @@ def test_frozen_layers_train_only_the_top(tiny_base_dir, reward_model, queries):
     assert abs(history[0]["policy/ratio_mean"] - 1.0) < 0.05
 
 
+def test_with_the_trunk_split_the_budget_s_exact_kl_reads_the_policy_s_sampling_states(
+    tiny_base_dir, reward_model, queries, monkeypatch
+):
+    """ppo.kl.budget with frozen lower blocks: the sampling forwards keep the policy's final states beside the
+    trunk, and the rollout's and the budget reading's exact KL take them instead of running the policy's top
+    blocks once more over query and response; the KLs agree with that forward's within rounding. Without a
+    budget nothing more is kept."""
+    import rlhf_pipeline.ppo.trainer as trainer_module
+
+    params = make_params(freeze_layers=1, total_episodes=32, kl={"budget": 5.0, "budget_check_responses": 16})
+    trainer = make_trainer(tiny_base_dir, reward_model, queries, params)
+    assert trainer.use_trunk and trainer.capture_layers == (1, 2)
+    trainer.optimize(trainer.rollout(0), trainer.advantages(trainer.rollout(0)), 0)  # a policy off the reference
+
+    def read():
+        calls = []
+        hook = trainer.policy.lm.model.layers[1].register_forward_hook(lambda *_: calls.append(1))
+        try:
+            return trainer.rollout(1).stats["objective/kl_exact"], trainer.extra_kl(1), len(calls)
+        finally:
+            hook.remove()
+
+    rollout_kl, reading, calls = read()
+    assert calls == 2 * (1 + TASK["response_length"])  # two sampling passes: a prefill and a step per token
+    monkeypatch.setattr(trainer_module, "sampled_response_hidden", lambda *_: None)  # the forward instead
+    forward_rollout_kl, forward_reading, forward_calls = read()
+    assert forward_calls == calls + 2 and rollout_kl > 1e-4 and reading > 1e-4
+    assert rollout_kl == pytest.approx(forward_rollout_kl, abs=1e-5)
+    assert reading == pytest.approx(forward_reading, abs=1e-5)
+    unbounded = make_trainer(tiny_base_dir, reward_model, queries, make_params(freeze_layers=1, total_episodes=32))
+    assert unbounded.capture_layers == (1,) and unbounded.policy_hidden(None, None, None) is None
+
+
 def test_separate_value_model_runs(tiny_base_dir, reward_model, queries):
     trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(value_model="separate", total_episodes=16))
     history = trainer.train(progress=False)

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from rlhf_pipeline import distributed
-from rlhf_pipeline.decoding import chunk_uniforms
+from rlhf_pipeline.decoding import SampleOutput, chunk_uniforms
 from rlhf_pipeline.errors import LaunchConfigError, NonFiniteError, PipelineError
 from rlhf_pipeline.functional import apply_penalty, linear_anneal, masked_mean, whiten
 from rlhf_pipeline.models import backbone_of, freeze_lower_layers
@@ -75,9 +75,11 @@ from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.reward.normalization import task_scores
 from rlhf_pipeline.sampling import (
     ResponseSampler,
+    final_state_layer,
     response_hidden,
     response_logits,
     response_outputs,
+    sampled_response_hidden,
     supports_trunk_split,
 )
 from rlhf_pipeline.training import accumulate_and_step, mean_of, quarters, set_lr
@@ -359,7 +361,7 @@ class PPOTrainer:
             generator,
             value_head=value_head,
             num_samples=num_samples or self.samples_per_query,
-            capture_layers=(self.freeze,) if self.use_trunk else (),
+            capture_layers=self.capture_layers,
             process_share=(self.rank, self.world_size),
             uniforms=uniforms,
         )
@@ -391,12 +393,23 @@ class PPOTrainer:
             yield queries, sampled.rows(slice(start, start + len(queries)))
             start += len(queries)
 
-    def policy_hidden(self, query_responses: Tensor, trunk: Tensor | None) -> Tensor | None:
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """What the sampling forwards keep besides the tokens: with the trunk split, the state entering block
+        ``freeze`` (where the reference's forward and the epochs start) and, with ``ppo.kl.budget``, the
+        policy's final states (its half of the exact KL: :meth:`policy_hidden`)."""
+        if not self.use_trunk:
+            return ()
+        return (self.freeze,) if self.cfg.kl.budget is None else (self.freeze, final_state_layer(self.policy.lm))
+
+    def policy_hidden(self, sampled: SampleOutput, query_responses: Tensor, trunk: Tensor | None) -> Tensor | None:
         """The policy's final hidden states at the response positions, which the exact KL needs (its full
-        distributions at each response token): only with ``ppo.kl.budget``."""
+        distributions at each response token): only with ``ppo.kl.budget``. Those the sampling forwards
+        kept (:attr:`capture_layers`), else a forward over query and response."""
         if self.cfg.kl.budget is None:
             return None
-        return self.response_hidden(self.policy.lm, query_responses, trunk)
+        kept = sampled_response_hidden(sampled, self.policy.lm, self.query_length)
+        return kept if kept is not None else self.response_hidden(self.policy.lm, query_responses, trunk)
 
     def checked_kl(self, ro: Rollout, update: int) -> float:
         """The current policy's mean exact KL over its rollout's responses and ``kl.budget_check_responses``
@@ -424,7 +437,7 @@ class PPOTrainer:
             for queries, sampled in self.sample_chunks(chunks, generator):
                 query_responses = torch.cat([queries, sampled.responses], 1)
                 trunk = sampled.hidden[self.freeze] if self.use_trunk else None
-                hidden = self.policy_hidden(query_responses, trunk)
+                hidden = self.policy_hidden(sampled, query_responses, trunk)
                 exact.append(self.reference_logprobs(query_responses, trunk, hidden, sampled.mask, logprobs=False)[1])
         return distributed.gather_rows(self.accelerator, torch.cat(exact)).mean().item()
 
@@ -479,7 +492,7 @@ class PPOTrainer:
             if self.policy.critic and not self.policy.shared:
                 values = self.policy.values_of(query_responses, query_responses != self.pad_id, self.query_length)
             trunk = sampled.hidden[self.freeze] if self.use_trunk else None
-            policy_hidden = self.policy_hidden(query_responses, trunk)
+            policy_hidden = self.policy_hidden(sampled, query_responses, trunk)
         ref_logprobs, exact = self.reference_logprobs(query_responses, trunk, policy_hidden, sampled.mask)
         t2 = time.perf_counter()
         scores, gold = self.scores(queries, truncated, valid)
