@@ -42,9 +42,9 @@ from rlhf_pipeline.sampling import (
     ResponseSampler,
     final_state_layer,
     iterate_batches,
+    own_response_hidden,
     response_hidden,
     response_logits,
-    sampled_response_hidden,
     shared_lower_blocks,
     zero_at_pad,
 )
@@ -267,13 +267,11 @@ def exact_kl_and_reference_logprobs(
     Both models run to their final hidden states over query and response; with ``shared`` > 0 lower
     blocks both start from the trunk the sampler captured at that block. The model's own logprobs came
     with its samples, so only its hidden states are needed, and where the sampler captured its final states
-    (:func:`sampled_response_hidden`) not even a forward of it; one projection of the reference's head, a
+    (:func:`own_response_hidden`) not even a forward of it; one projection of the reference's head, a
     few rows at a time, serves both the exact KL and the sampled tokens' logprobs."""
     query_responses = torch.cat([queries, samples.responses], 1)
     mask, trunk, query_length = query_responses != pad_token_id, samples.hidden.get(shared), queries.shape[1]
-    own = sampled_response_hidden(samples, model, query_length)
-    if own is None:
-        own = response_hidden(model, query_responses, mask, query_length, shared, trunk)
+    own = own_response_hidden(model, samples, query_responses, mask, query_length, shared, trunk)
     theirs = response_hidden(reference, query_responses, mask, query_length, shared, trunk)
     model_logits, reference_logits = (
         partial(response_logits, m, temperature=temperature, pad_token_id=pad_token_id) for m in (model, reference)

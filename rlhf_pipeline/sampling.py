@@ -341,6 +341,25 @@ def sampled_response_hidden(samples: SampleOutput, model: nn.Module, query_lengt
     return None if states is None else states[:, query_length - 1 : -1]
 
 
+def own_response_hidden(
+    model: nn.Module,
+    samples: SampleOutput,
+    query_responses: Tensor,
+    attention_mask: Tensor,
+    query_length: int,
+    start_layer: int = 0,
+    trunk: Tensor | None = None,
+) -> Tensor:
+    """(B, R, H) :func:`response_hidden` of ``model`` on its own ``samples`` (``query_responses``: the queries
+    and those responses): the states its sampling forwards kept (:func:`sampled_response_hidden`), else a
+    forward from block ``start_layer`` given the ``trunk``. The one place the exact KL's callers (PPO's
+    rollout and budget reading, the evaluation) choose between the two."""
+    kept = sampled_response_hidden(samples, model, query_length)
+    if kept is not None:
+        return kept
+    return response_hidden(model, query_responses, attention_mask, query_length, start_layer, trunk)
+
+
 def response_outputs(
     model: nn.Module,
     query_responses: Tensor,

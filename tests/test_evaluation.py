@@ -338,7 +338,7 @@ def test_with_a_shared_trunk_the_policy_s_kl_states_are_the_sampling_forwards(
     step a token), not once more over query and response; those states are a forward's within rounding, and
     the KL and the base's logprobs agree with the forward's (the logprobs the same bytes: the base still
     runs its own forward)."""
-    import rlhf_pipeline.evaluation as evaluation
+    from rlhf_pipeline import sampling
     from rlhf_pipeline.evaluation import sample_and_score
     from rlhf_pipeline.sampling import final_state_layer, response_hidden, sampled_response_hidden
 
@@ -357,7 +357,7 @@ def test_with_a_shared_trunk_the_policy_s_kl_states_are_the_sampling_forwards(
 
     kept, kept_calls = run()
     assert kept_calls == 1 + length  # one batch: the prefill and a step per sampled token, the last one's too
-    monkeypatch.setattr(evaluation, "sampled_response_hidden", lambda *_: None)  # the forward instead
+    monkeypatch.setattr(sampling, "sampled_response_hidden", lambda *_: None)  # the forward instead
     forward, forward_calls = run()
     assert forward_calls == kept_calls + 1
     assert torch.equal(kept.responses, forward.responses) and torch.equal(kept.kl, forward.kl)

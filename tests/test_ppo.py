@@ -182,7 +182,7 @@ def test_with_the_trunk_split_the_budget_s_exact_kl_reads_the_policy_s_sampling_
     trunk, and the rollout's and the budget reading's exact KL take them instead of running the policy's top
     blocks once more over query and response; the KLs agree with that forward's within rounding. Without a
     budget nothing more is kept."""
-    import rlhf_pipeline.ppo.trainer as trainer_module
+    from rlhf_pipeline import sampling
 
     params = make_params(freeze_layers=1, total_episodes=32, kl={"budget": 5.0, "budget_check_responses": 16})
     trainer = make_trainer(tiny_base_dir, reward_model, queries, params)
@@ -199,7 +199,7 @@ def test_with_the_trunk_split_the_budget_s_exact_kl_reads_the_policy_s_sampling_
 
     rollout_kl, reading, calls = read()
     assert calls == 2 * (1 + TASK["response_length"])  # two sampling passes: a prefill and a step per token
-    monkeypatch.setattr(trainer_module, "sampled_response_hidden", lambda *_: None)  # the forward instead
+    monkeypatch.setattr(sampling, "sampled_response_hidden", lambda *_: None)  # the forward instead
     forward_rollout_kl, forward_reading, forward_calls = read()
     assert forward_calls == calls + 2 and rollout_kl > 1e-4 and reading > 1e-4
     assert rollout_kl == pytest.approx(forward_rollout_kl, abs=1e-5)

@@ -76,10 +76,10 @@ from rlhf_pipeline.reward.normalization import task_scores
 from rlhf_pipeline.sampling import (
     ResponseSampler,
     final_state_layer,
+    own_response_hidden,
     response_hidden,
     response_logits,
     response_outputs,
-    sampled_response_hidden,
     supports_trunk_split,
 )
 from rlhf_pipeline.training import accumulate_and_step, mean_of, quarters, set_lr
@@ -408,8 +408,10 @@ class PPOTrainer:
         kept (:attr:`capture_layers`), else a forward over query and response."""
         if self.cfg.kl.budget is None:
             return None
-        kept = sampled_response_hidden(sampled, self.policy.lm, self.query_length)
-        return kept if kept is not None else self.response_hidden(self.policy.lm, query_responses, trunk)
+        mask = query_responses != self.pad_id
+        return own_response_hidden(
+            self.policy.lm, sampled, query_responses, mask, self.query_length, self.trunk_start, trunk
+        )
 
     def checked_kl(self, ro: Rollout, update: int) -> float:
         """The current policy's mean exact KL over its rollout's responses and ``kl.budget_check_responses``
