@@ -30,6 +30,8 @@ from pathlib import Path
 import yaml
 from common import emit_table, environment_lines
 
+from rlhf_pipeline import allocator
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 COPIED = ("dvc.yaml", "requirements.lock", "stages", "rlhf_pipeline", "data", ".dvcignore")
@@ -102,13 +104,16 @@ def main() -> None:
                 [f"SmolLM2 PPO update (shared value head): {mode}", f"{seconds:.1f} s", f"{seconds / ppo[0][1]:.2f}x"]
             )
     notes = [
-        "each row in fresh processes, one after the other, nothing else running; portable is each workload's reference",
+        "each row in fresh processes, one after the other, nothing else running; portable is each workload's "
+        "reference; every child sets malloc as a stage does (the stages through runner.run_stage, the PPO bench "
+        "through bench/common.prepare)",
         "tiny: params/tiny.yaml with compute.cpu_threads 2, `dvc repro preferences` in a scratch copy of the "
         "project (git + dvc init); "
         "native rows set ATEN_CPU_CAPABILITY in the environment, as a user would, and the pin leaves it",
         f"PPO: bench/ppo_throughput.py --only shared --updates {args.updates} --cpu-numerics MODE (s/update, "
         "mean of the timed updates)",
     ]
+    allocator.keep_freed_memory()  # only so that the header's memory line says what every timed child ran under
     env = [line for line in environment_lines("tiny-llama; SmolLM2-135M-Instruct") if not line.startswith("cpu ")]
     emit_table(
         "What pinning the CPU numerics costs", env, ["workload: setting", "time", "vs portable"], rows, notes, args

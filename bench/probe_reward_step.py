@@ -5,6 +5,9 @@ On ``models/base`` (the default run's SmolLM2, fp32) and the workload of bench/r
 backward, fused Adam) with torch's profiler, the matmul rate that implies, and the two costs
 ``train_reward_model`` adds around it: the non-finite gradient check and Adam's first step.
 
+It runs as a stage does: the ``portable`` numerics pin at 2 threads and the stages' malloc setting
+(:func:`rlhf_pipeline.allocator.keep_freed_memory`), both printed first.
+
 Usage: ``.venv/bin/python bench/probe_reward_step.py`` from the project root, after ``dvc repro base_model``.
 """
 
@@ -19,10 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rlhf_pipeline.offline  # noqa: F401,E402,I001
 
 import torch  # noqa: E402
-from common import random_token_ids  # noqa: E402
+from common import THREADS, environment_lines, random_token_ids  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from rlhf_pipeline import allocator, numerics  # noqa: E402
 from rlhf_pipeline.functional import non_finite_tensors  # noqa: E402
 from rlhf_pipeline.optim import adam  # noqa: E402
 from rlhf_pipeline.reward.adoption import reward_model_on_base  # noqa: E402
@@ -32,7 +36,9 @@ PAIRS, PROMPT, RESPONSE = 8, 64, 24
 
 
 def main() -> None:
-    torch.set_num_threads(2)
+    numerics.pin(numerics.PORTABLE, THREADS)  # before the first torch operation, as a stage pins compute.cpu_numerics
+    allocator.keep_freed_memory()  # as a stage does: a step's freed blocks serve the next
+    print("\n".join(environment_lines(BASE)))
     tokenizer = AutoTokenizer.from_pretrained(BASE)
     generator = torch.Generator().manual_seed(0)
     prompts = random_token_ids(tokenizer, (PAIRS, PROMPT), generator)

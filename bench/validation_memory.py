@@ -1,7 +1,9 @@
 """Peak memory and time of `rlhf validate-preferences` on a large pairwise file: the contract
 validated in chunks (the shipped path, ``rlhf_pipeline.contract.CHUNK_ROWS`` rows at a time) against
 the whole file as one Great Expectations batch (the reference: ``CHUNK_ROWS`` raised past the file),
-each in its own process, measured in the same run.
+each in its own process, measured in the same run, under both malloc settings a user meets: glibc's
+own (the ``rlhf validate-preferences`` command) and the stages' (``allocator.keep_freed_memory``,
+which ``runner.run_stage`` calls before the ``validate_preferences`` stage's body).
 
 Usage (nothing else running; the 1 M-row file is ~190 MiB, written once under --workdir):
 
@@ -20,11 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-# the CLI in a child process, CHUNK_ROWS set first (None: as shipped); prints its peak RSS last
+# the CLI in a child process, CHUNK_ROWS set first (None: as shipped) and malloc set as a stage sets it
+# when asked; prints its peak RSS last
 CHILD = """
 import json, sys
 import rlhf_pipeline.contract as contract
-chunk = json.loads(sys.argv[1])
+chunk, as_a_stage = json.loads(sys.argv[1]), json.loads(sys.argv[4])
+if as_a_stage:
+    from rlhf_pipeline import allocator
+    assert allocator.keep_freed_memory(), "the stages' malloc setting did not take (RLHF_MALLOC=system?)"
 if chunk is not None:
     contract.CHUNK_ROWS = chunk
 from rlhf_pipeline.cli import main
@@ -35,6 +41,7 @@ except SystemExit as exit_:
 from rlhf_pipeline.allocator import peak_rss_mb  # this child's own peak, not this script's as well
 print(json.dumps({"code": code, "peak_mb": peak_rss_mb()}))
 """
+MALLOC = {False: "glibc's settings (the command)", True: "kept freed memory (the stage)"}
 
 
 def write_rows(path: Path, rows: int) -> None:
@@ -53,15 +60,17 @@ def write_rows(path: Path, rows: int) -> None:
             )
 
 
-def measure(chunk: int | None, data: Path, params: Path) -> dict:
+def measure(chunk: int | None, data: Path, params: Path, as_a_stage: bool) -> dict:
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(chunk), str(data), str(params)],
+        [sys.executable, "-c", CHILD, json.dumps(chunk), str(data), str(params), json.dumps(as_a_stage)],
         capture_output=True,
         text=True,
         check=False,
     )
     seconds = time.perf_counter() - start
+    if done.returncode != 0:  # the child reports the command's own exit code; this is the child itself failing
+        raise SystemExit(f"the validation child failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
     last = json.loads(done.stdout.strip().splitlines()[-1])
     first = done.stdout.strip().splitlines()[0]
     return {"seconds": seconds, "peak_mb": last["peak_mb"], "code": last["code"], "said": first[:160]}
@@ -79,21 +88,24 @@ def main() -> None:
         write_rows(data, args.rows)
     params = args.workdir / "params.yaml"  # the schema's defaults: min_rows 64, test_fraction 0.1
     params.write_text("seed: 1\n")
-    runs = {"one batch (reference)": measure(10**12, data, params), "in chunks (shipped)": measure(None, data, params)}
-    reference = runs["one batch (reference)"]
+    runs = {}  # (path, malloc) -> run; each path against the one batch under the same malloc setting
+    for as_a_stage in (False, True):
+        runs["one batch (reference)", as_a_stage] = measure(10**12, data, params, as_a_stage)
+        runs["in chunks (shipped)", as_a_stage] = measure(None, data, params, as_a_stage)
     lines = [
-        f"`rlhf validate-preferences` on {args.rows:,} pairwise rows ({data.stat().st_size / 2**20:.0f} MiB), "
-        "each in its own process:",
+        f"The contract on {args.rows:,} pairwise rows ({data.stat().st_size / 2**20:.0f} MiB) through `rlhf "
+        "validate-preferences`, each in its own process:",
         "",
-        "| path | exit | wall s | peak RSS MB | time vs reference | peak vs reference |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| path | malloc | exit | wall s | peak RSS MB | time vs reference | peak vs reference |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for name, run in runs.items():
+    for (name, as_a_stage), run in runs.items():
+        reference = runs["one batch (reference)", as_a_stage]
         lines.append(
-            f"| {name} | {run['code']} | {run['seconds']:.0f} | {run['peak_mb']:.0f} | "
+            f"| {name} | {MALLOC[as_a_stage]} | {run['code']} | {run['seconds']:.0f} | {run['peak_mb']:.0f} | "
             f"{run['seconds'] / reference['seconds']:.2f} | {run['peak_mb'] / reference['peak_mb']:.2f} |"
         )
-    lines += ["", *(f"- {name}: {run['said']}" for name, run in runs.items())]
+    lines += ["", *(f"- {name}, {MALLOC[stage]}: {run['said']}" for (name, stage), run in runs.items())]
     text = "\n".join(lines)
     print(text)
     if args.output:
