@@ -210,6 +210,14 @@ def benchmark_parser(doc: str):
     return parser
 
 
+def run_as_a_stage(cpu_numerics: str = numerics.PORTABLE) -> None:
+    """Set this process up as ``runner.run_stage`` sets a stage up: the CPU numerics pinned (before the
+    first torch operation, as a stage pins ``compute.cpu_numerics``) at :data:`THREADS`, and glibc's
+    malloc keeping freed memory, so that a step's freed blocks serve the next one."""
+    numerics.pin(cpu_numerics, THREADS)
+    allocator.keep_freed_memory()
+
+
 def prepare(args):
     """Quiet warnings, fix threads and seeds, and materialise ``args.model``: (model dir, tokenizer)."""
     import logging
@@ -221,8 +229,7 @@ def prepare(args):
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     hf_logging.set_verbosity_error()
-    numerics.pin(args.cpu_numerics, THREADS)  # before the first torch operation, as a stage pins compute.cpu_numerics
-    allocator.keep_freed_memory()  # as a stage does: both sides of a comparison run with it
+    run_as_a_stage(args.cpu_numerics)  # both sides of a comparison run with the stages' settings
     setup(args.seed)
     model_dir = materialise_model(args.model)
     return model_dir, AutoTokenizer.from_pretrained(str(model_dir))

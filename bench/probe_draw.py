@@ -28,9 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import OpClock, emit_table, environment_lines, render_table  # noqa: E402
+from common import OpClock, emit_table, environment_lines, render_table, run_as_a_stage  # noqa: E402
 
-from rlhf_pipeline import allocator, numerics, sampling  # noqa: E402
+from rlhf_pipeline import sampling  # noqa: E402
 from rlhf_pipeline.decoding import sample_from_logits, step_uniforms  # noqa: E402
 
 BASE = "models/base"  # `dvc repro base_model`: SmolLM2-135M-Instruct, as the stages load it
@@ -133,8 +133,7 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--output")
     args = parser.parse_args()
-    numerics.pin(numerics.PORTABLE, 2)
-    allocator.keep_freed_memory()  # as a stage does: a step's freed blocks serve the next, no page faulted in again
+    run_as_a_stage()
     rows = []
     for batch, vocab, label in WORKLOADS:
         logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(vocab)) * 3

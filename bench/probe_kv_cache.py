@@ -23,12 +23,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import OpClock, emit_table, environment_lines, render_table  # noqa: E402
+from common import OpClock, emit_table, environment_lines, render_table, run_as_a_stage  # noqa: E402
 from probe_draw import BASE, QUERIES, RESPONSE, SAMPLES, base_model_and_queries, milliseconds  # noqa: E402
 from probe_draw import preferences_call as call_with_draw  # noqa: E402
 from transformers.cache_utils import DynamicCache, DynamicLayer  # noqa: E402
 
-from rlhf_pipeline import allocator, numerics, sampling  # noqa: E402
+from rlhf_pipeline import sampling  # noqa: E402
 from rlhf_pipeline.decoding import sample_from_logits  # noqa: E402
 
 RESERVE = RESPONSE  # tokens of room a layer makes each time it outgrows its buffer
@@ -107,8 +107,7 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--output")
     args = parser.parse_args()
-    numerics.pin(numerics.PORTABLE, 2)
-    allocator.keep_freed_memory()  # as a stage does
+    run_as_a_stage()
     if not Path(BASE, "config.json").exists():
         raise SystemExit(f"bench/probe_kv_cache.py needs {BASE}: run `dvc repro base_model` first")
     model, pad, queries = base_model_and_queries()

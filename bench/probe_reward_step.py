@@ -22,11 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rlhf_pipeline.offline  # noqa: F401,E402,I001
 
 import torch  # noqa: E402
-from common import THREADS, environment_lines, random_token_ids  # noqa: E402
+from common import environment_lines, random_token_ids, run_as_a_stage  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from rlhf_pipeline import allocator, numerics  # noqa: E402
 from rlhf_pipeline.functional import non_finite_tensors  # noqa: E402
 from rlhf_pipeline.optim import adam  # noqa: E402
 from rlhf_pipeline.reward.adoption import reward_model_on_base  # noqa: E402
@@ -36,8 +35,7 @@ PAIRS, PROMPT, RESPONSE = 8, 64, 24
 
 
 def main() -> None:
-    numerics.pin(numerics.PORTABLE, THREADS)  # before the first torch operation, as a stage pins compute.cpu_numerics
-    allocator.keep_freed_memory()  # as a stage does: a step's freed blocks serve the next
+    run_as_a_stage()
     print("\n".join(environment_lines(BASE)))
     tokenizer = AutoTokenizer.from_pretrained(BASE)
     generator = torch.Generator().manual_seed(0)

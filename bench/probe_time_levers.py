@@ -25,11 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import render_table  # noqa: E402
+from common import render_table, run_as_a_stage  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 
-from rlhf_pipeline import allocator, numerics  # noqa: E402
 from rlhf_pipeline.sampling import sample_responses  # noqa: E402
 
 BASE = "models/base"
@@ -128,8 +127,7 @@ def gathered_rows_bytes() -> None:
 
 
 def main() -> None:
-    numerics.pin(numerics.PORTABLE, 2)
-    allocator.keep_freed_memory()
+    run_as_a_stage()
     tokenizer = AutoTokenizer.from_pretrained(BASE)
     model = AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32).eval()
     queries = torch.randint(100, 40_000, (128, QUERY), generator=torch.Generator().manual_seed(0))
