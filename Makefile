@@ -103,10 +103,14 @@ label-studio-server: label-studio
 run: setup
 	$(VENV)/bin/dvc repro
 
-# lint and format first (seconds), then the suite (Label Studio installed first: a test drives the real app) on TEST_WORKERS processes (pytest-xdist; auto: one per
-# core), each test file on one worker (its fixtures built once), torch on one thread per worker
+# The two venvs first (Label Studio too: a test drives the real app), installed at once: they share
+# nothing, and pip's work is half downloads and unpacking, so two jobs take 147 s where one after the
+# other take 255 s on 2 cores (bench/results/test_suite.md). Then lint and format (seconds), then the
+# suite on TEST_WORKERS processes (pytest-xdist; auto: one per core), each test file on one worker
+# (its fixtures built once), torch on one thread per worker.
 TEST_WORKERS ?= auto
-test: setup label-studio
+test:
+	$(MAKE) -j2 --output-sync=target setup label-studio
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
