@@ -104,8 +104,8 @@ run: setup
 	$(VENV)/bin/dvc repro
 
 # The two venvs first (Label Studio too: a test drives the real app), installed at once: they share
-# nothing, and pip's work is half downloads and unpacking, so two jobs take 147 s where one after the
-# other take 255 s on 2 cores (bench/results/test_suite.md). Then lint and format (seconds), then the
+# nothing, and two jobs took 147 s where one after the other took 255 s on 2 cores, the same CPU time
+# (bench/results/test_suite.md). Then lint and format (seconds), then the
 # suite on TEST_WORKERS processes (pytest-xdist; auto: one per core), each test file on one worker
 # (its fixtures built once), torch on one thread per worker.
 TEST_WORKERS ?= auto
