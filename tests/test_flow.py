@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +28,13 @@ from flows.retrain import (  # noqa: E402
     stage_exit_code,
     stage_order,
 )
-from rlhf_pipeline.errors import EXIT_CODE_MEANINGS, NOT_RETRIED_EXIT_CODES, MissingPackageError, ParamsError  # noqa: E402
+from rlhf_pipeline.errors import (  # noqa: E402
+    EXIT_CODE_MEANINGS,
+    NOT_RETRIED_EXIT_CODES,
+    MissingPackageError,
+    ParamsError,
+    PipelineError,
+)
 
 pytestmark = [pytest.mark.prefect, pytest.mark.e2e]  # every test runs the flow, which starts a temporary Prefect server
 
@@ -883,6 +890,7 @@ def test_labelling_from_an_unreachable_label_studio_is_retried_then_fails_with_n
         (["run", "--retry-delay", "nan"], "argument --retry-delay: 'nan' is not a finite number of seconds"),
         (["run", "--lock-timeout", "-3"], "argument --lock-timeout: '-3' is not a finite number of seconds"),
         (["deploy", "--pool", "p", "--heartbeat-seconds", "10"], "10 is not a whole number of at least 30"),
+        (["deploy", "--pool", "p", "--missed-heartbeats", "1"], "1 is not a whole number of at least 2"),
     ],
 )
 def test_the_flow_s_number_options_are_checked_by_its_parser(capsys, argv, message):
@@ -891,3 +899,20 @@ def test_the_flow_s_number_options_are_checked_by_its_parser(capsys, argv, messa
     with pytest.raises(SystemExit) as exit_:
         _parser(argv[0]).parse_args(argv[1:])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"heartbeat_seconds": 29}, "heartbeat_seconds must be at least 30 (Prefect's"),
+        ({"crash_restarts": -1}, "crash_restarts at least 0 (got -1)"),
+        ({"missed_heartbeats": 1}, "missed_heartbeats at least 2 (got 1)"),
+    ],
+)
+def test_deploying_refuses_a_crash_window_prefect_cannot_keep_before_it_reads_the_project(tmp_path, options, named):
+    """Called as a library, ``deploy_to_pool`` checks what argparse checks for the CLI, first: the
+    folder given is no project, and the error is about the option, not the folder."""
+    from flows.retrain.pool import deploy_to_pool
+
+    with pytest.raises(PipelineError, match=re.escape(named)):
+        deploy_to_pool("p", tmp_path / "no-project", **options)

@@ -44,7 +44,9 @@ def _service_present():
 
 POOL = "rlhf-pool"
 RERUN = ("train_policy", "evaluate")  # the stages each retrain here reruns
-HEARTBEAT_SECONDS = 30  # Prefect's minimum: a run silent for 3 x 30 s is taken for dead
+HEARTBEAT_SECONDS = 30  # Prefect's minimum
+MISSED_HEARTBEATS = 2  # the fewest deploy takes (3 unless told)
+SILENT_SECONDS = MISSED_HEARTBEATS * HEARTBEAT_SECONDS  # a run silent this long is taken for dead
 
 
 class Prefect:
@@ -160,9 +162,8 @@ def stale_copy(tiny_run, folder: Path) -> Path:
 
 
 def deploy(prefect: Prefect, project: Path) -> str:
-    out = prefect.run(
-        "flows.retrain", "deploy", "--repo", str(project), "--pool", POOL, "--heartbeat-seconds", str(HEARTBEAT_SECONDS)
-    )
+    crash_window = ["--heartbeat-seconds", str(HEARTBEAT_SECONDS), "--missed-heartbeats", str(MISSED_HEARTBEATS)]
+    out = prefect.run("flows.retrain", "deploy", "--repo", str(project), "--pool", POOL, *crash_window)
     return out.split("(")[1].split(")")[0]  # "deployment retrain/retrain-schedule (<id>) on work pool ..."
 
 
@@ -227,9 +228,9 @@ def test_a_run_killed_with_its_worker_mid_stage_is_retried_and_ends_on_the_same_
     states = [(s.name, s.message or "") for s in prefect.states(run)]
     assert flow_run.state.name == "Completed", states
     crashed = [message for name, message in states if name == "Crashed"]
-    assert crashed == [f"no heartbeat for {3 * HEARTBEAT_SECONDS} s: its process or machine died"], states
+    assert crashed == [f"no heartbeat for {SILENT_SECONDS} s: its process or machine died"], states
     assert "AwaitingRetry" in [name for name, _ in states] and flow_run.run_count == 2
-    assert time.time() - killed >= 3 * HEARTBEAT_SECONDS
+    assert time.time() - killed >= SILENT_SECONDS
     assert_same_lock(project, tiny_run)
 
 

@@ -8,6 +8,7 @@ import os
 import sys
 
 from flows.retrain.flow import DEPLOYMENT_NAME, build_deployment, retrain
+from flows.retrain.pool import FEWEST_MISSED_HEARTBEATS, MISSED_HEARTBEATS, deploy_to_pool
 from rlhf_pipeline.arguments import seconds, whole_number
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.runner import report_error
@@ -59,14 +60,18 @@ def _parser(command: str) -> argparse.ArgumentParser:
             "--heartbeat-seconds", type=whole_number(30), default=60, help=">= 30; a run silent 3x this is Crashed"
         )
         parser.add_argument(
+            "--missed-heartbeats",
+            type=whole_number(FEWEST_MISSED_HEARTBEATS),
+            default=MISSED_HEARTBEATS,
+            help=f">= {FEWEST_MISSED_HEARTBEATS}; heartbeats a run may miss before it is Crashed",
+        )
+        parser.add_argument(
             "--crash-restarts", type=whole_number(0), default=2, help="times a crashed run is scheduled again"
         )
     return parser
 
 
 def _deploy(args: argparse.Namespace) -> int:
-    from flows.retrain.pool import deploy_to_pool  # Prefect's client and automations: loaded for deploy only
-
     try:
         ids = deploy_to_pool(
             args.pool,
@@ -78,6 +83,7 @@ def _deploy(args: argparse.Namespace) -> int:
             args.push,
             args.heartbeat_seconds,
             args.crash_restarts,
+            args.missed_heartbeats,
         )
     except PipelineError as error:
         return report_error(error, "python -m flows.retrain deploy")

@@ -7,7 +7,8 @@ queued collisions), two automations make a run that dies with its machine come b
 
 1. **Crashed when silent.** A run sends a heartbeat every ``heartbeat_seconds``
    (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` in the run's environment); when neither a heartbeat nor a
-   final state follows within ``3 * heartbeat_seconds``, the run is marked Crashed (Prefect's
+   final state follows within ``missed_heartbeats * heartbeat_seconds`` (3 × 60 s unless deployed
+   otherwise), the run is marked Crashed (Prefect's
    zombie-flow recipe). A worker watches the runs it starts, but a worker killed with its run
    watches nothing.
 2. **Crashed, then scheduled again.** A Crashed run of this deployment is set back to Scheduled
@@ -46,7 +47,10 @@ from rlhf_pipeline.errors import PipelineError
 
 ENTRYPOINT = "flows/retrain/flow.py:retrain"
 HEARTBEAT_ENV = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
-MISSED_HEARTBEATS = 3  # a run is taken for dead after this many heartbeats did not arrive
+# A run is taken for dead after this many heartbeats did not arrive. At least 2: with a window of one
+# interval, a live run's heartbeat sent a moment late would land after the window closed.
+MISSED_HEARTBEATS = 3
+FEWEST_MISSED_HEARTBEATS = 2
 
 
 def ensure_process_pool(name: str) -> None:
@@ -67,8 +71,11 @@ def _automation(name: str, trigger: EventTrigger, action: ChangeFlowRunState) ->
     return Automation(name=name, trigger=trigger, actions=[action]).create()
 
 
-def crash_automations(deployment_id: UUID, heartbeat_seconds: int) -> list[Automation]:
+def crash_automations(
+    deployment_id: UUID, heartbeat_seconds: int, missed_heartbeats: int = MISSED_HEARTBEATS
+) -> list[Automation]:
     """The two automations of the module docstring, for the runs of ``deployment_id`` only."""
+    silent_seconds = missed_heartbeats * heartbeat_seconds
     of_deployment = ResourceSpecification(
         {"prefect.resource.id": f"prefect.deployment.{deployment_id}", "prefect.resource.role": "deployment"}
     )
@@ -87,7 +94,7 @@ def crash_automations(deployment_id: UUID, heartbeat_seconds: int) -> list[Autom
         for_each={"prefect.resource.id"},
         posture=Posture.Proactive,
         threshold=1,
-        within=timedelta(seconds=MISSED_HEARTBEATS * heartbeat_seconds),
+        within=timedelta(seconds=silent_seconds),
     )
     crashed = EventTrigger(
         expect={"prefect.flow-run.Crashed"},
@@ -103,7 +110,7 @@ def crash_automations(deployment_id: UUID, heartbeat_seconds: int) -> list[Autom
             silent,
             ChangeFlowRunState(
                 state=StateType.CRASHED,
-                message=f"no heartbeat for {MISSED_HEARTBEATS * heartbeat_seconds} s: its process or machine died",
+                message=f"no heartbeat for {silent_seconds} s: its process or machine died",
             ),
         ),
         _automation(
@@ -129,14 +136,16 @@ def deploy_to_pool(
     push: bool = True,
     heartbeat_seconds: int = 60,
     crash_restarts: int = 2,
+    missed_heartbeats: int = MISSED_HEARTBEATS,
 ) -> dict[str, Any]:
     """The ``retrain-schedule`` deployment of the DVC project ``repo`` on the process work pool ``pool``
     (made if missing), and the crash automations. The worker loads the flow from this checkout
     (:data:`CODE_ROOT`, usually ``repo`` itself) and runs it in ``repo``. Returns the ids."""
-    if heartbeat_seconds < 30 or crash_restarts < 0:
+    if heartbeat_seconds < 30 or crash_restarts < 0 or missed_heartbeats < FEWEST_MISSED_HEARTBEATS:
         raise PipelineError(
             f"heartbeat_seconds must be at least 30 (Prefect's PREFECT_FLOWS_HEARTBEAT_FREQUENCY minimum; got "
-            f"{heartbeat_seconds}) and crash_restarts at least 0 (got {crash_restarts})."
+            f"{heartbeat_seconds}), crash_restarts at least 0 (got {crash_restarts}) and missed_heartbeats at "
+            f"least {FEWEST_MISSED_HEARTBEATS} (got {missed_heartbeats})."
         )
     root = Path(repo).expanduser().resolve()
     schedule = resolve_schedule(root, cron, timezone)  # validates all of params.yaml: refused before deploying
@@ -158,5 +167,5 @@ def deploy_to_pool(
         push=False,
         print_next_steps=False,
     )
-    automations = crash_automations(deployment_id, heartbeat_seconds)
+    automations = crash_automations(deployment_id, heartbeat_seconds, missed_heartbeats)
     return {"deployment_id": str(deployment_id), "pool": pool, "automations": [str(a.id) for a in automations]}
