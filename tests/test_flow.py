@@ -28,6 +28,7 @@ from flows.retrain import (  # noqa: E402
     stage_exit_code,
     stage_order,
 )
+from flows.retrain.pool import deploy_to_pool  # noqa: E402
 from rlhf_pipeline.errors import (  # noqa: E402
     EXIT_CODE_MEANINGS,
     NOT_RETRIED_EXIT_CODES,
@@ -912,7 +913,5 @@ def test_the_flow_s_number_options_are_checked_by_its_parser(capsys, argv, messa
 def test_deploying_refuses_a_crash_window_prefect_cannot_keep_before_it_reads_the_project(tmp_path, options, named):
     """Called as a library, ``deploy_to_pool`` checks what argparse checks for the CLI, first: the
     folder given is no project, and the error is about the option, not the folder."""
-    from flows.retrain.pool import deploy_to_pool
-
     with pytest.raises(PipelineError, match=re.escape(named)):
         deploy_to_pool("p", tmp_path / "no-project", **options)

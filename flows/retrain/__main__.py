@@ -8,7 +8,7 @@ import os
 import sys
 
 from flows.retrain.flow import DEPLOYMENT_NAME, build_deployment, retrain
-from flows.retrain.pool import FEWEST_MISSED_HEARTBEATS, MISSED_HEARTBEATS, deploy_to_pool
+from flows.retrain.pool import FEWEST_HEARTBEAT_SECONDS, FEWEST_MISSED_HEARTBEATS, MISSED_HEARTBEATS, deploy_to_pool
 from rlhf_pipeline.arguments import seconds, whole_number
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.runner import report_error
@@ -57,7 +57,10 @@ def _parser(command: str) -> argparse.ArgumentParser:
     if command == "deploy":
         parser.add_argument("--pool", required=True, help="process work pool (made when missing)")
         parser.add_argument(
-            "--heartbeat-seconds", type=whole_number(30), default=60, help=">= 30; a run silent 3x this is Crashed"
+            "--heartbeat-seconds",
+            type=whole_number(FEWEST_HEARTBEAT_SECONDS),
+            default=60,
+            help=f">= {FEWEST_HEARTBEAT_SECONDS}; a run silent --missed-heartbeats x this is Crashed",
         )
         parser.add_argument(
             "--missed-heartbeats",

@@ -51,6 +51,7 @@ HEARTBEAT_ENV = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
 # interval, a live run's heartbeat sent a moment late would land after the window closed.
 MISSED_HEARTBEATS = 3
 FEWEST_MISSED_HEARTBEATS = 2
+FEWEST_HEARTBEAT_SECONDS = 30  # Prefect's PREFECT_FLOWS_HEARTBEAT_FREQUENCY minimum
 
 
 def ensure_process_pool(name: str) -> None:
@@ -141,10 +142,12 @@ def deploy_to_pool(
     """The ``retrain-schedule`` deployment of the DVC project ``repo`` on the process work pool ``pool``
     (made if missing), and the crash automations. The worker loads the flow from this checkout
     (:data:`CODE_ROOT`, usually ``repo`` itself) and runs it in ``repo``. Returns the ids."""
-    if heartbeat_seconds < 30 or crash_restarts < 0 or missed_heartbeats < FEWEST_MISSED_HEARTBEATS:
+    too_short = heartbeat_seconds < FEWEST_HEARTBEAT_SECONDS or missed_heartbeats < FEWEST_MISSED_HEARTBEATS
+    if too_short or crash_restarts < 0:
         raise PipelineError(
-            f"heartbeat_seconds must be at least 30 (Prefect's PREFECT_FLOWS_HEARTBEAT_FREQUENCY minimum; got "
-            f"{heartbeat_seconds}), crash_restarts at least 0 (got {crash_restarts}) and missed_heartbeats at "
+            f"heartbeat_seconds must be at least {FEWEST_HEARTBEAT_SECONDS} (Prefect's "
+            f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY minimum; got {heartbeat_seconds}), crash_restarts at least 0 (got "
+            f"{crash_restarts}) and missed_heartbeats at "
             f"least {FEWEST_MISSED_HEARTBEATS} (got {missed_heartbeats})."
         )
     root = Path(repo).expanduser().resolve()
