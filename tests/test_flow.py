@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from flows.retrain import (  # noqa: E402
     stage_exit_code,
     stage_order,
 )
+from flows.retrain.__main__ import _parser  # noqa: E402
 from flows.retrain.pool import deploy_to_pool  # noqa: E402
 from rlhf_pipeline.errors import (  # noqa: E402
     EXIT_CODE_MEANINGS,
@@ -895,11 +897,31 @@ def test_labelling_from_an_unreachable_label_studio_is_retried_then_fails_with_n
     ],
 )
 def test_the_flow_s_number_options_are_checked_by_its_parser(capsys, argv, message):
-    from flows.retrain.__main__ import _parser
-
     with pytest.raises(SystemExit) as exit_:
         _parser(argv[0]).parse_args(argv[1:])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_command_line_s_defaults_are_those_of_the_flow_and_the_deployment():
+    """``python -m flows.retrain run`` and ``deploy`` with no options pass what ``retrain`` and
+    ``deploy_to_pool`` take when called as a library, and a deployed run restarts as often as a run
+    of the flow called with its own default."""
+    run = _parser("run").parse_args([])
+    deploy = _parser("deploy").parse_args(["--pool", "p"])
+    flow = {name: p.default for name, p in inspect.signature(retrain.fn).parameters.items()}
+    pool = {name: p.default for name, p in inspect.signature(deploy_to_pool).parameters.items()}
+    assert (run.retries, run.retry_delay, run.lock_timeout) == (
+        flow["retries"],
+        flow["retry_delay_seconds"],
+        flow["lock_timeout"],
+    )
+    assert (deploy.heartbeat_seconds, deploy.missed_heartbeats, deploy.crash_restarts) == (
+        pool["heartbeat_seconds"],
+        pool["missed_heartbeats"],
+        pool["crash_restarts"],
+    )
+    assert pool["crash_restarts"] == flow["crash_restarts"] == 2
+    assert (flow["retries"], flow["retry_delay_seconds"], pool["heartbeat_seconds"]) == (3, 30.0, 60)
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,18 @@ import argparse
 import os
 import sys
 
+from flows.retrain.defaults import (
+    CRASH_RESTARTS,
+    FEWEST_HEARTBEAT_SECONDS,
+    FEWEST_MISSED_HEARTBEATS,
+    HEARTBEAT_SECONDS,
+    LOCK_TIMEOUT_SECONDS,
+    MISSED_HEARTBEATS,
+    RETRIES,
+    RETRY_DELAY_SECONDS,
+)
 from flows.retrain.flow import DEPLOYMENT_NAME, build_deployment, retrain
-from flows.retrain.pool import FEWEST_HEARTBEAT_SECONDS, FEWEST_MISSED_HEARTBEATS, MISSED_HEARTBEATS, deploy_to_pool
+from flows.retrain.pool import deploy_to_pool
 from rlhf_pipeline.arguments import seconds, whole_number
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.runner import report_error
@@ -46,9 +56,11 @@ def _parser(command: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-push", dest="push", action="store_false")
     if command == "run":
-        parser.add_argument("--retries", type=whole_number(0), default=3)
-        parser.add_argument("--retry-delay", type=seconds, default=30.0, help="first retry delay in seconds, doubling")
-        parser.add_argument("--lock-timeout", type=seconds, default=3600.0)
+        parser.add_argument("--retries", type=whole_number(0), default=RETRIES)
+        parser.add_argument(
+            "--retry-delay", type=seconds, default=RETRY_DELAY_SECONDS, help="first retry delay in seconds, doubling"
+        )
+        parser.add_argument("--lock-timeout", type=seconds, default=LOCK_TIMEOUT_SECONDS)
         return parser
     parser.add_argument("--cron", default=None, help="default: params.yaml schedule.cron")
     parser.add_argument(
@@ -59,7 +71,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument(
             "--heartbeat-seconds",
             type=whole_number(FEWEST_HEARTBEAT_SECONDS),
-            default=60,
+            default=HEARTBEAT_SECONDS,
             help=f">= {FEWEST_HEARTBEAT_SECONDS}; a run silent --missed-heartbeats x this is Crashed",
         )
         parser.add_argument(
@@ -69,7 +81,10 @@ def _parser(command: str) -> argparse.ArgumentParser:
             help=f">= {FEWEST_MISSED_HEARTBEATS}; heartbeats a run may miss before it is Crashed",
         )
         parser.add_argument(
-            "--crash-restarts", type=whole_number(0), default=2, help="times a crashed run is scheduled again"
+            "--crash-restarts",
+            type=whole_number(0),
+            default=CRASH_RESTARTS,
+            help="times a crashed run is scheduled again",
         )
     return parser
 

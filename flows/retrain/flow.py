@@ -17,6 +17,7 @@ from prefect.runtime import task_run as task_run_runtime
 from prefect.tasks import exponential_backoff
 from pydantic import ValidationError
 
+from flows.retrain.defaults import CRASH_RESTARTS, LOCK_TIMEOUT_SECONDS, RETRIES, RETRY_DELAY_SECONDS
 from flows.retrain.dvc_project import (
     OUTPUT_TAIL_LINES,
     RetrainError,
@@ -98,8 +99,8 @@ def resolve_schedule(repo: str | Path = ".", cron: str | None = None, timezone: 
 @task(
     name="dvc-repro",
     task_run_name="dvc-repro-{stage}",
-    retries=3,
-    retry_delay_seconds=exponential_backoff(30),
+    retries=RETRIES,
+    retry_delay_seconds=exponential_backoff(RETRY_DELAY_SECONDS),
     retry_condition_fn=refuse_retry_on_contract_errors,
     cache_policy=NO_CACHE,
 )
@@ -233,7 +234,12 @@ def promotion_gate(repo: str) -> dict[str, Any]:
     return decision
 
 
-@task(name="dvc-push", retries=3, retry_delay_seconds=exponential_backoff(30), cache_policy=NO_CACHE)
+@task(
+    name="dvc-push",
+    retries=RETRIES,
+    retry_delay_seconds=exponential_backoff(RETRY_DELAY_SECONDS),
+    cache_policy=NO_CACHE,
+)
 def dvc_push(repo: str, remote_args: list[str]) -> str:
     logger = get_run_logger()
     result = stream(dvc_command("push", *remote_args), Path(repo), logger)
@@ -298,11 +304,11 @@ def retrain(
     remote: str | None = None,
     push: bool = True,
     validate_command: list[str] | None = None,
-    retries: int = 3,
-    retry_delay_seconds: float = 30.0,
-    lock_timeout: float = 3600.0,
+    retries: int = RETRIES,
+    retry_delay_seconds: float = RETRY_DELAY_SECONDS,
+    lock_timeout: float = LOCK_TIMEOUT_SECONDS,
     lineage_target: str | None = DEFAULT_LINEAGE_TARGET,
-    crash_restarts: int = 2,
+    crash_restarts: int = CRASH_RESTARTS,
     code_commit: str | None = None,
 ) -> dict[str, Any]:
     """One retrain run; see the package docstring for its steps.

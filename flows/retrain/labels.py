@@ -22,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
+from flows.retrain.defaults import RETRIES, RETRY_DELAY_SECONDS
 from flows.retrain.dvc_project import (
     RetrainError,
     capture,
@@ -124,8 +125,8 @@ def _track(root: Path, labels: Path, unchanged: bool) -> str:
 
 @task(
     name="pull-labels",
-    retries=3,
-    retry_delay_seconds=exponential_backoff(30),
+    retries=RETRIES,
+    retry_delay_seconds=exponential_backoff(RETRY_DELAY_SECONDS),
     retry_condition_fn=refuse_retry_on_contract_errors,
     cache_policy=NO_CACHE,
 )
@@ -154,8 +155,8 @@ def bring_in_labels(
     root: Path,
     incoming: str | None,
     validate_command: list[str],
-    retries: int = 3,
-    retry_delay_seconds: float = 30.0,
+    retries: int = RETRIES,
+    retry_delay_seconds: float = RETRY_DELAY_SECONDS,
 ) -> dict:
     """What ``labelling.source`` in params.yaml (the schema's defaults without one) says this run
     adds to the labels file ``data.preferences.source``: {"ingested": ..., "pulled": ...}. A pull that

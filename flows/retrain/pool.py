@@ -35,6 +35,13 @@ from prefect.events.schemas.events import ResourceSpecification
 from prefect.exceptions import ObjectNotFound
 from prefect.schedules import Cron
 
+from flows.retrain.defaults import (
+    CRASH_RESTARTS,
+    FEWEST_HEARTBEAT_SECONDS,
+    FEWEST_MISSED_HEARTBEATS,
+    HEARTBEAT_SECONDS,
+    MISSED_HEARTBEATS,
+)
 from flows.retrain.flow import (
     CODE_ROOT,
     DEPLOYMENT_NAME,
@@ -47,11 +54,6 @@ from rlhf_pipeline.errors import PipelineError
 
 ENTRYPOINT = "flows/retrain/flow.py:retrain"
 HEARTBEAT_ENV = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
-# A run is taken for dead after this many heartbeats did not arrive. At least 2: with a window of one
-# interval, a live run's heartbeat sent a moment late would land after the window closed.
-MISSED_HEARTBEATS = 3
-FEWEST_MISSED_HEARTBEATS = 2
-FEWEST_HEARTBEAT_SECONDS = 30  # Prefect's PREFECT_FLOWS_HEARTBEAT_FREQUENCY minimum
 
 
 def ensure_process_pool(name: str) -> None:
@@ -135,8 +137,8 @@ def deploy_to_pool(
     incoming: str | None = None,
     remote: str | None = None,
     push: bool = True,
-    heartbeat_seconds: int = 60,
-    crash_restarts: int = 2,
+    heartbeat_seconds: int = HEARTBEAT_SECONDS,
+    crash_restarts: int = CRASH_RESTARTS,
     missed_heartbeats: int = MISSED_HEARTBEATS,
 ) -> dict[str, Any]:
     """The ``retrain-schedule`` deployment of the DVC project ``repo`` on the process work pool ``pool``
