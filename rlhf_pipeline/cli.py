@@ -26,11 +26,17 @@ from rlhf_pipeline.arguments import fraction, whole_number
 from rlhf_pipeline.datadocs import check_docs_folder
 from rlhf_pipeline.environment import environment_record, record_lines
 from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, SettingsError, StorageError, quoted
+from rlhf_pipeline.file_lock import held
 from rlhf_pipeline.io import atomic_file
 from rlhf_pipeline.params import read_params_file
 from rlhf_pipeline.params.compute import ComputeParams
+from rlhf_pipeline.params.data import SIMULATED
 from rlhf_pipeline.params.labelling import LabellingParams
+from rlhf_pipeline.params.promotion import REGISTERED_JUDGE
 from rlhf_pipeline.params.schema import load_params, parse_params
+from rlhf_pipeline.project_files import project_relative, refuse_project_file
+from rlhf_pipeline.project_key import project_key
+from rlhf_pipeline.redaction import RedactingStream
 from rlhf_pipeline.runner import declared_keys_by_stage, missing_key_problems, report_error, report_unexpected
 
 
@@ -110,6 +116,10 @@ def cmd_check_params(args) -> int:
         skipped.append("the file sets nothing: every value is the schema's default")
     if not (root / "dvc.yaml").is_file():
         skipped.append(f"no dvc.yaml in {root}, so whether it spells out every key a stage tracks was not checked")
+    rule = parse_params(read_params_file(args.path), str(args.path)).promotion
+    for key, value in (("promotion.judge", rule.frozen_judge), ("promotion.golden_labels", rule.golden_labels)):
+        if value is not None and not REGISTERED_JUDGE.fullmatch(value):
+            project_relative(value, root, key)  # where its links lead: inside the project, else exit 2
     unchecked = check_fit_to_base_model(args.path, root)
     if unchecked:
         skipped.append(unchecked)
@@ -205,6 +215,8 @@ def cmd_validate_preferences(args) -> int:
     from rlhf_pipeline.contract import validate_file_cli  # loads Great Expectations: only when this command runs
 
     never_over_inputs(args.result, args.path)
+    for output, option in ((args.result, "--result"), (args.docs, "--docs")):
+        refuse_owned(output, option, _params_if_there(args.params))
     if args.docs:
         check_docs_folder(args.docs)  # before the contract runs, not after it has printed its verdict
     with writing(args.result or args.docs or "the result"):
@@ -281,6 +293,7 @@ def cmd_export_preferences(args) -> int:
     from rlhf_pipeline.preferences.export import export_pairwise
 
     never_over_inputs(args.output, args.input)
+    refuse_owned(args.output, "OUTPUT", _params_if_there("params.yaml"))
     with writing(args.output):
         count = export_pairwise(args.input, args.split, args.output)
     print(f"{args.output}: {count} pairs (prompt, chosen, rejected) from {args.input} [{args.split}]")
@@ -304,6 +317,7 @@ def cmd_label(args) -> int:
     if args.action == "export":
         never_over_inputs(args.output, args.queries, args.model)
         params = load_params(args.params)
+        refuse_owned(args.output, "OUTPUT", params)
         numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
         task = params.task
         from rlhf_pipeline.label_tasks import export_tasks  # loads torch and transformers: only when exporting
@@ -332,21 +346,51 @@ def cmd_label(args) -> int:
     min_agreement = args.min_agreement
     if min_agreement is None and params is not None:
         min_agreement = params.data.validation.min_agreement
+    root = project_root("label")
+    if target is not None:
+        refuse_owned(target, "OUTPUT", params, appending=args.append, root=root)
     handle, where = _label_export(args, limits)
     with handle:
         tasks = (task for _, task in labelling.read_export(handle, where, limits))
-        report = labelling.rows_from_export(tasks, where, min_agreement, limits.max_annotations_per_task)
+        report = labelling.rows_from_export(
+            tasks, where, project_key(root), min_agreement, limits.max_annotations_per_task
+        )
     if not report.rows:
         raise DataContractError(f"{where}: no usable annotation ({report.summary()}); nothing written.")
     rows, merged = report.rows, {}
-    if args.append and Path(args.output).exists():
-        existing = labelling.read_rows(args.output)
-        rows, added, repeated = labelling.merge_rounds(existing, report.rows, args.output)
-        merged = {"kept": len(existing), "added": added, "already_there": repeated}
-    with writing(args.output), atomic_file(args.output) as out:
-        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    # read, merge and write under the file's lock: two imports at once each keep the other's rows
+    with writing(args.output), held(args.output):
+        if args.append and Path(args.output).exists():
+            existing = labelling.read_rows(args.output)
+            rows, added, repeated = labelling.merge_rounds(existing, report.rows, args.output)
+            merged = {"kept": len(existing), "added": added, "already_there": repeated}
+        with atomic_file(args.output) as out:
+            out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     print(json.dumps({"output": args.output, **report.summary(), **merged}, indent=2))
     return 0
+
+
+def _params_if_there(path: str):
+    """The params at ``path`` when the file is there (a command that also runs outside a project)."""
+    return load_params(path) if Path(path).is_file() else None
+
+
+def project_root(command: str) -> Path:
+    """The DVC project a command that writes project files works in, else the working directory."""
+    return project_of(None, command, required=False) or Path.cwd()
+
+
+def refuse_owned(output: str | None, option: str, params, appending: bool = False, root: Path | None = None) -> None:
+    """A command's ``output`` is never a file the project owns (rlhf_pipeline.project_files): exit 2."""
+    labels = params.data.preferences.source if params is not None else None
+    refuse_project_file(
+        output,
+        root or project_root("label"),
+        option,
+        labels=None if labels == SIMULATED else labels,
+        golden=params.promotion.golden_labels if params is not None else None,
+        appending=appending,
+    )
 
 
 def _label_compare(args) -> int:
@@ -357,14 +401,19 @@ def _label_compare(args) -> int:
 
     never_over_inputs(args.output, args.queries, args.challenger, args.incumbent)
     params = load_params(args.params)
+    root = project_root("label")
+    refuse_owned(args.output, "OUTPUT", params, root=root)
     numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
     num = args.num if args.num is not None else params.promotion.human.num_queries
     seed = args.seed if args.seed is not None else params.promotion.human.seed
     with sampling_model(args.challenger) as challenger, sampling_model(args.incumbent) as incumbent:
+        side_by_side.refuse_existing_round(root, challenger[1], incumbent[1])
         tasks, record = side_by_side_sampling.sample_round(challenger, incumbent, args.queries, params.task, num, seed)
-    with writing(args.output), atomic_file(args.output) as out:
-        json.dump(tasks, out, indent=1, ensure_ascii=False)
-    kept = record.save(".")
+    with writing(args.output), held(root / side_by_side.ROUNDS):
+        side_by_side.refuse_existing_round(root, record.challenger, record.incumbent)  # one sampled meanwhile
+        kept = record.save(root).relative_to(root)
+        with atomic_file(args.output) as out:
+            json.dump(tasks, out, indent=1, ensure_ascii=False)
     print(
         f"{args.output}: {len(tasks)} side-by-side tasks, {record.challenger} against {record.incumbent} "
         f"(seed {seed}); which model wrote Response A is kept in {kept}, not in the tasks. Labelling interface: "
@@ -384,7 +433,7 @@ def _label_verdicts(args) -> int:
         )
     handle, where = _open_export(labelling, args.input, args.from_server, limits)
     with handle, writing(side_by_side.ROUNDS):
-        rounds, report = side_by_side.import_verdicts(handle, where, ".", limits)
+        rounds, report = side_by_side.import_verdicts(handle, where, project_root("label"), limits)
     print(json.dumps({"rounds": [r.name for r in rounds], **report.summary()}, indent=2))
     return 0
 
@@ -397,7 +446,10 @@ def sampling_model(model: str) -> Iterator[tuple[str, str]]:
     if len(model) > 4096 or not model.isprintable():
         raise SettingsError(f"--model {quoted(model)}: not a model folder or a version (unprintable, or too long).")
     if Path(model).is_dir():
-        yield model, model
+        root = project_root("label")
+        # tasks and rounds name the folder by its path in the project, never by an absolute host path
+        relative = project_relative(model, root, "the model folder")
+        yield str(root / relative), relative
         return
     if not any(mark in model for mark in "@#"):
         raise SettingsError(
@@ -688,17 +740,24 @@ def main(argv: list[str] | None = None) -> None:
     own_process = argv is None
     if own_process:
         gc.disable()
-    args = build_parser().parse_args(argv)
+    # everything the command prints (its messages, a traceback, a library's warning) passes through the
+    # one redaction home first: no token, password or exchanged access token reaches the terminal or a log
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = RedactingStream(sys.stdout), RedactingStream(sys.stderr)
     try:
-        code = args.func(args)
-        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
-    except BrokenPipeError:  # `rlhf lineage ... | head -1`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        code = 128 + signal.SIGPIPE
-    except PipelineError as error:
-        code = report_error(error, f"rlhf {args.command}")
-    except Exception as error:
-        code = report_unexpected(error, f"rlhf {args.command}")
+        args = build_parser().parse_args(argv)
+        try:
+            code = args.func(args)
+            sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        except BrokenPipeError:  # `rlhf lineage ... | head -1`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            code = 128 + signal.SIGPIPE
+        except PipelineError as error:
+            code = report_error(error, f"rlhf {args.command}")
+        except Exception as error:
+            code = report_unexpected(error, f"rlhf {args.command}")
+    finally:
+        sys.stdout, sys.stderr = streams
     if own_process:
         gc.freeze()
     sys.exit(code)

@@ -37,6 +37,8 @@ from rlhf_pipeline.io import UTF8_OPTIONAL_BOM, read_jsonl, sha256_file
 from rlhf_pipeline.json_stream import iter_json_array
 from rlhf_pipeline.params.labelling import LabellingParams
 from rlhf_pipeline.preferences.text_rules import INVISIBLE_CHARACTERS, text_problem
+from rlhf_pipeline.project_key import pseudonym
+from rlhf_pipeline.redaction import header_safe, redact, remember, shown_url
 
 CHOICE = "best"  # the <Choices> name: what an annotation's result is read from
 URL_VARIABLE, TOKEN_VARIABLE = "LABEL_STUDIO_URL", "LABEL_STUDIO_API_KEY"  # the names Label Studio's SDK reads
@@ -78,6 +80,7 @@ def weights_sha256(model_dir: str | Path) -> str:
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+_SHOWN_BODY = 4096  # bytes of an error answer read to show its start (redacted first, then cut to 300 characters)
 _SPOOL_IN_MEMORY = 8 << 20  # an answer larger than this is spooled to a temporary file, not held in memory
 
 
@@ -87,12 +90,17 @@ def server_address(environ: dict[str, str], limits: LabellingParams) -> str:
     from urllib.parse import urlsplit
 
     base = environ[URL_VARIABLE].strip().rstrip("/")
-    parts = urlsplit(base)
-    host = (parts.hostname or "").lower()
-    if parts.scheme not in ("http", "https") or not host or parts.username or parts.password:
+    try:
+        parts = urlsplit(base)
+        host = (parts.hostname or "").lower()
+        parts.port  # noqa: B018  (a port that is not a number raises here, not in the HTTP library)
+    except ValueError:
+        parts, host = None, ""
+    if parts is None or parts.scheme not in ("http", "https") or not host or "@" in parts.netloc:
         raise SettingsError(
-            f"{URL_VARIABLE} is {quoted(base)}: give the server's address as http(s)://HOST[:PORT], without a user "
-            "or password (the token goes in " + TOKEN_VARIABLE + "). Nothing was sent."
+            f"{URL_VARIABLE} is {quoted(shown_url(base))}: give the server's address as http(s)://HOST[:PORT], "
+            "without a user or password (the token goes in " + TOKEN_VARIABLE + "; what stood before an @ is not "
+            "shown). Nothing was sent."
         )
     if (
         parts.scheme == "http"
@@ -100,7 +108,8 @@ def server_address(environ: dict[str, str], limits: LabellingParams) -> str:
         and not limits.allow_plain_http
     ):
         raise SettingsError(
-            f"{URL_VARIABLE} is {quoted(base)}: plain http:// to another machine would send the API token in clear. "
+            f"{URL_VARIABLE} is {quoted(shown_url(base))}: plain http:// to another machine would send the API token "
+            "in clear. "
             "Use https://, or set labelling.allow_plain_http: true on a network you trust. Nothing was sent."
         )
     return base
@@ -117,7 +126,15 @@ def server_credentials(environ: dict[str, str], limits: LabellingParams, doing: 
             f"http://HOST:PORT and {TOKEN_VARIABLE}=<the token on Label Studio's Account & Settings page>; they are "
             "never read from params or files, so they stay out of git."
         )
-    return server_address(environ, limits), environ[TOKEN_VARIABLE]
+    token = environ[TOKEN_VARIABLE].strip()
+    remember(token)  # redacted from every message from now on, even where ``environ`` is not the process's
+    if not header_safe(token):
+        raise SettingsError(
+            f"{TOKEN_VARIABLE} holds a character an HTTP header cannot carry (a space, a line break, a control "
+            "character or a letter outside ASCII: a paste gone wrong?). Copy the token again from Label Studio's "
+            "Account & Settings page; it is not shown here. Nothing was sent."
+        )
+    return server_address(environ, limits), token
 
 
 def fetch_export(
@@ -180,7 +197,7 @@ def _download(base: str, project: int, token: str, limits: LabellingParams, wher
             )
             response = client.send(request, stream=True)
             try:
-                _check_status(response, where, refused, token)
+                _check_status(response, where, refused)
                 kind = response.headers.get("content-type", "")
                 if "json" not in kind:
                     raise DataContractError(
@@ -205,7 +222,8 @@ def _download(base: str, project: int, token: str, limits: LabellingParams, wher
                 response.close()
     except httpx.HTTPError as error:
         raise PipelineError(  # exit 1: the retrain flow retries it (a server restarting)
-            f"{where}: the server did not answer ({type(error).__name__}: {error}); nothing written."
+            f"{where}: the server did not answer ({type(error).__name__}: {plain(redact(error), 300)}); nothing "
+            "written."
         ) from None
     spool.seek(0)
     return io.TextIOWrapper(spool, encoding=UTF8_OPTIONAL_BOM, errors="replace")
@@ -225,11 +243,15 @@ def _authorization(client, token: str, where: str) -> str:
     if token.count(".") != 2:
         return f"Token {token}"
     exchanged = client.post("/api/token/refresh", json={"refresh": token})
-    _check_status(exchanged, where, _refused(where), token)
+    _check_status(exchanged, where, _refused(where))
     try:
-        return f"Bearer {exchanged.json()['access']}"
+        access = exchanged.json()["access"]
     except (ValueError, KeyError, TypeError):
-        raise DataContractError(f"{where}: the token exchange answered no access token.") from None
+        access = None
+    if not isinstance(access, str) or not header_safe(access):
+        raise DataContractError(f"{where}: the token exchange answered no usable access token (it is not shown).")
+    remember(access)  # a secret as much as the token it was exchanged for
+    return f"Bearer {access}"
 
 
 def send_tasks(project: int, tasks: list[dict], limits: LabellingParams, environ: dict[str, str] | None = None) -> int:
@@ -245,14 +267,15 @@ def send_tasks(project: int, tasks: list[dict], limits: LabellingParams, environ
             headers = {"Authorization": _authorization(client, token, where)}
             response = client.post(f"/api/projects/{project}/import", json=tasks, headers=headers)
             if response.status_code != 201:  # Label Studio answers an import with 201 Created
-                _check_status(response, where, _refused(where), token)
+                _check_status(response, where, _refused(where))
             try:
                 return int(response.json().get("task_count", len(tasks)))
             except (ValueError, TypeError, AttributeError):
                 return len(tasks)
     except httpx.HTTPError as error:
         raise PipelineError(
-            f"{where}: the server did not answer ({type(error).__name__}: {error}); no task was sent."
+            f"{where}: the server did not answer ({type(error).__name__}: {plain(redact(error), 300)}); no task was "
+            "sent."
         ) from None
 
 
@@ -263,14 +286,16 @@ def _too_large(where: str, limits: LabellingParams) -> DataContractError:
     )
 
 
-def _check_status(response, where: str, refused: str, token: str) -> None:
+def _check_status(response, where: str, refused: str) -> None:
     """Refuse an answer that is not 200 OK: a redirect (never followed: the token stays here), a token
-    refused, no such project, anything else (its first characters, the token cut out)."""
+    refused, no such project, anything else (its first characters, every secret redacted first)."""
     status = response.status_code
     if 300 <= status < 400:
-        target = quoted(response.headers.get("location", "(no Location)"), 120)
+        location = response.headers.get("location")
+        target = quoted(shown_url(location), 120) if location else "no Location"
         raise SettingsError(
-            f"{where} answered a redirect (HTTP {status}) to {target}; it is not followed, so the token is not sent "
+            f"{where} answered a redirect (HTTP {status}) to {target} (its user, query and fragment not shown); it is "
+            "not followed, so the token is not sent "
             f"there. Set {URL_VARIABLE} to the address that answers itself (https:// if the server redirects to it). "
             "Nothing written."
         )
@@ -279,7 +304,8 @@ def _check_status(response, where: str, refused: str, token: str) -> None:
     if status == 404:
         raise SettingsError(f"{where}: no such project (HTTP 404); its id is the number in the project's URL.")
     if status != 200:
-        text = response.read()[:300].decode("utf-8", "replace").replace(token, "<token>")
+        # redacted before it is cut: a secret the server echoes near the cut is not shown in part
+        text = redact(response.read()[:_SHOWN_BODY].decode("utf-8", "replace"))
         raise PipelineError(f"{where} answered HTTP {status}: {quoted(text, 300)}; nothing written.")
 
 
@@ -328,9 +354,11 @@ class ImportReport:
 
 
 def annotation_author(annotation: dict, where: str) -> str:
+    """The identity of the person who made ``annotation`` (an id or an e-mail address): read to be
+    pseudonymised at once (:func:`answered_choice`), never written."""
     who = annotation.get("completed_by")
-    if isinstance(who, dict):  # some exports expand the user
-        who = who.get("email") or who.get("id")
+    if isinstance(who, dict):  # some exports expand the user: its id first, as a plain export gives it
+        who = who.get("id") if who.get("id") is not None else who.get("email")
     if not isinstance(who, (str, int)) or isinstance(who, bool) or not str(who).isprintable() or len(str(who)) > 256:
         raise DataContractError(
             f"{where}: completed_by is {quoted(str(who))}, not an annotator's id or email; Label Studio writes one "
@@ -414,14 +442,22 @@ def task_data(item, position: int, where: str) -> tuple[dict, int, str]:
 
 
 def rows_from_export(
-    tasks: Iterable, where: str, min_agreement: float | None = None, max_annotations: int = 100
+    tasks: Iterable, where: str, key: bytes, min_agreement: float | None = None, max_annotations: int = 100
 ) -> ImportReport:
     """Best-of-N rows from Label Studio's JSON export ``tasks`` (task objects, e.g. from
-    :func:`read_export`; see the module docstring). Every task is checked (:func:`task_data`)."""
+    :func:`read_export`; see the module docstring). Every task is checked (:func:`task_data`); each
+    annotator is named by a pseudonym keyed with the project's ``key``
+    (:func:`rlhf_pipeline.project_key.pseudonym`), never by the e-mail address or id the export holds."""
     report = ImportReport(rows=[])
     choices_by_task: dict[str, list[int]] = {}
+    positions: dict[str, int] = {}
     for position, item in enumerate(tasks):
         data, n, label = task_data(item, position, where)
+        if (first := positions.setdefault(data["task_id"], position)) != position:
+            raise DataContractError(  # its answers would count twice
+                f"{label}: task_id {plain(data['task_id'], 40)} is also task {first} of this export; an export holds "
+                "each task once (one was copied by hand or by another tool). Nothing was written."
+            )
         seen: set[str] = set()
         report.tasks += 1
         responses = {str(k) for k in range(n)}
@@ -429,7 +465,7 @@ def rows_from_export(
             report.annotations += 1
             answered = answered_choice(
                 annotation, f"{label} (task_id {data['task_id']})", responses,
-                f"one of the {n} responses (0 to {n - 1})", "rlhf label config", seen, report,
+                f"one of the {n} responses (0 to {n - 1})", "rlhf label config", seen, report, key,
             )  # fmt: skip
             if answered is None:
                 continue
@@ -465,13 +501,14 @@ def task_annotations(item: dict, label: str, max_annotations: int) -> list[dict]
 
 
 def answered_choice(
-    annotation: dict, task_label: str, allowed: set[str], what: str, config: str, seen: set[str], report
+    annotation: dict, task_label: str, allowed: set[str], what: str, config: str, seen: set[str], report, key: bytes
 ) -> tuple[str, str] | None:
-    """(annotator, the value chosen) of one annotation of a task; None for a cancelled or empty one
-    (counted in ``report.cancelled``, ``report.skipped``). Refuses a choice not in ``allowed`` (``what``
-    says which, ``config`` names the command that writes the interface) and a second answer by one
-    annotator (``seen``, the task's annotators so far)."""
-    who = annotation_author(annotation, task_label)
+    """(annotator's pseudonym, the value chosen) of one annotation of a task; None for a cancelled or
+    empty one (counted in ``report.cancelled``, ``report.skipped``). Refuses a choice not in ``allowed``
+    (``what`` says which, ``config`` names the command that writes the interface) and a second answer by
+    one annotator (``seen``, the task's annotators so far). The pseudonym is keyed with ``key``: the same
+    person is the same pseudonym in every round, and the identity itself goes nowhere."""
+    who = pseudonym(annotation_author(annotation, task_label), key)
     where = f"{task_label}, annotation {plain(str(annotation.get('id')), 40)} by annotator {plain(who, 80)}"
     if annotation.get("was_cancelled"):
         report.cancelled += 1

@@ -18,7 +18,7 @@ from typing import Any
 
 from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline import paths
-from rlhf_pipeline.errors import DamagedArtifactError, PipelineError
+from rlhf_pipeline.errors import DamagedArtifactError, DataContractError, PipelineError, plain
 from rlhf_pipeline.gitrepo import commit_staged, file_at, git
 from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, verify_checksums, write_checksums
 from rlhf_pipeline.labelers import get_labeler
@@ -27,6 +27,7 @@ from rlhf_pipeline.lineage.verify import tree_md5
 from rlhf_pipeline.modelcard import add_held_out_results, held_out_result, read_card
 from rlhf_pipeline.params.promotion import REGISTERED_JUDGE, PromotionParams
 from rlhf_pipeline.params.schema import Params, load_params
+from rlhf_pipeline.project_files import project_relative
 from rlhf_pipeline.promotion import (
     Side,
     Tally,
@@ -41,6 +42,7 @@ from rlhf_pipeline.registry import (
     PROD,
     Version,
     assign,
+    dangling_stages,
     declared_artifacts,
     in_stage,
     metrics_at,
@@ -50,7 +52,7 @@ from rlhf_pipeline.registry import (
     version_of,
     versions,
 )
-from rlhf_pipeline.side_by_side import import_verdicts, load_round, round_path
+from rlhf_pipeline.side_by_side import import_verdicts, load_round, refuse_existing_round, round_path, rounds_lock
 from rlhf_pipeline.side_by_side import tally as side_by_side_tally
 
 POLICY, REWARD_MODEL = "policy", "reward-model"
@@ -73,6 +75,18 @@ def listing(root: str | Path) -> list[dict[str, Any]]:
                     **metrics_at(root, version.commit),
                 }
             )
+        for stage in dangling_stages(root, name):
+            rows.append(
+                {
+                    "artifact": name,
+                    "version": None,
+                    "stages": [stage["stage"]],
+                    "registered": "",
+                    "commit": stage["commit"],
+                    "names_a_model": False,
+                    "dangling": stage["tag"],
+                }
+            )
     return rows
 
 
@@ -92,6 +106,12 @@ def render_listing(rows: list[dict[str, Any]]) -> str:
     ]
     for row in rows:
         stages = ", ".join(row["stages"]) or "-"
+        if row.get("dangling"):  # a stage tag whose version's tag was deleted
+            lines.append(
+                f"| {row['artifact']} | (none) | {stages} (dangling: {row['dangling']} points at commit "
+                f"{row['commit'][:12]}, which has no version tag) | - | - | - | - | - |"
+            )
+            continue
         if not row.get("names_a_model", True):  # a tag pushed by hand onto a commit without a run
             stages += " (not a version: its commit's dvc.lock records no model)"
         lines.append(
@@ -143,7 +163,8 @@ def frozen_judge_folder(root: Path, rule: PromotionParams) -> Iterator[Path | No
             fetch(root, name, version, None, Path(scratch) / "judge", with_results=False)
             yield Path(scratch) / "judge"
         return
-    folder = root / rule.frozen_judge
+    # the judge scores with what is in the project, never a folder a link or `..` leads out to
+    folder = root / project_relative(rule.frozen_judge, root, "promotion.judge")
     if not (folder / CHECKSUMS).is_file():
         raise PipelineError(
             f"promotion.judge {rule.frozen_judge}: no reward model folder with its {CHECKSUMS} there; train the judge "
@@ -288,7 +309,14 @@ def human_verdicts(
         with handle:
             import_verdicts(handle, where, root, params.labelling)
     commit_round(root, path)
-    tally = side_by_side_tally(load_round(path).verdicts, wanted.tie_weight, wanted.confidence)
+    record = load_round(path, root)  # sealed, and every verdict one person's one answer to a task of the round
+    if (record.challenger, record.incumbent) != (challenger.tag, incumbent):
+        raise DataContractError(
+            f"{path}: the round compares {plain(record.challenger, 80)} with {plain(record.incumbent, 80)}, not "
+            f"{challenger.tag} with {incumbent}: its file was renamed or copied. Restore it from git; nothing was "
+            "counted."
+        )
+    tally = side_by_side_tally(record.verdicts, wanted.tie_weight, wanted.confidence)
     short = human_shortfall(tally, rule)
     if short is not None:
         return tally, f"{challenger.tag} is registered and waits: {short}, against {incumbent}"
@@ -314,8 +342,10 @@ def send_round(root: Path, params: Params, challenger: Version, prod: Version | 
         tasks, record = sample_round(
             (mine["out"], challenger.tag), incumbent, root / paths.QUERIES, params.task, wanted.num_queries, wanted.seed
         )
-    sent = send_tasks(wanted.label_studio_project, tasks, params.labelling)
-    commit_round(root, record.save(root))
+    with rounds_lock(root):
+        refuse_existing_round(root, record.challenger, record.incumbent)
+        sent = send_tasks(wanted.label_studio_project, tasks, params.labelling)
+        commit_round(root, record.save(root))
     return sent
 
 

@@ -10,7 +10,6 @@ nothing makes no version. What a version's metrics were, and its bytes, are read
 
 from __future__ import annotations
 
-import fcntl
 import json
 import re
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import yaml
 
 from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline.errors import PipelineError, SettingsError, quoted
+from rlhf_pipeline.file_lock import held
 from rlhf_pipeline.gitrepo import file_at, resolve_rev
 from rlhf_pipeline.paths import EVALUATION_METRICS, REWARD_TRAIN_METRICS
 
@@ -36,7 +36,12 @@ VERSION_METRICS = (
     (EVALUATION_METRICS, keys.KL, "KL"),
     (REWARD_TRAIN_METRICS, keys.RM_ACCURACY, "RM accuracy"),
 )
-_SPEC = re.compile(r"^(?P<name>[a-z0-9][a-z0-9-]*)(?:@(?P<version>v?\d+(?:\.\d+){0,2}|latest)|#(?P<stage>[a-z0-9-]+))$")
+# a stage's name as GTO accepts it, narrowed to what a tag and a shell carry plainly: 2 to 64 of a-z, 0-9, -
+STAGE_NAME = r"[a-z0-9][a-z0-9-]{0,62}[a-z0-9]"
+_SPEC = re.compile(
+    rf"^(?P<name>[a-z0-9][a-z0-9-]*)(?:@(?P<version>v?\d+(?:\.\d+){{0,2}}|latest)|#(?P<stage>{STAGE_NAME}))$"
+)
+_SEMVER = re.compile(r"v\d+\.\d+\.\d+")
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,8 @@ def versions(root: str | Path, name: str) -> list[Version]:
         return []
     found = []
     for item in shown:
+        if not _SEMVER.fullmatch(str(item.get("version"))):
+            continue  # a stage tag on a commit that has no version tag (any longer): see dangling_stages
         stages = tuple(sorted(s["stage"] for s in item.get("stages", []) if s.get("is_active", True)))
         created = item.get("created_at")
         found.append(
@@ -111,6 +118,49 @@ def versions(root: str | Path, name: str) -> list[Version]:
             )
         )
     return sorted(found, key=lambda v: SemVer.parse(v.version.lstrip("v")), reverse=True)
+
+
+def dangling_stages(root: str | Path, name: str) -> list[dict[str, str]]:
+    """The stages of ``name`` whose latest assignment points at a commit with no version tag (the
+    version's tag was deleted after the stage was assigned): ``{"stage", "tag", "commit"}`` each."""
+    from gto.exceptions import ArtifactNotFound
+
+    artifact_path(root, name)
+    try:
+        shown = _gto().show(str(root), name, versions_per_stage=1)
+    except ArtifactNotFound:
+        return []
+    found = {  # GTO lists such a commit once per ref that reaches it: one entry per stage
+        (stage["stage"], item["commit_hexsha"]): {
+            "stage": stage["stage"],
+            "tag": str(stage.get("ref", "")),
+            "commit": item["commit_hexsha"],
+        }
+        for item in shown
+        if not _SEMVER.fullmatch(str(item.get("version")))
+        for stage in item.get("stages", [])
+        if stage.get("is_active", True)
+    }
+    return list(found.values())
+
+
+def _dangling(name: str, stage: str, commit: str) -> SettingsError:
+    return SettingsError(
+        f"{name}#{stage} is a dangling stage tag: it points at commit {commit[:12]}, whose version tag is gone "
+        "(deleted after the stage was assigned), so it names no version. Assign the stage to a registered version "
+        f"(`rlhf models assign {name} VERSION --stage {stage}`; `rlhf models` lists them), or delete the stage's tags "
+        f"(`git tag -l '{name}#{stage}#*'`). Nothing was read or written."
+    )
+
+
+def check_stage_name(stage: str) -> str:
+    """``stage`` when it is a stage's name (:data:`STAGE_NAME`); else SettingsError (exit 2), before GTO sees it."""
+    if not (isinstance(stage, str) and re.fullmatch(STAGE_NAME, stage)):
+        raise SettingsError(
+            f"{quoted(str(stage))} is not a stage's name: 2 to 64 lower-case letters, digits and '-', starting and "
+            "ending with a letter or digit (prod, staging). Nothing was assigned."
+        )
+    return stage
 
 
 def recorded_hash(root: str | Path, version: Version) -> str | None:
@@ -142,7 +192,9 @@ def in_stage(root: str | Path, name: str, stage: str = PROD) -> Version | None:
     if not shown:
         return None
     found = next((v for v in versions(root, name) if v.version == shown[0]["version"]), None)
-    return None if found is None else require_recorded(root, found)
+    if found is None:
+        raise _dangling(name, stage, shown[0]["commit_hexsha"])
+    return require_recorded(root, found)
 
 
 def normalise_version(version: str) -> str:
@@ -202,13 +254,8 @@ def version_of(root: str | Path, name: str, ref: str = "HEAD") -> tuple[Version 
 def registry_lock(root: str | Path) -> Iterator[None]:
     """One writer of the registry's tags at a time: GTO numbers a new tag from the ones it reads, so two
     at once would pick the same number (the second ``git tag`` fails) or race for ``prod``."""
-    path = Path(root, ".git", "rlhf-registry.lock")
-    with open(path if path.parent.is_dir() else Path(root, ".rlhf-registry.lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with held(Path(root, ".git", "rlhf-registry")):
+        yield
 
 
 def register(root: str | Path, name: str, ref: str = "HEAD", message: str | None = None) -> tuple[Version, bool]:
@@ -231,6 +278,7 @@ def _register(root: str | Path, name: str, ref: str, message: str | None) -> tup
 
 def assign(root: str | Path, name: str, version: str, stage: str = PROD, message: str | None = None) -> Version:
     """Assign ``stage`` to ``version`` of ``name`` (a rollback when it is an earlier one)."""
+    check_stage_name(stage)
     with registry_lock(root):
         target = resolve(root, f"{name}@{version}")
         _gto().assign(str(root), name, stage, version=target.version, message=message, force=True)

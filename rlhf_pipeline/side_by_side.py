@@ -30,11 +30,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from xml.sax.saxutils import quoteattr
 
-from rlhf_pipeline.errors import DataContractError, plain, quoted
+from rlhf_pipeline.errors import DataContractError, SettingsError, plain, quoted
+from rlhf_pipeline.file_lock import held
 from rlhf_pipeline.io import atomic_file
 from rlhf_pipeline.labelling import answered_choice, pairwise_agreement, read_export, task_annotations
 from rlhf_pipeline.params.labelling import LabellingParams
 from rlhf_pipeline.preferences.text_rules import text_problem
+from rlhf_pipeline.project_key import project_key, seal, seal_agrees
 from rlhf_pipeline.promotion import Tally
 
 # the rounds' folder, in the project's root: the gate's, not a stage's (no stage reads or writes it, so it
@@ -44,6 +46,7 @@ CHALLENGER, INCUMBENT, TIE = "challenger", "incumbent", "tie"
 CHOICES = {"A": "a", "B": "b", "tie": TIE}  # what the page shows -> the value an annotation exports
 TASK_FIELDS = ("task_id", "comparison", "query", "response_a", "response_b", "versions", "sha256", "split")
 INTEGER_FIELDS = {"query_index": 2**31, "seed": 2**32}
+_HEX = frozenset("0123456789abcdef")
 
 
 def label_config() -> str:
@@ -87,30 +90,132 @@ class Round:
     created: str
     order: dict[str, str]  # task_id -> which model wrote Response A (challenger | incumbent)
     queries: dict[str, int]  # task_id -> the query's index in the split
-    verdicts: list[dict] = field(default_factory=list)  # {task_id, annotator, winner}
+    verdicts: list[dict] = field(default_factory=list)  # {task_id, query_index, annotator (a pseudonym), winner}
+    seal: str = ""  # the project key's digest of everything above (rlhf_pipeline.project_key.seal)
 
     @property
     def name(self) -> str:
         return comparison_name(self.challenger, self.incumbent)
 
+    def content(self) -> dict:
+        """What the seal covers: every field but the seal."""
+        return {k: v for k, v in asdict(self).items() if k != "seal"}
+
     def save(self, root: str | Path) -> Path:
+        """Write the round, sealed with the project's key (callers hold the rounds' lock, :func:`rounds_lock`)."""
         path = round_path(root, self.challenger, self.incumbent)
+        self.seal = seal(self.content(), project_key(root))
         with atomic_file(path) as out:
             json.dump(asdict(self), out, indent=1, sort_keys=True)
             out.write("\n")
         return path
 
 
-def load_round(path: str | Path) -> Round:
-    """A round file, refused (exit 3) when it is not one this module wrote."""
+def rounds_lock(root: str | Path):
+    """The lock every writer of ``root``'s round files holds across its read, merge and write."""
+    return held(Path(root, ROUNDS))
+
+
+def refuse_existing_round(root: str | Path, challenger: str, incumbent: str) -> None:
+    """A round is sampled once: a second would replace the first's order key and the verdicts given."""
+    path = round_path(root, challenger, incumbent)
+    if path.exists():
+        raise SettingsError(
+            f"{path.relative_to(root) if Path(root) in path.parents else path} exists: {challenger} was already "
+            f"compared with {incumbent}, and people's verdicts go into that round. Import them with `rlhf label "
+            "verdicts`; to start over, remove the round (`git rm` it) first. Nothing was written."
+        )
+
+
+def load_round(path: str | Path, root: str | Path | None = None) -> Round:
+    """A round file, refused (exit 3, the first problems named) when it is not one this project wrote
+    as it was written: its seal (the project key's digest, :mod:`rlhf_pipeline.project_key`) must agree,
+    and every verdict must be one person's one answer to a task of the round (:func:`round_problems`).
+    ``root``: the project (default: the folder above ``side_by_side/``)."""
+    path = Path(path)
+    root = path.resolve().parents[1] if root is None else Path(root)
+    fix = (
+        f"Restore it from git (`git checkout -- {ROUNDS}/{path.name}`), or remove it and sample the round again; "
+        "the gate counts nothing from it."
+    )
     try:
-        payload = json.loads(Path(path).read_text())
-        return Round(**payload)
+        payload = json.loads(path.read_text())
+        record = Round(**payload) if isinstance(payload, dict) else None
     except (OSError, ValueError, TypeError) as error:
         raise DataContractError(
             f"{path}: not a side-by-side round ({type(error).__name__}: {plain(str(error), 200)}); it is written by "
-            f"`rlhf label compare` or the gate. Restore it from git (`git checkout -- {path}`)."
+            f"`rlhf label compare` or the gate. {fix}"
         ) from None
+    if record is None:
+        raise DataContractError(f"{path}: not a side-by-side round (not a JSON object). {fix}")
+    problems = round_problems(record)
+    if not seal_agrees(record.content(), project_key(root, create=False), record.seal):
+        found = f" What does not hold: {'; '.join(problems[:3])}." if problems else ""
+        raise DataContractError(
+            f"{path}: its seal does not agree with its content: the file was edited after `rlhf label compare`, "
+            f"`rlhf label verdicts` or the gate wrote it (or it was written with another project's key).{found} {fix}"
+        )
+    if problems:  # sealed by one who holds the key, or a bug: checked all the same
+        raise DataContractError(f"{path}: {'; '.join(problems[:4])}. {fix}")
+    return record
+
+
+def round_problems(record: Round) -> list[str]:
+    """What makes ``record`` not a round this module wrote, each naming the field or the task: every
+    task's id is the one its query index and both models' SHA-256 give (:func:`task_id`), and each
+    verdict is one person's only answer to one of those tasks, at its query index."""
+    problems = []
+    for name in ("challenger", "incumbent", "created", "split"):
+        value = getattr(record, name)
+        if not (isinstance(value, str) and value.isprintable() and 0 < len(value) <= 1024):
+            problems.append(f"{name} is not a printable text")
+    for name in ("challenger_sha256", "incumbent_sha256"):
+        value = getattr(record, name)
+        if not (isinstance(value, str) and len(value) == 64 and set(value) <= _HEX):
+            problems.append(f"{name} is not 64 hexadecimal digits")
+    if not (isinstance(record.seed, int) and not isinstance(record.seed, bool) and 0 <= record.seed < 2**32):
+        problems.append("seed is not a whole number")
+    if not (isinstance(record.order, dict) and isinstance(record.queries, dict) and isinstance(record.verdicts, list)):
+        return [*problems, "order, queries and verdicts are not the objects and list the round writes"]
+    if problems:
+        return problems
+    if set(record.order) != set(record.queries):
+        problems.append("order and queries name different tasks")
+    shas = [record.challenger_sha256, record.incumbent_sha256]
+    for tid, index in record.queries.items():
+        valid = isinstance(index, int) and not isinstance(index, bool) and 0 <= index < 2**31
+        if not valid or tid != task_id(record.name, shas, record.split, index, record.seed):
+            problems.append(f"task {plain(str(tid), 40)} is not the task of its query index and the two models")
+        elif record.order.get(tid) not in (CHALLENGER, INCUMBENT):
+            problems.append(f"task {plain(str(tid), 40)}'s Response A is not the challenger's or the incumbent's")
+    answered: set[tuple[str, str]] = set()
+    for position, verdict in enumerate(record.verdicts):
+        problem = _verdict_problem(verdict, record, answered)
+        if problem is not None:
+            problems.append(f"verdict {position} {problem}")
+    return problems
+
+
+VERDICT_FIELDS = {"task_id", "query_index", "annotator", "winner"}
+
+
+def _verdict_problem(verdict, record: Round, answered: set[tuple[str, str]]) -> str | None:
+    """Why ``verdict`` is not a person's one answer to a task of ``record`` (None: it is); adds it to ``answered``."""
+    if not isinstance(verdict, dict) or set(verdict) != VERDICT_FIELDS:
+        return f"is not an object of {', '.join(sorted(VERDICT_FIELDS))}"
+    tid, who = verdict["task_id"], verdict["annotator"]
+    if not isinstance(tid, str) or tid not in record.queries:
+        return f"answers task {plain(str(tid), 40)}, which the round did not make"
+    if verdict["query_index"] != record.queries[tid] or isinstance(verdict["query_index"], bool):
+        return f"(task {tid}) gives another query index than the round's"
+    if verdict["winner"] not in (CHALLENGER, INCUMBENT, TIE):
+        return f"(task {tid}) names no winner (challenger, incumbent or tie)"
+    if not (isinstance(who, str) and who.isprintable() and 0 < len(who) <= 256):
+        return f"(task {tid}) names no annotator"
+    if (tid, who) in answered:
+        return f"(task {tid}) is a second answer by annotator {plain(who, 80)}; one person answers a task once"
+    answered.add((tid, who))
+    return None
 
 
 def task_id(name: str, shas: list[str], split: str, query_index: int, seed: int) -> str:
@@ -171,11 +276,11 @@ def _task_data(item, position: int, where: str, rounds: dict[str, Round]) -> tup
             f"its comparison {quoted(str(data['comparison']), 120)} has no round file in {ROUNDS}/ "
             "(the order of its two responses is kept there, written when the tasks were)"
         )
-    elif data["task_id"] not in record.order:
+    elif not isinstance(data["task_id"], str) or data["task_id"] not in record.order:
         problems.append(f"its task_id is not one of {record.name}'s tasks")
     elif (
-        sorted(data["sha256"] if isinstance(data["sha256"], list) else [])
-        != sorted([record.challenger_sha256, record.incumbent_sha256])
+        not (isinstance(data["sha256"], list) and all(isinstance(sha, str) for sha in data["sha256"]))
+        or sorted(data["sha256"]) != sorted([record.challenger_sha256, record.incumbent_sha256])
         or record.queries[data["task_id"]] != data["query_index"]
     ):
         problems.append(f"its models' SHA-256 or its query index differ from what {record.name}'s round recorded")
@@ -193,9 +298,10 @@ def read_verdicts(
     """The rounds of ``root``'s ``side_by_side/`` that ``tasks`` (Label Studio's export) answer, with
     the new verdicts merged in (one per task and annotator; the same answer imported again adds nothing,
     a different one is refused as an edited export). Nothing is written: the caller saves the rounds."""
-    rounds = {r.name: r for r in (load_round(p) for p in sorted(Path(root, ROUNDS).glob("*.json")))}
-    kept = {r.name: {(v["task_id"], v["annotator"]): v["winner"] for v in r.verdicts} for r in rounds.values()}
+    rounds = _Rounds(Path(root))
+    kept: dict[str, dict] = {}
     report, touched, choices_by_task = VerdictReport(), {}, {}
+    key = project_key(root, create=False)
     for position, item in enumerate(tasks):
         data, label, record = _task_data(item, position, where, rounds)
         seen: set[str] = set()
@@ -203,15 +309,18 @@ def read_verdicts(
         for annotation in task_annotations(item, label, max_annotations):
             report.annotations += 1
             answered = answered_choice(
-                annotation, at, set(CHOICES.values()), "a, b or tie", "rlhf label config --side-by-side", seen, report
-            )
+                annotation, at, set(CHOICES.values()), "a, b or tie", "rlhf label config --side-by-side", seen, report,
+                key,
+            )  # fmt: skip
             if answered is None:
                 continue
             who, chosen = answered
             winner = TIE if chosen == TIE else _whose(chosen, record.order[data["task_id"]])
             choices_by_task.setdefault(data["task_id"], []).append(winner)
-            key = (data["task_id"], who)
-            previous = kept[record.name].get(key)
+            if record.name not in kept:
+                kept[record.name] = {(v["task_id"], v["annotator"]): v["winner"] for v in record.verdicts}
+            answer = (data["task_id"], who)
+            previous = kept[record.name].get(answer)
             if previous is not None:
                 if previous != winner:
                     raise DataContractError(
@@ -221,21 +330,42 @@ def read_verdicts(
                     )
                 report.already_there += 1
                 continue
-            kept[record.name][key] = winner
-            record.verdicts.append({"task_id": data["task_id"], "annotator": who, "winner": winner})
+            kept[record.name][answer] = winner
+            record.verdicts.append(
+                {"task_id": data["task_id"], "query_index": data["query_index"], "annotator": who, "winner": winner}
+            )
             report.added[record.name] += 1
             touched[record.name] = record
     report.agreement, report.tasks_with_several = pairwise_agreement(choices_by_task)
     return list(touched.values()), report
 
 
+class _Rounds(dict):
+    """The rounds of a project's ``side_by_side/`` by name, each loaded (and checked) when a task first
+    names it: a damaged round refuses only the exports that answer it."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def get(self, name, default=None):
+        if name not in self:
+            path = Path(self.root, ROUNDS, f"{name}.json")
+            if not (len(name) <= 512 and name.isprintable() and "/" not in name and path.is_file()):
+                return default
+            self[name] = load_round(path, self.root)
+        return super().get(name, default)
+
+
 def import_verdicts(handle, where: str, root: str | Path, limits: LabellingParams) -> tuple[list[Round], VerdictReport]:
     """Label Studio's export (an open text file, from a file or the server) read into the rounds it
-    answers (:func:`read_verdicts`), each round saved; nothing is saved when any task is refused."""
-    tasks = (task for _, task in read_export(handle, where, limits))
-    rounds, report = read_verdicts(tasks, where, root, limits.max_annotations_per_task)
-    for answered in rounds:
-        answered.save(root)
+    answers (:func:`read_verdicts`), each round saved; nothing is saved when any task is refused. The
+    rounds' lock is held from the first read to the last write: two imports at once keep both's verdicts."""
+    with rounds_lock(root):
+        tasks = (task for _, task in read_export(handle, where, limits))
+        rounds, report = read_verdicts(tasks, where, root, limits.max_annotations_per_task)
+        for answered in rounds:
+            answered.save(root)
     return rounds, report
 
 
@@ -246,7 +376,8 @@ def _whose(choice: str, a_is: str) -> str:
 
 
 def tally(verdicts: Iterable[dict], tie_weight: float, confidence: float) -> Tally:
-    """The round's verdicts counted for the gate (:class:`rlhf_pipeline.promotion.Tally`)."""
+    """The round's verdicts counted for the gate (:class:`rlhf_pipeline.promotion.Tally`): those of a
+    round :func:`load_round` accepted, so each is one person's one answer to a task of the round."""
     counts: Counter = Counter()
     people: Counter = Counter()
     for verdict in verdicts:

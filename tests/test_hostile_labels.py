@@ -20,6 +20,7 @@ from test_labelling import task as labelling_task
 pytestmark = pytest.mark.e2e  # fake labelling servers on 127.0.0.1, and the rlhf command against each
 
 TOKEN = "s3cret-legacy-token-0123456789"
+REDIRECT_PASSWORD, REDIRECT_TOKEN = "redirect-password-6t5r4e", "redirect-query-token-3w2q1a"
 PAT = "aaaa.bbbb.cccc-personal-access-token"  # two dots: exchanged for an access token first
 RSS_LIMIT_KB = 1 << 20  # 1 GiB
 # the child's peak RSS, read by a wrapper (this test process's own children would blur RUSAGE_CHILDREN)
@@ -53,11 +54,19 @@ class FakeLabelStudio(BaseHTTPRequestHandler):
         self.server.seen.append((self.path, self.headers.get("Authorization")))
         length = int(self.headers.get("content-length", 0))
         self.rfile.read(length)
-        self._json(200, {"access": "short-lived-access"})
+        self._json(200, {"access": self.server.access})
 
     def do_GET(self):
         self.server.seen.append((self.path, self.headers.get("Authorization")))
         mode = self.server.mode
+        if mode == "redirect-with-secrets":  # a token in the target's user, password and query
+            return self._redirect(self.server.other.replace("http://", f"http://bob:{REDIRECT_PASSWORD}@") + (
+                f"?token={REDIRECT_TOKEN}&next=1#{REDIRECT_TOKEN}"
+            ))  # fmt: skip
+        if mode == "echo-near-the-cut":  # the Authorization header echoed where a 300-character cut falls
+            credential = self.headers.get("Authorization", "").split(" ", 1)[-1]
+            body = "e" * 290 + f"Authorization: {self.headers.get('Authorization')} / {credential}"
+            return self._send(500, "text/plain", body.encode())
         if mode == "redirect-other":
             return self._redirect(self.server.other)
         if mode == "redirect-file":
@@ -124,7 +133,7 @@ def servers():
     for host in ("127.0.0.1", "127.0.0.2"):
         server = ThreadingHTTPServer((host, 0), FakeLabelStudio)
         server.daemon_threads = True
-        server.seen, server.mode = [], "good"
+        server.seen, server.mode, server.access = [], "good", "short-lived-access"
         threading.Thread(target=server.serve_forever, daemon=True).start()
         started.append(server)
     main, other = started
@@ -195,7 +204,7 @@ def test_a_redirect_is_refused_and_the_token_goes_nowhere_else(servers, tmp_path
             3,
             ("1,000,000 annotations", "max_annotations_per_task = 100"),
         ),
-        ("echo-token", {}, 1, ("HTTP 500", "<token>")),
+        ("echo-token", {}, 1, ("HTTP 500", "<redacted>")),
     ],
 )
 def test_a_hostile_answer_is_stopped_at_its_bound(servers, tmp_path, mode, limits, code, words):
@@ -303,3 +312,50 @@ def test_a_1_gib_export_is_refused_by_its_size_unread_or_read_only_as_far_as_it_
         ({"max_export_mb": 2048}, "starts with"),
     ):
         assert_refused(tmp_path, run_import(tmp_path, limits), 3, words)
+
+
+# --------------------------------------------------------------------------------------------
+# secrets (issue 106): each planted in one place, searched for in every stream and written file
+# --------------------------------------------------------------------------------------------
+ACCESS = "exchanged-access-token-9h8g7f6e"  # what a personal access token is exchanged for
+URL_PASSWORD = "url-password-k2j3h4g5"
+
+
+def shown_anywhere(tmp_path: Path, *streams: str) -> str:
+    """Every output stream, and every file the command left under ``tmp_path``, as one text."""
+    files = [p.read_bytes().decode("utf-8", "replace") for p in sorted(tmp_path.rglob("*")) if p.is_file()]
+    return "\n".join([*streams, *files])
+
+
+def pieces_shown(text: str, secret: str) -> list[str]:
+    """Every 8-character piece of ``secret`` that ``text`` holds."""
+    return sorted({secret[i : i + 8] for i in range(len(secret) - 7)} & {text[i : i + 8] for i in range(len(text) - 7)})
+
+
+@pytest.mark.parametrize(
+    "mode, url_of, token, code, secrets",
+    [
+        ("good", lambda port: f"http://alice:{URL_PASSWORD}@127.0.0.1:{port}", TOKEN, 2, (URL_PASSWORD, TOKEN)),
+        ("redirect-with-secrets", None, TOKEN, 2, (REDIRECT_PASSWORD, REDIRECT_TOKEN, TOKEN)),
+        ("echo-near-the-cut", None, TOKEN, 1, (TOKEN,)),
+        ("echo-near-the-cut", None, PAT, 1, (PAT, ACCESS)),  # the exchanged token echoed back
+        ("good", None, "tok\u00e9n-not-ascii-secret-6y7u", 2, ("tok\u00e9n-not-ascii-secret-6y7u",)),
+        ("good", None, "token-with\nline-break-secret-8i9o", 2, ("token-with\nline-break-secret-8i9o",)),
+    ],
+)
+def test_no_secret_is_printed_or_written_whole_or_in_part(servers, tmp_path, mode, url_of, token, code, secrets):
+    main, _ = servers
+    main.mode, main.access = mode, ACCESS
+    port = main.server_address[1]
+    returncode, err, out, _, _ = import_from(tmp_path, (url_of or (lambda p: f"http://127.0.0.1:{p}"))(port), token)
+    assert returncode == code, err
+    assert "Traceback" not in err and err.count("\n") <= 2, err
+    shown = shown_anywhere(tmp_path, err, out)
+    for secret in secrets:
+        assert pieces_shown(shown, secret) == [] and secret not in shown, f"{secret!r} shown in: {err}"
+    if not header_safe_token(token):
+        assert "LABEL_STUDIO_API_KEY holds a character an HTTP header cannot carry" in err and main.seen == []
+
+
+def header_safe_token(token: str) -> bool:
+    return all(0x21 <= ord(c) <= 0x7E for c in token)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at
 
 from flows.retrain.flow import retrain  # noqa: E402
 from rlhf_pipeline.labelling import TOKEN_VARIABLE, URL_VARIABLE, weights_sha256  # noqa: E402
+from rlhf_pipeline.project_key import project_key, pseudonym  # noqa: E402
 
 pytestmark = pytest.mark.e2e  # a real Label Studio server
 
@@ -106,12 +107,14 @@ def test_a_round_through_label_studio_retrains_the_tiny_pipeline(
 
     rows = [json.loads(line) for line in (root / LABELS).read_text().splitlines()]
     assert len(rows) == 2 * len(task_ids)
-    assert {r["annotator"] for r in rows} == {str(server.admin.id), str(second.id)}
+    key = project_key(root)  # people are named by their pseudonyms under the project's key, never by id or e-mail
+    assert {r["annotator"] for r in rows} == {pseudonym(str(server.admin.id), key), pseudonym(str(second.id), key)}
     assert {r["round"] for r in rows} == {ROUND} and {r["model"] for r in rows} == {"models/policy"}
     by_task = {t["data"]["task_id"]: t["id"] for t in server.export(project)}
     for row in rows:
         first_choice, second_choice = expected[by_task[row["task_id"]]]
-        assert row["best"] == (first_choice if row["annotator"] == str(server.admin.id) else second_choice)
+        by_admin = row["annotator"] == pseudonym(str(server.admin.id), key)
+        assert row["best"] == (first_choice if by_admin else second_choice)
     lock = yaml.safe_load((root / "dvc.lock").read_text())
     assert LABELS in {d["path"] for d in lock["stages"]["preferences"]["deps"]} or any(
         d["path"] == "data/labels" for d in lock["stages"]["preferences"]["deps"]
@@ -241,7 +244,7 @@ def test_people_judge_a_challenger_side_by_side_through_label_studio_both_ways(
     assert promoted["decision"] is None and "no new version" in promoted["outcome"]
     verdicts = json.loads(round_file.read_text())["verdicts"]
     assert len(verdicts) == 2 * len(order)
-    assert sum(v["annotator"] == str(second.id) for v in verdicts) == len(order)
+    assert sum(v["annotator"] == pseudonym(str(second.id), project_key(roots[0])) for v in verdicts) == len(order)
 
     # the other project: both prefer the base model's responses; the version stays out of prod
     answer(projects[1], "incumbent")

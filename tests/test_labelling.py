@@ -21,9 +21,16 @@ from rlhf_pipeline.labelling import (
     pairwise_agreement,
     rows_from_export,
 )
+from rlhf_pipeline.project_key import project_key, pseudonym
 
 REPO = Path(__file__).resolve().parents[1]
 RLHF = [sys.executable, "-m", "rlhf_pipeline.cli"]
+KEY = b"a test project's key"
+
+
+def who(person: int | str, key: bytes = KEY) -> str:
+    """The pseudonym an annotator's id becomes under ``key``."""
+    return pseudonym(str(person), key)
 
 
 def test_the_shipped_interfaces_are_the_generated_ones_and_ask_one_required_choice():
@@ -78,14 +85,16 @@ def export_of_two_annotators(tasks: int = 40) -> list[dict]:
 
 
 def test_an_export_becomes_one_row_per_annotation_with_who_what_and_where_from():
-    report = rows_from_export(export_of_two_annotators(), "export.json")
+    report = rows_from_export(export_of_two_annotators(), "export.json", KEY)
     assert len(report.rows) == 80
     row = report.rows[1]
-    assert row["annotator"] == "2" and row["task_id"] == "t0000" and row["round"] == 2
+    assert row["annotator"] == who(2) and row["task_id"] == "t0000" and row["round"] == 2
     assert row["model"] == "policy@v1.0.0" and row["best"] == 1  # annotator 2 chose differently on task 0
     assert [row[f"sample{k}"] for k in range(4)] == [f"response {k} to query 0" for k in range(4)]
     summary = report.summary()
-    assert summary["cancelled"] == 1 and summary["skipped"] == 1 and summary["annotators"] == {"1": 40, "2": 40}
+    assert summary["cancelled"] == 1 and summary["skipped"] == 1
+    assert summary["annotators"] == {who(1): 40, who(2): 40}
+    assert who(1) == who(1) != who(1, b"another key")  # stable under one key, unrelated under another
     assert summary["agreement"] == pytest.approx(0.75) and summary["tasks_with_several_annotations"] == 40
 
 
@@ -97,14 +106,14 @@ def test_agreement_counts_pairs_within_a_task():
 @pytest.mark.parametrize(
     "annotations, message",
     [
-        ([answer(1, 1, "4")], r"annotation 1 by annotator 1: the choice \['4'\] is not one of the 4 responses"),
+        ([answer(1, 1, "4")], rf"annotation 1 by annotator {who(1)}: the choice \['4'\] is not one of the 4 responses"),
         ([answer(1, 1, "best")], r"the choice \['best'\] is not one of the 4 responses"),
-        ([answer(1, 1, "0"), answer(2, 1, "3")], "annotation 2 by annotator 1: this annotator answered the task twice"),
+        ([answer(1, 1, "0"), answer(2, 1, "3")], f"annotation 2 by annotator {who(1)}: this annotator answered"),
     ],
 )
 def test_an_annotation_that_cannot_be_a_label_is_refused_by_task_and_annotation(annotations, message):
     with pytest.raises(DataContractError, match=message) as caught:
-        rows_from_export([task(0, [answer(9, 2, "1")]), task(7, annotations)], "export.json")
+        rows_from_export([task(0, [answer(9, 2, "1")]), task(7, annotations)], "export.json", KEY)
     assert "export.json: task 107 (task_id t0007)" in str(caught.value)
 
 
@@ -127,7 +136,7 @@ def test_import_writes_rows_that_pass_the_contract_and_refuses_low_agreement_wri
     assert checked.returncode == 0, checked.stdout + checked.stderr  # two people, one choice: not a duplicate
 
     rows = [json.loads(line) for line in (tmp_path / "labels.jsonl").read_text().splitlines()]
-    rows[1]["annotator"] = "1"  # the same person's second, different answer to task 0
+    rows[1]["annotator"] = rows[0]["annotator"]  # the same person's second, different answer to task 0
     (tmp_path / "twice.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     twice = cli("validate-preferences", "twice.jsonl", cwd=tmp_path)
     assert twice.returncode == 3 and "one answer per task and annotator" in twice.stdout, twice.stdout
@@ -178,7 +187,8 @@ def test_rounds_append_to_one_file_deduplicated_by_task_and_annotator(tmp_path):
     second[0]["annotations"][0]["result"][0]["value"]["choices"] = ["3"]  # task 2, annotator 1: was 2
     (tmp_path / "edited.json").write_text(json.dumps(second))
     refused = cli("label", "import", "edited.json", "labels.jsonl", "--append", "--params", "none.yaml", cwd=tmp_path)
-    assert refused.returncode == 3 and "task_id t0002 by annotator 1 is already labelled 2" in refused.stderr
+    annotator = who(1, project_key(tmp_path))
+    assert refused.returncode == 3 and f"task_id t0002 by annotator {annotator} is already labelled 2" in refused.stderr
     assert (tmp_path / "labels.jsonl").read_bytes() == before
 
 

@@ -14,6 +14,7 @@ from test_lineage import _validate_event
 from test_pipeline_e2e import BIN, sh
 
 from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums
+from rlhf_pipeline.project_key import project_key, pseudonym
 
 pytestmark = pytest.mark.e2e
 
@@ -216,6 +217,19 @@ def test_the_human_gate_waits_for_people_then_decides_both_ways(versioned, tmp_p
     assert f"{len(tasks)} verdicts from 1 person; the rule needs at least 10 from at least 2" in gate(root)["outcome"]
     assert "side_by_side/policy@v1.0.0_vs_models-base.json" in sh(["git", "show", "--stat", "HEAD"], root).stdout
     assert prod_of(root) is None
+
+    # forged by hand: six copies of one person's answer and four verdicts for tasks the round never made
+    # would reach the rule's 10 from 2 people; the round's seal no longer agrees, so nothing is counted
+    round_file = root / "side_by_side" / "policy@v1.0.0_vs_models-base.json"
+    kept = round_file.read_text()
+    forged = json.loads(kept)
+    one = forged["verdicts"][0]
+    forged["verdicts"] += [dict(one)] * 6 + [dict(one, task_id=f"{n:016x}", annotator="x") for n in range(4)]
+    round_file.write_text(json.dumps(forged))
+    refused = rlhf(root, "models", "gate", "--json", check=False)
+    assert refused.returncode == 3 and "its seal does not agree" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and prod_of(root) is None
+    round_file.write_text(kept)
     # a second person agrees: the challenger wins every verdict, and takes prod
     people_answer(root, {"1": "challenger", "2": "challenger"})
     decided = gate(root)
@@ -223,7 +237,9 @@ def test_the_human_gate_waits_for_people_then_decides_both_ways(versioned, tmp_p
     assert prod_of(root) == "policy@v1.0.0"
     n = 2 * len(tasks)
     assert f"| challenger vs base model | {n} | {n} | 0 | 0 | 100.0% |" in decided["markdown"]
-    assert f"- Each person's share of the verdicts: 1 {len(tasks)} (50%), 2 {len(tasks)} (50%)" in decided["markdown"]
+    first, second = sorted(pseudonym(person, project_key(root)) for person in ("1", "2"))  # people by pseudonym
+    shares = f"- Each person's share of the verdicts: {first} {len(tasks)} (50%), {second} {len(tasks)} (50%)"
+    assert shares in decided["markdown"]
     assert "no new version" in gate(root)["outcome"]  # decided: prod has it
 
     # the other way: both people prefer the base model's responses; the version stays registered, not prod

@@ -20,6 +20,7 @@ from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import write_checksums
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
+from rlhf_pipeline.project_key import project_key, pseudonym
 from rlhf_pipeline.side_by_side import (
     CHALLENGER,
     INCUMBENT,
@@ -120,7 +121,9 @@ def test_a_round_is_blind_recorded_and_read_back_as_verdicts(two_models, tmp_pat
     ann2_ties = sum(1 for t in tasks if round_.order[t["data"]["task_id"]] == CHALLENGER)
     assert counted.n == 2 * len(tasks) and counted.ties == ann2_ties
     assert counted.wins == len(tasks) and counted.losses == len(tasks) - ann2_ties
-    assert counted.annotators == {"ann1": len(tasks), "ann2": len(tasks)}
+    key = project_key(tmp_path)
+    assert counted.annotators == {pseudonym("ann1", key): len(tasks), pseudonym("ann2", key): len(tasks)}
+    assert "ann1" not in (tmp_path / "side_by_side" / f"{round_.name}.json").read_text()
     assert report.summary()["added"] == {round_.name: 2 * len(tasks)} and report.agreement == 0.0
 
     # the same export again adds nothing; one whose answer changed is refused, nothing written
@@ -162,6 +165,9 @@ def test_the_commands_write_the_tasks_the_round_and_the_verdicts(two_models, tmp
     """`rlhf label compare` and `rlhf label verdicts`, as a person runs them in a project."""
     queries, challenger, incumbent = two_models
     shutil.copytree(queries, tmp_path / "data" / "queries")
+    # the two models inside the project: a folder outside it is refused (tests/test_hostile_doors.py)
+    challenger = shutil.copytree(challenger, tmp_path / "models" / "challenger").relative_to(tmp_path)
+    incumbent = shutil.copytree(incumbent, tmp_path / "models" / "incumbent").relative_to(tmp_path)
     (tmp_path / "params.yaml").write_text(
         "compute: {cpu_numerics: native, cpu_threads: 1}\ntask: {response_length: 8, truncate_after: 4}\n"
     )

@@ -27,6 +27,7 @@ from rlhf_pipeline.errors import (
 )
 from rlhf_pipeline.lineage.record import lock_problem, stage_name
 from rlhf_pipeline.paths import DVC_LOCK, DVC_LOCK_COPY
+from rlhf_pipeline.redaction import redact
 
 DEFAULT_LOCAL_REMOTE = "localremote"
 OUTPUT_TAIL_LINES = 40
@@ -39,7 +40,7 @@ class RetrainError(Exception):
     """A retrain run failed for a reason the user can act on; ``exit_code`` is the CLI's."""
 
     def __init__(self, message: str, exit_code: int = PipelineError.exit_code):
-        super().__init__(message)
+        super().__init__(redact(message))  # it is logged and shown by Prefect: a child's output may quote a secret
         self.exit_code = exit_code
 
 
@@ -316,7 +317,7 @@ def capture(cmd: list[str], cwd: Path, timeout: float | None = 600) -> CommandRe
         return CommandResult(124, "", f"timed out after {timeout}s: {' '.join(cmd)}")
     except OSError as error:
         return CommandResult(127, "", f"cannot run {cmd[0]}: {error}")
-    return CommandResult(proc.returncode, proc.stdout, proc.stderr)
+    return CommandResult(proc.returncode, redact(proc.stdout), redact(proc.stderr))
 
 
 def stream(cmd: list[str], cwd: Path, logger) -> CommandResult:
@@ -338,7 +339,7 @@ def stream(cmd: list[str], cwd: Path, logger) -> CommandResult:
     in_traceback = False
     try:
         for line in proc.stdout:
-            line = line.rstrip("\n")
+            line = redact(line.rstrip("\n"))
             tail.append(line)
             in_traceback = in_traceback or line.startswith("Traceback (most recent call last):")
             if line.strip():

@@ -11,6 +11,15 @@ from pydantic import Field, model_validator
 from rlhf_pipeline.params import Seed, Strict, refuse
 
 GateScore = Literal["gold", "proxy", "human"]
+
+
+def plain_path(value: str) -> bool:
+    """A project path as params may give one: relative, in forward slashes, no ``..``, ``.`` or empty parts
+    (where its symbolic links lead is checked against the project where it is used)."""
+    parts = value.split("/")
+    return not value.startswith("/") and "\\" not in value and all(part not in ("", ".", "..") for part in parts)
+
+
 JUDGE_LABELERS = ("vader",)  # the programmatic judges (rlhf_pipeline.labelers); anything else names a frozen judge
 # a frozen judge by its registered version: pinned (NAME@vN), never a stage, which moves
 REGISTERED_JUDGE = re.compile(r"[a-z0-9][a-z0-9-]*@v?\d+(?:\.\d+){0,2}")
@@ -81,6 +90,14 @@ class PromotionParams(Strict):
         32, ge=2, le=10_000_000, description="Fewest paired held-out queries the comparison may rest on."
     )
     human: HumanGateParams = HumanGateParams()
+
+    @model_validator(mode="after")
+    def _paths_stay_in_the_project(self) -> PromotionParams:
+        for name in ("judge", "golden_labels"):
+            value = getattr(self, name)
+            if value is not None and (name == "golden_labels" or value.startswith("data/")) and not plain_path(value):
+                refuse([(name, "must be a path inside the project: relative, without '..', '.' or empty parts", value)])
+        return self
 
     @model_validator(mode="after")
     def _judge_is_a_labeler_or_a_model_folder(self) -> PromotionParams:
