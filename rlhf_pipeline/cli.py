@@ -316,6 +316,11 @@ def cmd_label(args) -> int:
         return _label_verdicts(args)
     if args.action == "export":
         never_over_inputs(args.output, args.queries, args.model)
+        if args.model_name is not None and (Path(args.model_name).is_absolute() or ".." in args.model_name):
+            raise SettingsError(  # it is written into every task: a host's path stays out of them
+                f"--model-name {quoted(args.model_name)}: a name (policy@v2, base), not a path outside the project. "
+                "Nothing was sampled or written."
+            )
         params = load_params(args.params)
         refuse_owned(args.output, "OUTPUT", params)
         numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample

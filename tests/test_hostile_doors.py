@@ -374,6 +374,8 @@ def test_a_model_folder_outside_the_project_is_refused_and_one_inside_is_named_b
     ):
         refused(rlhf(*command, cwd=project), 2, "resolves outside the project")
         assert not (project / "tasks.json").exists()
+    named = rlhf("label", "export", "tasks.json", "--model", "models/base", "--model-name", str(outside), cwd=project)
+    refused(named, 2, "a name (policy@v2, base), not a path outside the project")
     (project / "models" / "policy").mkdir(parents=True)
     assert project_relative(project / "models" / "policy", project, "m") == "models/policy"
     assert project_relative("models/../models/policy", project, "m") == "models/policy"

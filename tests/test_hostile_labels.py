@@ -20,7 +20,7 @@ from test_labelling import task as labelling_task
 pytestmark = pytest.mark.e2e  # fake labelling servers on 127.0.0.1, and the rlhf command against each
 
 TOKEN = "s3cret-legacy-token-0123456789"
-REDIRECT_PASSWORD, REDIRECT_TOKEN = "redirect-password-6t5r4e", "redirect-query-token-3w2q1a"
+REDIRECT_PASSWORD, REDIRECT_TOKEN = "rdpw-6t5r4e-k9m2", "rdqt-3w2q1a-x7v8"  # no English word in 8 characters
 PAT = "aaaa.bbbb.cccc-personal-access-token"  # two dots: exchanged for an access token first
 RSS_LIMIT_KB = 1 << 20  # 1 GiB
 # the child's peak RSS, read by a wrapper (this test process's own children would blur RUSAGE_CHILDREN)
@@ -317,8 +317,9 @@ def test_a_1_gib_export_is_refused_by_its_size_unread_or_read_only_as_far_as_it_
 # --------------------------------------------------------------------------------------------
 # secrets (issue 106): each planted in one place, searched for in every stream and written file
 # --------------------------------------------------------------------------------------------
-ACCESS = "exchanged-access-token-9h8g7f6e"  # what a personal access token is exchanged for
-URL_PASSWORD = "url-password-k2j3h4g5"
+ACCESS = "xacc-9h8g7f6e-p0o9"  # what a personal access token is exchanged for
+URL_PASSWORD = "upw-k2j3h4g5-b6n7"
+PLANTED_PAT = "pat1.x9c8v7b6.n5m4q3w2"  # two dots: exchanged for ACCESS first
 
 
 def shown_anywhere(tmp_path: Path, *streams: str) -> str:
@@ -338,9 +339,9 @@ def pieces_shown(text: str, secret: str) -> list[str]:
         ("good", lambda port: f"http://alice:{URL_PASSWORD}@127.0.0.1:{port}", TOKEN, 2, (URL_PASSWORD, TOKEN)),
         ("redirect-with-secrets", None, TOKEN, 2, (REDIRECT_PASSWORD, REDIRECT_TOKEN, TOKEN)),
         ("echo-near-the-cut", None, TOKEN, 1, (TOKEN,)),
-        ("echo-near-the-cut", None, PAT, 1, (PAT, ACCESS)),  # the exchanged token echoed back
-        ("good", None, "tok\u00e9n-not-ascii-secret-6y7u", 2, ("tok\u00e9n-not-ascii-secret-6y7u",)),
-        ("good", None, "token-with\nline-break-secret-8i9o", 2, ("token-with\nline-break-secret-8i9o",)),
+        ("echo-near-the-cut", None, PLANTED_PAT, 1, (PLANTED_PAT, ACCESS)),  # the exchanged token echoed back
+        ("good", None, "t\u00e9k-4r5t6y7u8i", 2, ("t\u00e9k-4r5t6y7u8i",)),
+        ("good", None, "nl-a1s2\nd3f4g5h6", 2, ("nl-a1s2\nd3f4g5h6",)),
     ],
 )
 def test_no_secret_is_printed_or_written_whole_or_in_part(servers, tmp_path, mode, url_of, token, code, secrets):
