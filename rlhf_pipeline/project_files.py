@@ -72,11 +72,13 @@ def owner_of(output: str | Path, root: Path, labels: str | None = None, golden: 
         return "promotion.golden_labels (the golden set a frozen judge is trained on)"
     if labels and target == (root / labels).resolve():
         return "data.preferences.source (the labels file: add to it with `rlhf label import --append`)"
-    owned = [(path, "a stage's output (dvc.yaml)") for path in _stage_outputs(root)]
-    owned += [(path, "tracked by DVC (a .dvc file)") for path in _dvc_tracked(root)]
-    for path, what in owned:
+    # a stage owns all of its output folder; a .dvc file, the path it names (a new file beside the labels in
+    # a folder that is dvc-added whole stays free: the retrain flow writes its private copy there)
+    owned = [(path, "a stage's output (dvc.yaml)", True) for path in _stage_outputs(root)]
+    owned += [(path, "tracked by DVC (a .dvc file)", False) for path in _dvc_tracked(root)]
+    for path, what, whole_folder in owned:
         declared = PurePosixPath(path.rstrip("/"))
-        if PurePosixPath(text) == declared or declared in PurePosixPath(text).parents:
+        if PurePosixPath(text) == declared or (whole_folder and declared in PurePosixPath(text).parents):
             return f"{what}: {declared}"
     if git(root, "ls-files", "--error-unmatch", "--", text) is not None:
         return "a file git tracks"

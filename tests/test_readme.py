@@ -53,6 +53,22 @@ def test_layout_names_every_module():
     assert missing == [], f"modules the README's Layout does not name: {missing}"
 
 
+def test_no_link_misses_its_closing_bracket():
+    """``[text(path)`` renders as text, not a link: a bracket opened before a file's path in parentheses
+    on the same line must be closed right before it."""
+    documents = [README, *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "bench").rglob("*.md"))]
+    unclosed = []
+    for document in documents:
+        for number, line in enumerate(document.read_text().splitlines(), 1):
+            for match in re.finditer(r"(?<!\])\(((?:\.\./)*[\w./-]+\.(?:md|png|json|py|yaml|html|txt))\)", line):
+                before = line[: match.start()]
+                if before.count("[") > before.count("]"):
+                    unclosed.append(
+                        f"{document.relative_to(REPO)}:{number}: {line[max(0, match.start() - 40) : match.end()]}"
+                    )
+    assert unclosed == []
+
+
 def test_every_link_reaches_its_file_and_heading():
     documents = [README, *sorted((REPO / "docs").glob("*.md"))]
     broken = []
