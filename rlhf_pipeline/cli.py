@@ -508,9 +508,27 @@ def cmd_plots_page(args) -> int:
     return 0
 
 
+def command(group, name: str, summary: str, *examples: str) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` opens with what it does (``summary``, also its line in the group's
+    list) and ends with how it is called (``examples``)."""
+    return group.add_parser(
+        name,
+        help=summary,
+        description=summary[0].upper() + summary[1:] + ".",
+        epilog="example" + ("s" if len(examples) > 1 else "") + ":\n" + "\n".join(f"  {e}" for e in examples),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def _add_lineage_parser(sub) -> None:
-    p = sub.add_parser(
-        "lineage", help="which stage, params, inputs, commit and metrics produced a DVC-tracked artifact"
+    p = command(
+        sub,
+        "lineage",
+        "which stage, params, inputs, commit and metrics produced a DVC-tracked artifact",
+        "rlhf lineage models/policy",
+        "rlhf lineage policy@v2 --json",
+        "rlhf lineage --diff policy@v1 policy@v2",
+        "rlhf lineage --verify .",
     )
     p.add_argument("path", nargs="?", help="an artifact path, or a registry version (policy@v2, policy#prod)")
     p.add_argument("--rev", default=None, help="read PATH as git revision REV recorded it (nothing is checked out)")
@@ -543,41 +561,69 @@ def _add_lineage_parser(sub) -> None:
 
 
 def _add_models_parser(sub) -> None:
-    p = sub.add_parser(
+    p = command(
+        sub,
         "models",
-        help="the model registry (GTO tags): list versions with metrics, the promotion gate, assign a stage, fetch",
+        "the model registry (GTO tags): list versions with metrics, the promotion gate, assign a stage, fetch",
+        "rlhf models",
+        "rlhf models gate",
+        "rlhf models assign policy v1",
+        "rlhf models get policy --from-stage prod -o prod-policy",
     )
-    p.add_argument(
-        "action",
-        nargs="?",
-        default="list",
-        choices=["list", "gate", "assign", "get"],
-        help="list (default); gate: register HEAD's policy and promote it if the rule in promotion.* holds; "
-        "assign NAME VERSION: give VERSION a stage (a rollback); get NAME: fetch a version's bytes, checked",
+    root_help = "the project, a git + DVC repository (default: the one holding the working directory)"
+    p.add_argument("--root", default=None, help=root_help)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(
+        func=cmd_models, action="list", name=None, version=None, stage="prod", params="params.yaml",
+        stage_filter=None, out=None, with_results=False, as_recorded=False,
+    )  # fmt: skip
+    actions = p.add_subparsers(dest="action", metavar="{list,gate,assign,get}")
+
+    def action(name: str, summary: str, *examples: str) -> argparse.ArgumentParser:
+        q = command(actions, name, summary, *examples)
+        # also after the action; SUPPRESS: given only before it, the group's value stands
+        q.add_argument("--root", default=argparse.SUPPRESS, help=root_help)
+        q.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+        return q
+
+    action("list", "every registered version with its stage, date and metrics (the default)", "rlhf models list --json")
+    q = action(
+        "gate",
+        "register HEAD's policy (and reward model) and promote it to prod if the rule in promotion.* holds",
+        "rlhf models gate",
+        "rlhf models gate --json --params params.yaml",
     )
-    p.add_argument("name", nargs="?", help="the artifact (policy, reward-model)")
-    p.add_argument("version", nargs="?", help="assign, get: the version (v2 or v2.0.0; get: default latest)")
-    p.add_argument("--stage", default="prod", help="assign: the stage to give (default prod)")
-    p.add_argument(
-        "--root",
-        default=None,
-        help="the project, a git + DVC repository (default: the one holding the working directory)",
+    q.add_argument("--params", default="params.yaml", help="the rule is promotion.* here (a path in the project)")
+    q = action(
+        "assign",
+        "give a registered version a stage (prod by default): a promotion by hand, or a rollback",
+        "rlhf models assign policy v1",
+        "rlhf models assign policy v2 --stage staging",
     )
-    p.add_argument("--params", default="params.yaml", help="gate: the rule is promotion.* here (a path in the project)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--from-stage", dest="stage_filter", default=None, help="get: the version assigned this stage")
-    p.add_argument("-o", "--out", default=None, help="get: the folder to write (must not exist)")
-    results = p.add_mutually_exclusive_group()
+    q.add_argument("name", help="the artifact (policy, reward-model)")
+    q.add_argument("version", help="the version (v2 or v2.0.0)")
+    q.add_argument("--stage", default="prod", help="the stage to give (default prod)")
+    q = action(
+        "get",
+        "fetch a version's exact bytes (DVC's cache or remote at its commit), checked against its SHA256SUMS",
+        "rlhf models get policy v2 -o policy-v2",
+        "rlhf models get policy --from-stage prod -o prod-policy",
+        "rlhf models get policy v2 --with-results -o publish",
+    )
+    q.add_argument("name", help="the artifact (policy, reward-model)")
+    q.add_argument("version", nargs="?", default=None, help="the version (v2 or v2.0.0; default: the latest)")
+    q.add_argument("--from-stage", dest="stage_filter", default=None, help="the version assigned this stage")
+    q.add_argument("-o", "--out", default=None, help="the folder to write (must not exist)")
+    results = q.add_mutually_exclusive_group()
     results.add_argument(
         "--with-results",
         action="store_true",
-        help="get: fail unless the policy's card gains the evaluate stage's held-out results at the version's "
+        help="fail unless the policy's card gains the evaluate stage's held-out results at the version's "
         "commit (by default it gains them when that commit has them; SHA256SUMS gets the card's new hash)",
     )
     results.add_argument(
-        "--as-recorded", action="store_true", help="get: the bytes exactly as dvc.lock records them (no results)"
+        "--as-recorded", action="store_true", help="the bytes exactly as dvc.lock records them (no results)"
     )
-    p.set_defaults(func=cmd_models)
 
 
 # what `rlhf label import` accepts back in a task (labelling.task_data), so an export never makes a task it refuses
@@ -587,14 +633,28 @@ ROUND = whole_number(0, labelling.INTEGER_FIELDS["round"] - 1)
 
 
 def _add_label_parser(sub) -> None:
-    p = sub.add_parser("label", help="people label: Label Studio tasks out, annotations in (best-of-N rows)")
+    p = command(
+        sub,
+        "label",
+        "people label: Label Studio tasks out, annotations in (best-of-N rows), side-by-side rounds",
+        "rlhf label export tasks.json --model policy#prod --round 2",
+        "rlhf label import export.json data/labels/human.jsonl --append",
+    )
     label = p.add_subparsers(dest="action", required=True)
-    q = label.add_parser("config", help="print the Label Studio labelling interface (XML) for best-of-N")
+    q = command(
+        label,
+        "config",
+        "print the Label Studio labelling interface (XML) for best-of-N, or for side-by-side rounds",
+        "rlhf label config --n 4 > best_of_4.xml",
+        "rlhf label config --side-by-side",
+    )
     q.add_argument("--n", type=RESPONSES, default=4, help="responses per task (4: OpenAI's best-of-4; 2: pairwise)")
     q.add_argument("--side-by-side", action="store_true", help="the interface of `rlhf label compare`'s tasks")
-    q = label.add_parser(
+    q = command(
+        label,
         "compare",
-        help="a blind side-by-side round: one response from each model per held-out query -> Label Studio tasks",
+        "a blind side-by-side round: one response from each model per held-out query -> Label Studio tasks",
+        "rlhf label compare policy@v2 policy#prod tasks.json",
     )
     q.add_argument("challenger", help="a model folder or a registered version (policy@v2)")
     q.add_argument("incumbent", help="a model folder or a registered version (policy#prod, models/base)")
@@ -605,15 +665,24 @@ def _add_label_parser(sub) -> None:
     )
     q.add_argument("--seed", type=SEED, default=None, help="the sampling seed (default: promotion.human.seed)")
     q.add_argument("--params", default="params.yaml")
-    q = label.add_parser(
-        "verdicts", help="people's answers to side-by-side tasks (an export file, or pulled) -> their round's file"
+    q = command(
+        label,
+        "verdicts",
+        "people's answers to side-by-side tasks (an export file, or pulled) -> their round's file",
+        "rlhf label verdicts export.json",
+        "rlhf label verdicts --from-server 3",
     )
     q.add_argument("input", nargs="?", default=None, help="Label Studio's JSON export (not with --from-server)")
     q.add_argument(
         "--from-server", type=whole_number(1), default=None, metavar="PROJECT", help="pull project PROJECT's answers"
     )
     q.add_argument("--params", default="params.yaml")
-    q = label.add_parser("export", help="sample N responses per query from a model; write Label Studio tasks (JSON)")
+    q = command(
+        label,
+        "export",
+        "sample N responses per query from a model; write Label Studio tasks (JSON)",
+        "rlhf label export tasks.json --model policy#prod --num 64 --n 4 --round 2",
+    )
     q.add_argument("output")
     q.add_argument(
         "--model",
@@ -630,9 +699,12 @@ def _add_label_parser(sub) -> None:
     q.add_argument("--seed", type=SEED, default=0, help="the sampling seed (recorded in each task)")
     q.add_argument("--round", type=ROUND, default=1, help="the labelling round (recorded in each task and row)")
     q.add_argument("--params", default="params.yaml", help="the task section's sampling (temperature, length)")
-    q = label.add_parser(
+    q = command(
+        label,
         "import",
-        help="Label Studio's JSON export (a file, or pulled from the server) -> best-of-N preference rows (.jsonl)",
+        "Label Studio's JSON export (a file, or pulled from the server) -> best-of-N preference rows (.jsonl)",
+        "rlhf label import export.json data/labels/human.jsonl --append",
+        "rlhf label import --from-server 3 data/labels/human.jsonl --append",
     )
     q.add_argument(
         "paths", nargs="+", metavar="[INPUT] OUTPUT", help="the export file (not with --from-server), the .jsonl"
@@ -672,17 +744,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("check-params", help="validate params.yaml: prints ok, or one line per problem and exits 2")
+    p = command(
+        sub,
+        "check-params",
+        "validate params.yaml: prints ok, or one line per problem and exits 2",
+        "rlhf check-params",
+        "rlhf check-params params/gpu.yaml",
+    )
     p.add_argument("path", nargs="?", default="params.yaml")
     p.set_defaults(func=cmd_check_params)
 
-    p = sub.add_parser("profile", help="list the profiles in params/, or copy one over params.yaml (validated first)")
-    p.add_argument("name", nargs="?", help="cpu (the shipped default), tiny (a quick look), reference (GPU)")
+    p = command(
+        sub,
+        "profile",
+        "list the profiles in params/, or copy one over params.yaml (validated first)",
+        "rlhf profile",
+        "rlhf profile tiny && dvc repro",
+    )
+    p.add_argument(
+        "name",
+        nargs="?",
+        help="a file of params/ without .yaml; shipped: cpu (the default), tiny (a quick look), reference (the "
+        "lm-human-preferences values), gpu (those sizes on one CUDA GPU), gemma (Gemma 3 270M)",
+    )
     p.add_argument("--params", default="params.yaml")
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser(
-        "environment", help="the installed packages against requirements.lock (what each model card records)"
+    p = command(
+        sub,
+        "environment",
+        "the installed packages against requirements.lock (what each model card records)",
+        "rlhf environment --check",
     )
     p.add_argument(
         "--root",
@@ -695,8 +787,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_models_parser(sub)
 
-    p = sub.add_parser(
-        "validate-preferences", help="run the Great Expectations contract on a preference file (either format)"
+    p = command(
+        sub,
+        "validate-preferences",
+        "run the Great Expectations contract on a preference file (either format)",
+        "rlhf validate-preferences data/labels/human.jsonl --docs /tmp/docs",
     )
     p.add_argument("path")
     p.add_argument(
@@ -708,9 +803,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_lineage_parser(sub)
 
-    p = sub.add_parser(
+    p = command(
+        sub,
         "export-preferences",
-        help="write the preference data in TRL's pairwise format (prompt, chosen, rejected), .jsonl or .parquet",
+        "write the preference data in TRL's pairwise format (prompt, chosen, rejected), .jsonl or .parquet",
+        "rlhf export-preferences pairs.parquet --split test",
     )
     p.add_argument("output")
     p.add_argument("--input", default=paths.PREFERENCES, help="the preferences stage's output")
@@ -719,8 +816,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_label_parser(sub)
 
-    p = sub.add_parser(
-        "plots-page", help="(re)write the page template that lets `dvc plots show` draw offline (vega inlined)"
+    p = command(
+        sub,
+        "plots-page",
+        "(re)write the page template that lets `dvc plots show` draw offline (vega inlined)",
+        "rlhf plots-page && dvc plots show",
     )
     p.add_argument(
         "--root",

@@ -318,3 +318,31 @@ def test_a_number_argument_out_of_its_range_is_a_usage_error_before_anything_run
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def _subcommands(parser, path=()):
+    """(words, parser) of every subcommand of ``parser``, nested ones included."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name), sub
+                yield from _subcommands(sub, (*path, name))
+
+
+def test_every_subcommand_s_help_says_what_it_does_and_shows_an_example(capsys):
+    """`rlhf models gate --help` repeated the group's help, and most commands had no example."""
+    from rlhf_pipeline.cli import build_parser
+
+    found = list(_subcommands(build_parser()))
+    assert {" ".join(words) for words, _ in found} >= {"models gate", "models get", "label import", "profile"}
+    for words, _ in found:
+        with pytest.raises(SystemExit):
+            main([*words, "--help"])
+        shown = capsys.readouterr().out
+        usage, description = shown.split("\n\n")[:2]
+        assert usage.startswith(f"usage: rlhf {' '.join(words)}") and description.strip().endswith("."), shown
+        assert "\nexample" in shown and f"  rlhf {words[0]}" in shown.split("\nexample")[-1], shown
+    profile = dict(found)[("profile",)].format_help()
+    assert all(name in profile for name in ("cpu", "tiny", "reference", "gpu", "gemma"))
