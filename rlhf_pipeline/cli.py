@@ -632,24 +632,8 @@ SEED = whole_number(0, labelling.INTEGER_FIELDS["seed"] - 1)
 ROUND = whole_number(0, labelling.INTEGER_FIELDS["round"] - 1)
 
 
-def _add_label_parser(sub) -> None:
-    p = command(
-        sub,
-        "label",
-        "people label: Label Studio tasks out, annotations in (best-of-N rows), side-by-side rounds",
-        "rlhf label export tasks.json --model policy#prod --round 2",
-        "rlhf label import export.json data/labels/human.jsonl --append",
-    )
-    label = p.add_subparsers(dest="action", required=True)
-    q = command(
-        label,
-        "config",
-        "print the Label Studio labelling interface (XML) for best-of-N, or for side-by-side rounds",
-        "rlhf label config --n 4 > best_of_4.xml",
-        "rlhf label config --side-by-side",
-    )
-    q.add_argument("--n", type=RESPONSES, default=4, help="responses per task (4: OpenAI's best-of-4; 2: pairwise)")
-    q.add_argument("--side-by-side", action="store_true", help="the interface of `rlhf label compare`'s tasks")
+def _add_side_by_side_parsers(label) -> None:
+    """``rlhf label compare`` and ``rlhf label verdicts``: blind side-by-side rounds of two models."""
     q = command(
         label,
         "compare",
@@ -677,6 +661,27 @@ def _add_label_parser(sub) -> None:
         "--from-server", type=whole_number(1), default=None, metavar="PROJECT", help="pull project PROJECT's answers"
     )
     q.add_argument("--params", default="params.yaml")
+
+
+def _add_label_parser(sub) -> None:
+    p = command(
+        sub,
+        "label",
+        "people label: Label Studio tasks out, annotations in (best-of-N rows), side-by-side rounds",
+        "rlhf label export tasks.json --model policy#prod --round 2",
+        "rlhf label import export.json data/labels/human.jsonl --append",
+    )
+    label = p.add_subparsers(dest="action", required=True)
+    q = command(
+        label,
+        "config",
+        "print the Label Studio labelling interface (XML) for best-of-N, or for side-by-side rounds",
+        "rlhf label config --n 4 > best_of_4.xml",
+        "rlhf label config --side-by-side",
+    )
+    q.add_argument("--n", type=RESPONSES, default=4, help="responses per task (4: OpenAI's best-of-4; 2: pairwise)")
+    q.add_argument("--side-by-side", action="store_true", help="the interface of `rlhf label compare`'s tasks")
+    _add_side_by_side_parsers(label)
     q = command(
         label,
         "export",
@@ -739,11 +744,8 @@ class Parser(argparse.ArgumentParser):
         super().error(message if len(message) <= 300 and message.isprintable() else quoted(message, 300))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`).")
-    parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_project_parsers(sub) -> None:
+    """``rlhf check-params``, ``profile`` and ``environment``: the project's params and packages."""
     p = command(
         sub,
         "check-params",
@@ -785,6 +787,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 1 when a package differs from the lock")
     p.set_defaults(func=cmd_environment)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="rlhf", description="RLHF-with-PPO pipeline tools (the stages run through `dvc repro`).")
+    parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_project_parsers(sub)
     _add_models_parser(sub)
 
     p = command(
