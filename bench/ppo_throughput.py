@@ -91,9 +91,8 @@ def run_ours(
     update's matrix-product FLOPs (``flops``).
     """
     from rlhf_pipeline.devices import resolve_device
-    from rlhf_pipeline.models import load_causal_lm
     from rlhf_pipeline.params.schema import Params
-    from rlhf_pipeline.ppo.policy import PolicyWithValue
+    from rlhf_pipeline.ppo.parts import trainer_parts
     from rlhf_pipeline.ppo.trainer import PPOTrainer
     from rlhf_pipeline.reward.adoption import reward_model_on_base
 
@@ -129,18 +128,12 @@ def run_ours(
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     seed_everything(args.seed)
-    lm = load_causal_lm(model_dir, plan.device)
-    if value_model == "shared":
-        policy = PolicyWithValue(lm).to(plan.device)
-    else:
+    # random heads on the base model: what the bench times does not depend on what the reward model learned
+    value_init = None
+    if value_model == "separate":
         value_init = reward_model_on_base(
             model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed + 1)
         )
-        policy = PolicyWithValue(lm, value_init.backbone.train(), value_init.head).to(plan.device)
-    if params.ppo.lora is not None:
-        policy.add_lora(params.ppo.lora, params.ppo.freeze_layers)
-    # with LoRA the reference is the policy with its adapter off, as the train_policy stage runs it
-    ref_model = load_causal_lm(model_dir, plan.device) if params.ppo.lora is None else None
     reward_model = reward_model_on_base(
         model_dir, tokenizer.pad_token_id, generator=torch.Generator().manual_seed(args.seed)
     ).to(plan.device)
@@ -154,19 +147,21 @@ def run_ours(
                 profiler.start()
         gate.step_ended()  # the trainer's update clock stopped before this call and starts after it
 
-    trainer = PPOTrainer(
-        policy,
-        ref_model,
-        reward_model,
-        queries,
-        params.task,
+    # the stage's factory: the same policy, reference (none with LoRA) and checks as train_policy
+    parts = trainer_parts(
+        model_dir,
         params.ppo,
-        tokenizer,
+        params.task,
         args.seed,
         plan.device,
+        queries,
+        tokenizer,
+        reward_model=reward_model,
+        value_from=value_init,
         log=log,
         autocast=plan.autocast if plan.autocast_dtype else None,
     )
+    trainer = PPOTrainer(parts)
     gate.begin()
     flops.start()
     try:
@@ -176,18 +171,18 @@ def run_ours(
     if profiler is not None:
         profiler.stop()
     out = []
-    for h in trainer.timings:  # seconds per phase, kept apart from the statistics the run records
+    for times in trainer.timings:  # seconds per phase, kept apart from the statistics the run records
         phases = {
-            "generation": h["time/generation"],
-            "ref_value": h["time/reference"],
-            "reward": h["time/scoring"],
-            "train": h["time/training"],
+            "generation": times.generation,
+            "ref_value": times.reference,
+            "reward": times.scoring,
+            "train": times.training,
         }
-        phases["other"] = h["time/update"] - sum(phases.values())
-        out.append({"update": h["time/update"], **phases})
+        phases["other"] = times.update - sum(phases.values())
+        out.append({"update": times.update, **phases})
     out[0]["peak_bytes"] = torch.cuda.max_memory_allocated() if on_gpu else None
     out[0]["flops"] = flops.total
-    del trainer, policy, ref_model, reward_model, lm
+    del trainer, parts, reward_model, value_init
     gc.collect()
     return out
 

@@ -159,7 +159,7 @@ def give_back_beyond(libc, bound: int, heap_before: int = 0, anonymous: int | No
     not grow the heap; giving the blocks back there only makes the next step fault them in again (the
     reward bench: 400k faults a step, ``bench/results/allocator.md``). Blocks that no longer serve
     (Gemma's 1.6 GB logits among smaller holes) make the heap grow, and that is where they go back.
-    Measures that look simpler fail (``bench/results/allocator.md``, 2026-11-30):
+    Measures that look simpler fail (``bench/results/allocator.md``):
     - ``RssAnon`` past the highest a check saw since the last give-back: a trim lowers ``RssAnon`` but
       leaves the heap's holes where they are, so it climbs back past what the trim left each time the
       process fills them again (PPO with a separate value model: about 6 give-backs and 4.1 M page

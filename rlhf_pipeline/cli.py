@@ -847,7 +847,7 @@ def main(argv: list[str] | None = None) -> None:
     # exit walks them once more. So an `rlhf` process (argv from its own command line; a test or a
     # bench calling main with arguments keeps its collector as it is) runs its command with the
     # collector off, and freezes what it holds before the exit: `rlhf check-params` with a built
-    # models/base takes 4.2 s instead of 6.1 (bench/results/process_start.md). Nothing piles up
+    # models/base takes about a third less time (bench/results/process_start.md). Nothing piles up
     # meanwhile: the longest command, `rlhf label export` on the default policy, leaves about 19,100
     # unreachable objects whether it samples 16 or 160 queries (most of them made by its imports), and
     # peaks at the same memory as with the collector on.

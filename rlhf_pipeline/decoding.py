@@ -97,10 +97,10 @@ def sample_from_logits(
 
 
 # Rows of float64 block sums made at once on a CPU: their float64 copy of the weights (about 2 MB) stays in
-# cache. One reduction over a whole (256, 49,153) step casts 100 MB first: on the Zen 3, under the stages'
-# malloc setting, the draw took 23 ms that way and 16 ms in chunks, the same bytes (bench/probe_draw.py), a
-# small share of a decoding step. The stages pin the AVX2 kernels on every host (compute.cpu_numerics:
-# portable), where tests/test_sampling.py checks the bytes.
+# cache. One reduction over a whole (256, 49,153) step casts 100 MB first, and took about half as long
+# again as the chunks, which give the same bytes (bench/probe_draw.py); either is a small share of a
+# decoding step. The stages pin the AVX2 kernels on every host (compute.cpu_numerics: portable), where
+# tests/test_sampling.py checks the bytes.
 FLOAT64_SUM_BYTES = 2**21
 
 

@@ -273,7 +273,7 @@ def shared_lower_blocks(model: nn.Module, other: nn.Module) -> int:
 # Past this size, a (B, R, V) fp32 logits block is made a few responses at a time. Why: Gemma 3's
 # 262,144-token vocabulary makes 96 responses of 16 tokens 1.6 GB a block, which the pad mask and the
 # temperature each copy. Blocks that large fragment glibc's heap: `evaluate` on Gemma peaked at 7 to 12 GB
-# with at most 3.7 GB in use (bench/results/gemma3_270m/evaluate_rule_C_trace_2026-11-30.md). The CPU
+# with at most 3.7 GB in use (bench/results/gemma3_270m.md). The CPU
 # profile's largest block on SmolLM2 (evaluate: 96 x 16 x 49,153) is 302 MB, under it: that run computes
 # as before.
 LOGITS_BLOCK_BYTES = 2**29

@@ -149,10 +149,9 @@ def gguf_memoised() -> Iterator[None]:
     """Within it, each GGUF file is parsed once, and gguf's tensor-name map built once per architecture.
     Loading a GGUF reads the file up to five times: the source's check (:func:`admit_gguf`), transformers for
     the tokenizer's config, the tokenizer, and the model's config and weights, and the card's provenance. Each
-    ``gguf.GGUFReader`` walks every metadata field, about 2.7 s for SmolLM2's 49,152-token vocabulary on this
-    project's CPU. transformers also builds ``gguf.get_tensor_name_map`` anew for each of the model's 397
-    modules as it matches the weights' names, 8 ms each. Memoising both takes the default's load from 21 to
-    10 s (bench/results/zen3_2026-12-03/gguf_load.py).
+    ``gguf.GGUFReader`` walks every metadata field, seconds for SmolLM2's 49,152-token vocabulary.
+    transformers also builds ``gguf.get_tensor_name_map`` anew for each of the model's 397 modules as it
+    matches the weights' names. Memoising both halves the default's load.
 
     Both are swapped for memos while the block runs. The callers import them when they run; a reader is a
     read-only memory map of the file and a name map is only read after it is built, so one serves every

@@ -3,7 +3,7 @@ over a static KV cache so that one decoding step is a fixed-shape graph that ``t
 (CUDA graphs, ``mode="reduce-overhead"``) replays instead of launching each kernel from Python.
 
 Why. Eager token-by-token decoding of a small model on a GPU is bound by kernel launches, not by
-the GPU (0.77 s of a 1.92 s PPO update at batch 128 on an H100, ``bench/ppo_throughput.py``). A
+the GPU (two fifths of a PPO update at batch 128, ``bench/results/ppo_throughput_h100_b128.md``). A
 static cache holds every key and value slot the sampling will need from the start, so the step's
 shapes never change and its graph is captured once per batch shape.
 
@@ -82,9 +82,9 @@ def batch_to_run(model: nn.Module, rows: int, length: int, dtype: torch.dtype | 
     """The rows a call of ``rows`` rows runs when shapes are reused: the smallest batch of a cache
     ``model`` already holds for ``length`` slots and ``dtype`` that has room for ``rows``, else
     ``rows``. The compiled step records one graph per batch shape, tens of seconds each on a GPU, while
-    running a few rows in a larger shape costs a fraction of a second. On an H200 the preferences stage
-    of the ``gpu`` profile paused twice for about 30 s more, at batches whose resampled queries made
-    smaller calls than its 512 rows (docs/gpu.md, 2026-11-30)."""
+    running a few rows in a larger shape costs a fraction of a second: the ``gpu`` profile's preferences
+    stage paused twice for about 30 s at batches whose resampled queries made smaller calls than its 512
+    rows (docs/gpu.md)."""
     held = [b for b, slots, kind in _caches.get(model, {}) if slots == length and kind == dtype and b >= rows]
     return min(held, default=rows)
 

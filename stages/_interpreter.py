@@ -15,7 +15,7 @@ from pathlib import Path
 # off some 900 collections on the way (six of them walking everything imported so far: 0.8 s). Then
 # runner.run_stage moves what was imported out of the collector's reach (gc.freeze) and turns it back
 # on, so no later collection walks it either, the interpreter's last ones at exit included. Together
-# about 1 to 3 s of a tiny stage's 5 to 13 s (bench/results/process_start.md). A test that runs a
+# a fifth to a quarter of a tiny stage's time (bench/results/process_start.md). A test that runs a
 # stage in the test's own process (runpy) has imported the package already, and keeps its collector.
 if "rlhf_pipeline" not in sys.modules:
     gc.disable()

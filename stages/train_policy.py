@@ -17,19 +17,20 @@ from rlhf_pipeline.io import atomic_dir, content_hash, write_json
 from rlhf_pipeline.labelers import gold_labeler
 from rlhf_pipeline.logging import open_live, step_logger
 from rlhf_pipeline.modelcard import preference_data_line, write_card
-from rlhf_pipeline.models import load_causal_lm, load_tokenizer, require_context, require_dir
+from rlhf_pipeline.models import load_tokenizer, require_context, require_dir
 from rlhf_pipeline.params import StageParams
 from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import DataParams
 from rlhf_pipeline.params.ppo import PPOParams
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.ppo.checkpoint import Checkpointer, fingerprint_of
+from rlhf_pipeline.ppo.parts import trainer_parts
 from rlhf_pipeline.ppo.policy import build_policy, require_fit, save_policy
-from rlhf_pipeline.ppo.trainer import PPOTrainer, history_summary
+from rlhf_pipeline.ppo.stats import history_summary
+from rlhf_pipeline.ppo.trainer import PPOTrainer
 from rlhf_pipeline.queries import load_queries
 from rlhf_pipeline.reward.persistence import HEAD_FILE, load_reward_model
 from rlhf_pipeline.runner import declared_code_hash, project_root, run_stage
-from rlhf_pipeline.training import mean_of
 
 BASE, REWARD, QUERIES, PREFS = paths.BASE_MODEL, paths.REWARD, paths.QUERIES, paths.PREFERENCES
 OUT, CHECKPOINTS, METRICS, LIVE = paths.POLICY, paths.POLICY_CHECKPOINTS, paths.POLICY_METRICS, paths.POLICY_LIVE
@@ -96,36 +97,33 @@ def train(params: Params, plan: DevicePlan, accelerator, tokenizer, queries: tor
     policy (None on processes other than 0), the history, the timings and the gold labeller."""
     cfg, is_main = params.ppo, accelerator.is_main_process
     frozen_device = "cpu" if cfg.offload_frozen else plan.device
-    # with LoRA the reference is the policy's own base weights (its adapter off): no second copy
-    ref_model = load_causal_lm(BASE, frozen_device) if cfg.lora is None else None
-    reward_model = load_reward_model(REWARD, frozen_device) if cfg.score_source == "reward_model" else None
-    policy = build_policy(BASE, cfg, plan.device, REWARD)
     gold = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
     gold_standardization = gold_statistics(PREFS) if cfg.score_source == "gold" and gold is not None else None
-    checkpointer = Checkpointer(CHECKPOINTS, checkpoint_fingerprint(params, plan, uses_reward_model))
+    reward_model = load_reward_model(REWARD, frozen_device) if cfg.score_source == "reward_model" else None
     # DVCLive starts afresh every time: on a resume the trainer replays the checkpoint's history
     # into it first, so the series match an uninterrupted run's step for step
     with open_live(LIVE) if is_main else nullcontext() as live:
-        trainer = PPOTrainer(
-            policy,
-            ref_model,
-            reward_model,
-            queries,
-            params.task,
+        parts = trainer_parts(
+            BASE,
             cfg,
-            tokenizer,
+            params.task,
             params.seed if cfg.seed is None else cfg.seed,
             plan.device,
-            checkpointer=checkpointer,
+            queries,
+            tokenizer,
+            reward_model=reward_model,
+            value_from=REWARD,
+            frozen_device=frozen_device,  # with LoRA no reference is loaded: the adapter off is the reference
+            checkpointer=Checkpointer(CHECKPOINTS, checkpoint_fingerprint(params, plan, uses_reward_model)),
             gold_labeler=gold,
+            gold_standardization=gold_standardization,
             log=step_logger(live),
             autocast=plan.autocast if plan.autocast_dtype else None,
-            gold_standardization=gold_standardization,
-            accelerator=accelerator,
         )
+        trainer = PPOTrainer(parts, accelerator)
         history = trainer.train(progress=is_main)
-    policy = whole_model(accelerator, policy, lambda: build_policy(BASE, cfg, "cpu", REWARD))
-    return policy, history, trainer.timings, gold, trainer.stopped
+    policy = whole_model(accelerator, parts.policy, lambda: build_policy(BASE, cfg, "cpu", REWARD))
+    return policy, history, trainer.timings, gold, trainer.budget.stopped
 
 
 def main(params: Params) -> None:
@@ -165,7 +163,7 @@ def main(params: Params) -> None:
     # how long the updates this process ran took: a measurement of the machine, in SPEED only,
     # which no stage declares (dvc.yaml's top-level metrics), so no output and no dvc.lock hash
     # holds a timing and a rerun writes the same bytes; none when it resumed at the last update
-    speed = {"episodes_per_second": mean_of(timings, "episodes_per_second")} if timings else {}
+    speed = {"episodes_per_second": sum(t.episodes_per_second for t in timings) / len(timings)} if timings else {}
     with atomic_dir(OUT, checksums=True) as tmp:
         save_policy(policy, tokenizer, tmp, params.task.temperature, params.task.response_length)
         write_card(

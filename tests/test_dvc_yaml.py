@@ -439,9 +439,9 @@ LIBRARY_FLOORS = {
     2: "devices distributed environment models modelcard fit runner sources conversations queries sampling "
     "static_sampling labelers preferences/formats preferences/splits preferences/simulated preferences/export "
     "contract corpus datadocs plots_page reward/model reward/persistence reward/folder reward/normalization "
-    "ppo/checkpoint training",
+    "ppo/checkpoint ppo/stats ppo/kl_budget training",
     # training and evaluation
-    3: "reward/training reward/adoption ppo/policy ppo/trainer evaluation evaluation_report",
+    3: "reward/training reward/adoption ppo/policy ppo/parts ppo/rollout ppo/trainer evaluation evaluation_report",
     # audit and commands: lineage, the registry and its gate, labelling with people, the CLI
     4: "lineage/record lineage/verify lineage/facts lineage/event lineage/render lineage/diff registry promotion "
     "models_command labelling label_tasks side_by_side side_by_side_sampling cli",

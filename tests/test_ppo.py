@@ -29,7 +29,9 @@ from rlhf_pipeline.params.schema import Params
 from rlhf_pipeline.ppo import advantages
 from rlhf_pipeline.ppo.advantages import CRITIC_FREE_ESTIMATORS
 from rlhf_pipeline.ppo.checkpoint import Checkpointer, rng_state, set_rng_state, snapshot_name, snapshot_update
+from rlhf_pipeline.ppo.parts import TrainerParts
 from rlhf_pipeline.ppo.policy import PolicyWithValue, build_policy
+from rlhf_pipeline.ppo.rollout import RolloutMaker
 from rlhf_pipeline.ppo.trainer import PPOTrainer
 from rlhf_pipeline.reward.adoption import reward_model_on_base
 from rlhf_pipeline.reward.model import RewardModel
@@ -81,20 +83,20 @@ def make_trainer(tiny_base_dir, reward_model, queries, params: Params, checkpoin
             torch.nn.Linear(64, 1),
         )
     checkpointer = Checkpointer(checkpoint_dir, "test") if checkpoint_dir else None
-    return PPOTrainer(
-        policy,
-        load_causal_lm(tiny_base_dir) if params.ppo.lora is None else None,  # LoRA: the adapter off is the reference
-        reward_model,
-        queries,
-        params.task,
-        params.ppo,
-        tokenizer,
-        params.seed,
-        torch.device("cpu"),
+    parts = TrainerParts(
+        policy=policy,
+        ref_model=load_causal_lm(tiny_base_dir) if params.ppo.lora is None else None,  # LoRA: the adapter off
+        reward_model=reward_model,
+        queries=queries,
+        tokenizer=tokenizer,
+        task=params.task,
+        cfg=params.ppo,
+        seed=params.seed,
+        device=torch.device("cpu"),
         checkpointer=checkpointer,
         log=log,
-        accelerator=accelerator,
     )
+    return PPOTrainer(parts, accelerator)
 
 
 class ShareOf:
@@ -165,7 +167,7 @@ def test_seeded_training_is_deterministic_and_learns_something(tiny_base_dir, re
 
 def test_frozen_layers_train_only_the_top(tiny_base_dir, reward_model, queries):
     trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(freeze_layers=1, total_episodes=32))
-    assert trainer.use_trunk
+    assert trainer.rollouts.use_trunk
     bottom = trainer.policy.lm.model.layers[0].mlp.up_proj.weight.detach().clone()
     top = trainer.policy.lm.model.layers[1].mlp.up_proj.weight.detach().clone()
     history = trainer.train(progress=False)
@@ -186,14 +188,14 @@ def test_with_the_trunk_split_the_budget_s_exact_kl_reads_the_policy_s_sampling_
 
     params = make_params(freeze_layers=1, total_episodes=32, kl={"budget": 5.0, "budget_check_responses": 16})
     trainer = make_trainer(tiny_base_dir, reward_model, queries, params)
-    assert trainer.use_trunk and trainer.capture_layers == (1, 2)
+    assert trainer.rollouts.use_trunk and trainer.rollouts.capture_layers == (1, 2)
     trainer.optimize(trainer.rollout(0), trainer.advantages(trainer.rollout(0)), 0)  # a policy off the reference
 
     def read():
         calls = []
         hook = trainer.policy.lm.model.layers[1].register_forward_hook(lambda *_: calls.append(1))
         try:
-            return trainer.rollout(1).stats["objective/kl_exact"], trainer.extra_kl(1), len(calls)
+            return trainer.rollout(1).stats.kl_exact, trainer.rollouts.extra_kl(1), len(calls)
         finally:
             hook.remove()
 
@@ -205,7 +207,7 @@ def test_with_the_trunk_split_the_budget_s_exact_kl_reads_the_policy_s_sampling_
     assert rollout_kl == pytest.approx(forward_rollout_kl, abs=1e-5)
     assert reading == pytest.approx(forward_reading, abs=1e-5)
     unbounded = make_trainer(tiny_base_dir, reward_model, queries, make_params(freeze_layers=1, total_episodes=32))
-    assert unbounded.capture_layers == (1,) and unbounded.policy_hidden(None, None, None) is None
+    assert unbounded.rollouts.capture_layers == (1,) and unbounded.rollouts.policy_hidden(None, None, None) is None
 
 
 def test_separate_value_model_runs(tiny_base_dir, reward_model, queries):
@@ -267,7 +269,7 @@ def test_the_kl_budget_rolls_back_the_first_policy_read_over_it(tiny_base_dir, r
     )
     history = unbounded.train(progress=False)
     kls = [record["objective/kl_exact"] for record in history]  # kls[u]: the policy after u updates
-    assert len(history) == 6 and unbounded.stopped is None and kls[0] == pytest.approx(0.0, abs=1e-5)
+    assert len(history) == 6 and unbounded.budget.stopped is None and kls[0] == pytest.approx(0.0, abs=1e-5)
     assert all(kl >= -1e-6 for kl in kls) and kls[-1] > 0.01
     assert not any("objective/kl_checked" in record for record in history)  # never close to 1e6: never read
     # a budget the policies before `over` keep within and the policy after `over` updates passes: with a
@@ -278,7 +280,7 @@ def test_the_kl_budget_rolls_back_the_first_policy_read_over_it(tiny_base_dir, r
     params = make_params(total_episodes=96, checkpoint_every=4, lr=1.0e-4, kl={"budget": budget, **kl_params})
     bounded = make_trainer(tiny_base_dir, reward_model, queries, params, tmp_path / "bounded")
     assert len(bounded.train(progress=False)) == over - 1
-    assert bounded.stopped == {
+    assert bounded.budget.stopped == {
         "updates": over - 1,
         "kl": pytest.approx(kls[over - 1]),
         "rolled_back_kl": pytest.approx(kls[over]),
@@ -297,7 +299,7 @@ def test_the_kl_budget_rolls_back_the_first_policy_read_over_it(tiny_base_dir, r
     assert json.loads((tmp_path / "bounded/state/meta.json").read_text())["update"] == over - 1
     # a resume from the last checkpoint ends there, with the kept policy, training nothing
     resumed = make_trainer(tiny_base_dir, reward_model, queries, params, tmp_path / "bounded")
-    assert len(resumed.train(progress=False)) == over - 1 and resumed.stopped == bounded.stopped
+    assert len(resumed.train(progress=False)) == over - 1 and resumed.budget.stopped == bounded.budget.stopped
     assert all(torch.equal(p, kept[f"lm.{n}"]) for n, p in resumed.policy.lm.named_parameters() if p.requires_grad)
 
 
@@ -323,15 +325,15 @@ def test_a_backtrack_keeps_part_of_the_step_read_within_the_budget(
     kls = [record["objective/kl_exact"] for record in history]
     over = next(u for u in range(2, 6) if kls[u] > max(kls[:u]))
     plain, _ = run((max(kls[:over]) + kls[over]) / 2, tmp_path / "plain", 0)
-    rolled = plain.stopped["updates"] + 1  # the update whose policy first read over the budget
+    rolled = plain.budget.stopped["updates"] + 1  # the update whose policy first read over the budget
     # a higher budget the undone policy still passes: no check before it decides otherwise (a check needs a
     # forecast past the budget), and half its step lies well within
-    kept_kl, over_kl = plain.stopped["kl"], plain.stopped["rolled_back_kl"]
-    budget = max(plain.stopped["budget"], kept_kl + 0.8 * (over_kl - kept_kl))
+    kept_kl, over_kl = plain.budget.stopped["kl"], plain.budget.stopped["rolled_back_kl"]
+    budget = max(plain.budget.stopped["budget"], kept_kl + 0.8 * (over_kl - kept_kl))
     bounded, kept_history = run(budget, tmp_path / "bounded", 2)
-    assert bounded.stopped["updates"] == rolled and bounded.stopped["rolled_back_kl"] == over_kl
-    fraction = bounded.stopped["step_fraction"]
-    assert fraction in (0.5, 0.25) and bounded.stopped["kl"] <= budget and len(kept_history) == rolled
+    assert bounded.budget.stopped["updates"] == rolled and bounded.budget.stopped["rolled_back_kl"] == over_kl
+    fraction = bounded.budget.stopped["step_fraction"]
+    assert fraction in (0.5, 0.25) and bounded.budget.stopped["kl"] <= budget and len(kept_history) == rolled
     before = load_file(tmp_path / f"unbounded/snapshots/{snapshot_name(rolled - 1)}")
     after = load_file(tmp_path / f"unbounded/snapshots/{snapshot_name(rolled)}")
     trained = {f"lm.{n}": p for n, p in bounded.policy.lm.named_parameters() if p.requires_grad}
@@ -340,12 +342,12 @@ def test_a_backtrack_keeps_part_of_the_step_read_within_the_budget(
     kept = load_file(tmp_path / f"bounded/snapshots/{snapshot_name(rolled)}")
     assert all(torch.equal(kept[name], p) for name, p in trained.items())
     resumed, resumed_history = run(budget, tmp_path / "bounded", 2)
-    assert resumed.stopped == bounded.stopped and len(resumed_history) == rolled
+    assert resumed.budget.stopped == bounded.budget.stopped and len(resumed_history) == rolled
     assert all(torch.equal(p, trained[f"lm.{n}"]) for n, p in resumed.policy.lm.named_parameters() if p.requires_grad)
 
     # bisect: half the step read within, then three quarters over (the tries' readings set here, the
     # budget's own check left as it is): half is kept, and the policy goes back to it from three quarters
-    real_extra_kl = PPOTrainer.extra_kl
+    real_extra_kl = RolloutMaker.extra_kl
 
     tries = []
 
@@ -355,10 +357,10 @@ def test_a_backtrack_keeps_part_of_the_step_read_within_the_budget(
         tries.append(draw)
         return budget - 0.1 if len(tries) == 1 else budget + 1.0
 
-    monkeypatch.setattr(PPOTrainer, "extra_kl", extra_kl)
+    monkeypatch.setattr(RolloutMaker, "extra_kl", extra_kl)
     bisected, _ = run(budget, tmp_path / "bisected", 2, search="bisect")
-    assert bisected.stopped["updates"] == rolled
-    assert bisected.stopped["step_fraction"] == 0.5 and bisected.stopped["kl"] == budget - 0.1
+    assert bisected.budget.stopped["updates"] == rolled
+    assert bisected.budget.stopped["step_fraction"] == 0.5 and bisected.budget.stopped["kl"] == budget - 0.1
     assert tries == [1, 1]  # both fractions read on the same draw
     for name, p in bisected.policy.lm.named_parameters():
         if p.requires_grad:
@@ -375,18 +377,18 @@ def test_the_budget_reading_is_the_mean_over_more_responses_and_leaves_training_
     params = make_params(kl={"budget": 5.0, "budget_check_responses": 24})
     trainer = make_trainer(tiny_base_dir, reward_model, queries, params)
     ro = trainer.rollout(0)
-    assert trainer.checked_kl(ro, 0) == pytest.approx(0.0, abs=1e-5)
+    assert trainer.rollouts.checked_kl(ro, 0) == pytest.approx(0.0, abs=1e-5)
     trainer.optimize(ro, trainer.advantages(ro), 0)
     ro = trainer.rollout(1)
     state = torch.get_rng_state()
-    first, second = trainer.checked_kl(ro, 1), trainer.checked_kl(ro, 1)
-    assert first == second and first > 1e-4 and first != pytest.approx(ro.stats["objective/kl_exact"])
+    first, second = trainer.rollouts.checked_kl(ro, 1), trainer.rollouts.checked_kl(ro, 1)
+    assert first == second and first > 1e-4 and first != pytest.approx(ro.stats.kl_exact)
     assert torch.equal(torch.get_rng_state(), state)
     none_more = make_trainer(
         tiny_base_dir, reward_model, queries, make_params(kl={"budget": 5.0, "budget_check_responses": 0})
     )
     ro = none_more.rollout(0)
-    assert none_more.checked_kl(ro, 0) == ro.stats["objective/kl_exact"]
+    assert none_more.rollouts.checked_kl(ro, 0) == ro.stats.kl_exact
 
 
 @pytest.mark.parametrize("freeze_layers", [0, 1])
@@ -400,14 +402,14 @@ def test_the_budget_reading_samples_its_chunks_in_one_pass_as_it_would_one_by_on
     trainer = make_trainer(tiny_base_dir, reward_model, queries, params)
     trainer.optimize(trainer.rollout(0), trainer.advantages(trainer.rollout(0)), 0)
     passes = []
-    real_sample = PPOTrainer.sample
+    real_sample = RolloutMaker.sample
 
     def counted(self, chunk, *args, **kwargs):
         passes.append(len(chunk))
         return real_sample(self, chunk, *args, **kwargs)
 
-    monkeypatch.setattr(PPOTrainer, "sample", counted)
-    one_pass = trainer.extra_kl(1)
+    monkeypatch.setattr(RolloutMaker, "sample", counted)
+    one_pass = trainer.rollouts.extra_kl(1)
     assert passes == [40]
 
     def one_by_one(self, chunks, generator):
@@ -415,8 +417,8 @@ def test_the_budget_reading_samples_its_chunks_in_one_pass_as_it_would_one_by_on
             yield chunk, self.sample(chunk, generator, num_samples=1)[0]
 
     passes.clear()
-    monkeypatch.setattr(PPOTrainer, "sample_chunks", one_by_one)
-    chunked = trainer.extra_kl(1)
+    monkeypatch.setattr(RolloutMaker, "sample_chunks", one_by_one)
+    chunked = trainer.rollouts.extra_kl(1)
     assert passes == [16, 16, 8]
     assert one_pass > 1e-4 and one_pass == pytest.approx(chunked, rel=1e-5)
 
@@ -430,18 +432,18 @@ def test_the_budget_reading_runs_the_reference_head_only_in_the_exact_kl_and_rea
     params = make_params(kl={"budget": 5.0, "budget_check_responses": 24}, freeze_layers=freeze_layers)
     trainer = make_trainer(tiny_base_dir, reward_model, queries, params)
     trainer.optimize(trainer.rollout(0), trainer.advantages(trainer.rollout(0)), 0)
-    head = trainer.ref_model.get_output_embeddings()
+    head = trainer.parts.ref_model.get_output_embeddings()
     rows = []
     hook = head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[:-1].numel()))
     try:
-        without_logprobs = trainer.extra_kl(1)
+        without_logprobs = trainer.rollouts.extra_kl(1)
         counted_without = sum(rows)
         rows.clear()
-        real = PPOTrainer.reference_logprobs
+        real = RolloutMaker.reference_logprobs
         monkeypatch.setattr(
-            PPOTrainer, "reference_logprobs", lambda self, *a, logprobs=True, **k: real(self, *a, logprobs=True, **k)
+            RolloutMaker, "reference_logprobs", lambda self, *a, logprobs=True, **k: real(self, *a, logprobs=True, **k)
         )
-        with_logprobs = trainer.extra_kl(1)
+        with_logprobs = trainer.rollouts.extra_kl(1)
         counted_with = sum(rows)
     finally:
         hook.remove()
@@ -481,7 +483,7 @@ def test_lora_trains_an_adapter_whose_base_is_the_reference(tiny_base_dir, rewar
 
     params = make_params(lora={"rank": 4, "alpha": 8.0}, freeze_layers=1)
     trainer = make_trainer(tiny_base_dir, reward_model, queries, params, tmp_path / "ck")
-    assert trainer.ref_model is None
+    assert trainer.parts.ref_model is None
     trainable = {n for n, p in trainer.policy.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in n or n.startswith("value_head.") for n in trainable)
     assert all(".layers.1." in n for n in trainable if ".lora_" in n)  # block 0 (frozen) carries no adapter
@@ -567,7 +569,7 @@ def test_stop_at_eos_masks_tokens_after_eos(tiny_base_dir, reward_model, queries
         }
     )
     trainer = make_trainer(tiny_base_dir, reward_model, queries, params)
-    eos = trainer.tokenizer.eos_token_id
+    eos = trainer.parts.tokenizer.eos_token_id
     # force eos to be likely by biasing its logit through the output embedding row
     with torch.no_grad():
         trainer.policy.lm.get_output_embeddings().weight[eos] *= 0
@@ -901,23 +903,22 @@ def test_the_budget_reading_gives_each_row_its_one_process_draw_on_any_number_of
     """The reading's 40 responses come in chunks of ppo.batch_size (16, 16, 8), each shared by the processes
     as a rollout's batch is: each of two processes samples its share of every chunk, and every response's
     uniforms are the ones one process gives it, with or without ppo.rollout_microbatch_size."""
-    real_sample, drawn = PPOTrainer.sample, {}
+    real_sample, drawn = RolloutMaker.sample, {}
 
     def recorded(self, chunk, generator, *args, uniforms=None, **kwargs):
         assert uniforms is not None  # drawn first: 3 chunks on a CPU, or pieces
         drawn.update({tuple(row.tolist()): draw for row, draw in zip(chunk, uniforms)})
         return real_sample(self, chunk, generator, *args, uniforms=uniforms, **kwargs)
 
-    monkeypatch.setattr(PPOTrainer, "sample", recorded)
+    monkeypatch.setattr(RolloutMaker, "sample", recorded)
     readings = {}
     for pieces in (None, 4):
         params = make_params(kl={"budget": 5.0, "budget_check_responses": 40}, rollout_microbatch_size=pieces)
         for count in (1, 2):
             drawn.clear()
             for index in range(count):
-                make_trainer(tiny_base_dir, reward_model, queries, params, accelerator=ShareOf(index, count)).extra_kl(
-                    1
-                )
+                trainer = make_trainer(tiny_base_dir, reward_model, queries, params, accelerator=ShareOf(index, count))
+                trainer.rollouts.extra_kl(1)
             readings[pieces, count] = dict(drawn)
     one = readings[None, 1]
     assert len(one) == 40  # one response to each of the 40 (distinct) train queries
@@ -950,7 +951,7 @@ def test_a_rollout_in_pieces_runs_its_forwards_on_the_pieces_and_gives_each_row_
             return real_scores(self, rows, truncated, valid)
 
         monkeypatch.setattr(sampling, "sample_from_logits", recorded)
-        monkeypatch.setattr(PPOTrainer, "scores", scores)
+        monkeypatch.setattr(RolloutMaker, "scores", scores)
         overrides = {"rollout_microbatch_size": pieces, "samples_per_query": samples_per_query}
         trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(**overrides))
         ro = trainer.rollout(0)
@@ -959,7 +960,7 @@ def test_a_rollout_in_pieces_runs_its_forwards_on_the_pieces_and_gives_each_row_
         per_call = [torch.cat(draws[i : i + steps], 1) for i in range(0, len(draws), steps)]
         return ro, torch.cat(per_call), scored
 
-    real_scores = PPOTrainer.scores
+    real_scores = RolloutMaker.scores
     whole, whole_draws, whole_scored = rollout(None)
     pieces, piece_draws, piece_scored = rollout(4)
     assert whole_scored == [16] and piece_scored == [4, 4, 4, 4]

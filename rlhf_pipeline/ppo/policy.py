@@ -17,6 +17,7 @@ from rlhf_pipeline.fit import linear_layer_names, ppo_fit_problems
 from rlhf_pipeline.functional import non_finite_tensors
 from rlhf_pipeline.models import backbone_of, load_causal_lm, model_skeleton, save_tokenizer, transformer_layers
 from rlhf_pipeline.params.ppo import LoraParams, PPOParams
+from rlhf_pipeline.reward.model import RewardModel
 from rlhf_pipeline.reward.persistence import load_reward_model
 from rlhf_pipeline.sampling import hidden_from, response_outputs
 
@@ -138,17 +139,21 @@ class PolicyWithValue(nn.Module):
 
 
 def build_policy(
-    base_dir: str | Path, cfg: PPOParams, device: torch.device | str = "cpu", reward_dir: str | Path | None = None
+    base_dir: str | Path,
+    cfg: PPOParams,
+    device: torch.device | str = "cpu",
+    value_from: str | Path | RewardModel | None = None,
 ) -> PolicyWithValue:
     """The policy ``ppo`` asks for, from the base model in ``base_dir``: with a LoRA adapter
     (``cfg.lora``) or fully trainable, and its value estimate: a head on the policy (``shared``),
-    a value model initialised from the reward model in ``reward_dir`` (``separate``, TRL style), or
-    none (a critic-free ``cfg.advantage``)."""
+    a value model initialised from the reward model ``value_from`` or the one saved in that folder
+    (``separate``, TRL style), or none (a critic-free ``cfg.advantage``)."""
     lm = load_causal_lm(base_dir, device, cfg.dropout)
     if cfg.critic_free or cfg.value_model == "shared":
         policy = PolicyWithValue(lm, critic=not cfg.critic_free)
     else:
-        value_init = load_reward_model(reward_dir, device)
+        is_model = isinstance(value_from, nn.Module)
+        value_init = value_from.to(device) if is_model else load_reward_model(value_from, device)
         policy = PolicyWithValue(lm, value_init.backbone.train(), value_init.head)
     if cfg.lora is not None:
         policy.add_lora(cfg.lora, cfg.freeze_layers)
