@@ -53,6 +53,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from rlhf_pipeline import numerics
 from rlhf_pipeline.evaluation import exact_kl_and_reference_logprobs
+from rlhf_pipeline.decoding import SamplingRequest
 from rlhf_pipeline.sampling import sample_on_device
 numerics.pin(numerics.PORTABLE, 2)
 vocab, query_length, pad, temperature = 262_144, 64, 0, 0.7
@@ -70,10 +71,11 @@ with torch.no_grad():
         policy = copy.deepcopy(base)
         for weight in policy.parameters():
             weight.add_(0.01 * torch.randn(weight.shape, generator=generator))
-        out = sample_on_device(
-            policy, queries, queries != pad, response_length, temperature, pad, generator=generator,
-            eos_token_id=None, stop_at_eos=False,
+        request = SamplingRequest(
+            queries=queries, query_mask=queries != pad, response_length=response_length, temperature=temperature,
+            pad_token_id=pad, generator=generator,
         )
+        out = sample_on_device(policy, request)
         # the function evaluation.sample_and_score calls for each checkpoint's batch
         kl, logprobs = exact_kl_and_reference_logprobs(policy, base, queries, out, temperature, pad)
         digest.update(out.responses.numpy().tobytes() + logprobs.numpy().tobytes() + kl.numpy().tobytes())

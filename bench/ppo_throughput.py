@@ -160,6 +160,7 @@ def run_ours(
         value_from=value_init,
         log=log,
         autocast=plan.autocast if plan.autocast_dtype else None,
+        cuda_sampler=plan.sampler,
     )
     trainer = PPOTrainer(parts)
     gate.begin()

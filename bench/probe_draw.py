@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import OpClock, emit_table, environment_lines, render_table, run_as_a_stage  # noqa: E402
 
-from rlhf_pipeline import sampling  # noqa: E402
+from rlhf_pipeline import decoding, sampling  # noqa: E402
 from rlhf_pipeline.decoding import sample_from_logits, step_uniforms  # noqa: E402
 
 BASE = "models/base"  # `dvc repro base_model`: SmolLM2-135M-Instruct, as the stages load it
@@ -71,13 +71,22 @@ def one_reduction_sample_from_logits(logits, generator=None, block_size=256, pro
 
 def preferences_call(model, queries: torch.Tensor, pad: int, draw) -> sampling.SampleOutput:
     """One of preferences' sampling calls (64 queries x 4 samples, 16 tokens at 0.7) with ``draw`` as the draw."""
-    shipped, sampling.sample_from_logits = sampling.sample_from_logits, draw
+    shipped, decoding.sample_from_logits = decoding.sample_from_logits, draw  # the decode loop's draw
     try:
         mask = torch.ones_like(queries, dtype=torch.bool)
         generator = torch.Generator().manual_seed(1)
-        return sampling.sample_responses(model, queries, mask, RESPONSE, 0.7, pad, generator, num_samples=SAMPLES)
+        request = sampling.SamplingRequest(
+            queries=queries,
+            query_mask=mask,
+            response_length=RESPONSE,
+            temperature=0.7,
+            pad_token_id=pad,
+            generator=generator,
+            num_samples=SAMPLES,
+        )
+        return sampling.sample_responses(model, request)
     finally:
-        sampling.sample_from_logits = shipped
+        decoding.sample_from_logits = shipped
 
 
 def base_model_and_queries() -> tuple[torch.nn.Module, int, torch.Tensor]:

@@ -22,6 +22,7 @@ import torch
 from common import benchmark_parser, emit_table, environment_lines, prepare, random_token_ids
 from torch._dynamo.utils import counters
 
+from rlhf_pipeline.decoding import SamplingRequest
 from rlhf_pipeline.models import load_causal_lm
 from rlhf_pipeline.static_sampling import sample_responses_static
 
@@ -53,15 +54,18 @@ def main(argv=None) -> None:
         graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         draws = torch.Generator().manual_seed(seed)
+        request = SamplingRequest(
+            queries=batch,
+            query_mask=mask,
+            response_length=args.response_length,
+            temperature=0.7,
+            pad_token_id=pad,
+            generator=draws,
+            num_samples=SAMPLES,
+        )
         out = sample_responses_static(
             model,
-            batch,
-            mask,
-            args.response_length,
-            0.7,
-            pad,
-            draws,
-            num_samples=SAMPLES,
+            request,
             compile=True,
             reuse_shapes=reuse,
         )

@@ -29,6 +29,7 @@ from common import render_table, run_as_a_stage  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaConfig  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaMLP  # noqa: E402
 
+from rlhf_pipeline.decoding import SamplingRequest  # noqa: E402
 from rlhf_pipeline.sampling import sample_responses  # noqa: E402
 
 BASE = "models/base"
@@ -41,11 +42,23 @@ def timed(run) -> float:
     return time.perf_counter() - started
 
 
+def request(queries, mask, pad: int, generator, num_samples: int = 1) -> SamplingRequest:
+    return SamplingRequest(
+        queries=queries,
+        query_mask=mask,
+        response_length=RESPONSE,
+        temperature=0.7,
+        pad_token_id=pad,
+        generator=generator,
+        num_samples=num_samples,
+    )
+
+
 def rows_per_step(model, pad: int, queries: torch.Tensor) -> None:
     def call(n: int):
         mask = torch.ones(n, QUERY, dtype=torch.bool)
         generator = torch.Generator().manual_seed(1)
-        return sample_responses(model, queries[:n], mask, RESPONSE, 0.7, pad, generator, num_samples=4)
+        return sample_responses(model, request(queries[:n], mask, pad, generator, num_samples=4))
 
     call(16)  # warm-up
     rows = []
@@ -61,7 +74,7 @@ def kl_reading(model, pad: int, queries: torch.Tensor) -> None:
         generator = torch.Generator().manual_seed(1)
         mask = torch.ones(chunk, QUERY, dtype=torch.bool)
         for start in range(0, 128, chunk):
-            sample_responses(model, queries[start : start + chunk], mask, RESPONSE, 0.7, pad, generator)
+            sample_responses(model, request(queries[start : start + chunk], mask, pad, generator))
 
     reading(128)  # warm-up
     times = {chunk: [] for chunk in (32, 128)}

@@ -72,21 +72,22 @@ def synchronised() -> float:
 
 
 def time_ours(model, queries, args, pad_id, samples, sampler=None) -> float:
+    from rlhf_pipeline.decoding import SamplingRequest
     from rlhf_pipeline.sampling import sample_responses
 
     sampler = sampler or sample_responses
+    request = SamplingRequest(
+        queries=queries,
+        query_mask=queries != pad_id,
+        response_length=args.response_tokens,
+        temperature=0.7,
+        pad_token_id=pad_id,
+        generator=torch.Generator(device=queries.device).manual_seed(args.seed),
+        num_samples=samples,
+    )
     started = synchronised()
     with torch.no_grad():
-        out = sampler(
-            model,
-            queries,
-            queries != pad_id,
-            args.response_tokens,
-            0.7,
-            pad_id,
-            generator=torch.Generator(device=queries.device).manual_seed(args.seed),
-            num_samples=samples,
-        )
+        out = sampler(model, request)
     assert out.responses.shape == (len(queries) * samples, args.response_tokens)
     return synchronised() - started
 

@@ -45,7 +45,7 @@ from rlhf_pipeline.preferences.formats import (
     to_flat_frame,
 )
 from rlhf_pipeline.preferences.splits import split_positions
-from rlhf_pipeline.preferences.text_rules import (
+from rlhf_pipeline.text_rules import (
     BAD_CHARACTER_CHECK,
     BAD_CHARACTERS,
     EMPTY_TEXT_CHECK,

@@ -24,7 +24,7 @@ from typing import Any
 
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import is_local_source, load_hub_dataset, read_table
-from rlhf_pipeline.preferences.text_rules import text_problem
+from rlhf_pipeline.text_rules import text_problem
 
 ROLES = ("system", "user", "assistant")
 MAX_LISTED = 10

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_pipeline.decoding import SamplingRequest
 from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import load_hub_dataset, read_table, read_txt_passages
@@ -134,13 +135,15 @@ def generate_passages(
     seed: int,
     samples_per_prompt: int = 1,
     progress: str | None = None,
+    cuda_sampler: str = "static",
 ) -> list[str]:
     """Sample ``num_passages`` passages from ``model``, deterministic for a given seed and model.
 
     Prompt ``j`` is ``order[j % P]`` of :func:`topic_prompts` (``order`` a seeded permutation, so
     a small corpus still spans many topics) and is answered ``samples_per_prompt`` times from one
     prefill of its (chat-templated) text; sampling stops at EOS or after ``passage_tokens`` tokens.
-    ``batch_size`` counts passages; ``progress`` labels a line per batch.
+    ``batch_size`` counts passages; ``progress`` labels a line per batch; ``cuda_sampler``: the device
+    plan's sampler.
     """
     prompts = topic_prompts()
     generator = torch.Generator().manual_seed(seed)
@@ -152,18 +155,18 @@ def generate_passages(
     lines = Progress(progress, num_passages, "passages")
     for rows in iterate_batches(num_prompts, max(1, batch_size // samples_per_prompt)):
         ids, mask = (tensor.to(model_device(model)) for tensor in left_pad(encoded[rows], pad_id))
-        out = sample_on_device(
-            model,
-            ids,
-            mask,
-            passage_tokens,
-            temperature,
-            pad_id,
+        request = SamplingRequest(
+            queries=ids,
+            query_mask=mask,
+            response_length=passage_tokens,
+            temperature=temperature,
+            pad_token_id=pad_id,
             generator=generator,
             eos_token_id=tokenizer.eos_token_id,
             stop_at_eos=True,
             num_samples=samples_per_prompt,
         )
+        out = sample_on_device(model, request, cuda_sampler)
         texts.extend(tokenizer.batch_decode(out.responses.tolist(), skip_special_tokens=True))
         lines.update(len(texts))
     return texts[:num_passages]

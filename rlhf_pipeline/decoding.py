@@ -1,6 +1,8 @@
 """The draw itself, shared by the eager sampler (:mod:`rlhf_pipeline.sampling`) and the static-cache
-one (:mod:`rlhf_pipeline.static_sampling`): what a sampling call returns, the inverse-CDF draw of one
-token per row, the rule that the pad token is never drawn, and positions that skip left padding."""
+one (:mod:`rlhf_pipeline.static_sampling`): what a sampling call asks (:class:`SamplingRequest`) and
+returns (:class:`SampleOutput`), the decode loop's bookkeeping (:class:`DecodedTokens`), the inverse-CDF
+draw of one token per row, the rule that the pad token is never drawn, and positions that skip left
+padding."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @dataclass
@@ -30,6 +32,70 @@ class SampleOutput:
             self.mask[index],
             {layer: states[index] for layer, states in self.hidden.items()},
         )
+
+
+@dataclass(kw_only=True)
+class SamplingRequest:
+    """What one sampling call needs; every sampler takes one. ``B`` queries of ``Q`` tokens, ``k =
+    num_samples`` responses of ``R = response_length`` tokens to each, rows query-major (row ``i * k + j``
+    is sample ``j`` of query ``i``)."""
+
+    queries: Tensor  # (B, Q) left-padded token ids
+    query_mask: Tensor  # (B, Q) True at the real tokens
+    response_length: int
+    temperature: float  # the logits are divided by it
+    pad_token_id: int  # never drawn; fills a response after its EOS (stop_at_eos)
+    generator: torch.Generator | None = None
+    eos_token_id: int | None = None
+    stop_at_eos: bool = False  # pad after the EOS (the EOS itself stays)
+    value_head: nn.Module | None = None  # also the value of each state before a token (PPO's shared head)
+    num_samples: int = 1
+    capture_layers: Sequence[int] = ()  # also the hidden states entering these blocks (the trunk split)
+    process_share: tuple[int, int] = (0, 1)  # (rank, processes): the queries are this share of a batch
+    uniforms: Tensor | None = None  # (B * k, R) each row's draw at each step, instead of the generator's
+
+
+class DecodedTokens:
+    """The decode loop's bookkeeping, the same in every sampler: the (rows, R) tokens, their logprobs
+    and values so far, and which rows are still alive (not past an EOS in stop mode)."""
+
+    def __init__(self, request: SamplingRequest, rows: int, device: torch.device):
+        self.request, length, pad = request, request.response_length, request.pad_token_id
+        self.tokens = torch.full((rows, length), pad, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(rows, length, device=device)
+        self.values = torch.zeros(rows, length, device=device) if request.value_head is not None else None
+        self.alive = torch.ones(rows, dtype=torch.bool, device=device)
+
+    def scaled(self, logits: Tensor) -> Tensor:
+        """A step's fresh fp32 logits (rows, V), in place: the pad token masked, divided by the temperature."""
+        return never_pad(logits, self.request.pad_token_id, inplace=True).div_(self.request.temperature)
+
+    def take(self, step: int, logits: Tensor, hidden: Tensor) -> Tensor:
+        """Draw step ``step``'s token of each row from its ``scaled`` logits (rows, V), ``hidden`` (rows, H)
+        being the state the logits came from (the value head reads it); returns the tokens (rows,), pad
+        where a row is past its EOS."""
+        request = self.request
+        drawn = None if request.uniforms is None else request.uniforms[:, step : step + 1]
+        token, logprob = sample_from_logits(
+            logits, request.generator, process_share=request.process_share, uniforms=drawn
+        )
+        if self.values is not None:  # the value of the state before this token
+            self.values[:, step] = request.value_head(hidden).squeeze(-1).float()
+        token = torch.where(self.alive, token, torch.full_like(token, request.pad_token_id))
+        self.tokens[:, step] = token
+        self.logprobs[:, step] = torch.where(self.alive, logprob, 0.0)
+        # the eos itself is a real token; only what comes after it is padding
+        if request.stop_at_eos and request.eos_token_id is not None:
+            self.alive = self.alive & (token != request.eos_token_id)
+        return token
+
+    def output(self, hidden: dict[int, Tensor] | None = None) -> SampleOutput:
+        """The call's result: every response token counts unless the request stops at the EOS."""
+        if self.request.stop_at_eos:
+            mask = self.tokens != self.request.pad_token_id
+        else:
+            mask = torch.ones_like(self.tokens, dtype=torch.bool)
+        return SampleOutput(self.tokens, self.logprobs, self.values, mask, hidden or {})
 
 
 def never_pad(logits: Tensor, pad_token_id: int, inplace: bool = False) -> Tensor:

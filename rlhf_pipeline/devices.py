@@ -27,7 +27,6 @@ from rlhf_pipeline.errors import SettingsError
 
 DEVICE_KEY = "compute.device"
 CUDA_SAMPLERS = ("static", "eager")
-_cuda_sampler = "static"  # this process's compute.cuda_sampler, set by resolve_device
 # cuBLAS picks reduction splits by workspace; a fixed configuration makes its GEMMs deterministic
 # (https://docs.nvidia.com/cuda/cublas/#results-reproducibility). Read when cuBLAS initialises.
 CUBLAS_WORKSPACE = ":4096:8"
@@ -41,6 +40,9 @@ class DeviceError(SettingsError):
 class DevicePlan:
     device: torch.device
     autocast_dtype: torch.dtype | None  # bf16 autocast on CUDA; None (fp32) on CPU or compute.cuda_precision fp32
+    # how this plan samples on CUDA (compute.cuda_sampler): static (the static-cache sampler, its step compiled
+    # with CUDA graphs: rlhf_pipeline/static_sampling.py) or eager; the samplers take it from here
+    sampler: str = "static"
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -60,7 +62,7 @@ class DevicePlan:
         ``NVIDIA H100 80GB HBM3 (bf16 autocast, fp32 weights, TF32; static-cache sampler)``."""
         if self.device.type != "cuda":
             return f"cpu ({self.precision})"
-        sampler = "static-cache sampler" if cuda_sampler() == "static" else "eager sampler"
+        sampler = "static-cache sampler" if self.sampler == "static" else "eager sampler"
         return f"{torch.cuda.get_device_name(self.device)} ({self.precision}; {sampler})"
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -70,12 +72,6 @@ class DevicePlan:
 
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def cuda_sampler() -> str:
-    """How this process samples on CUDA: ``static`` (the static-cache sampler, its step compiled
-    with CUDA graphs: :mod:`rlhf_pipeline.static_sampling`) or ``eager`` (compute.cuda_sampler)."""
-    return _cuda_sampler
 
 
 def resolve_compute(compute, deterministic: bool = True) -> DevicePlan:
@@ -91,13 +87,11 @@ def resolve_device(
     key; ``cpu`` is the CPU even on a GPU host. On CUDA, also sets what makes its kernels
     deterministic (module docstring) before the first of them runs, unless ``deterministic`` is
     false (``ppo.deterministic``); the CPU's kernels are left as they are (see numerics.py).
-    ``sampler``: how this process samples on CUDA (:func:`cuda_sampler`)."""
-    global _cuda_sampler
+    ``sampler``: how the plan samples on CUDA (:attr:`DevicePlan.sampler`)."""
     if device not in ("auto", "cpu", "cuda"):
         raise DeviceError(f"{DEVICE_KEY} is {device!r}; use auto, cpu or cuda.")
     if sampler not in CUDA_SAMPLERS:
         raise DeviceError(f"compute.cuda_sampler is {sampler!r}; use {' or '.join(CUDA_SAMPLERS)}.")
-    _cuda_sampler = sampler
     if device == "cuda" and not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise DeviceError(
@@ -106,7 +100,7 @@ def resolve_device(
             f"Set {DEVICE_KEY}: auto (the GPU when there is one, else the CPU) or cpu, or run on a GPU host."
         )
     if device == "cpu" or not torch.cuda.is_available():
-        return DevicePlan(torch.device("cpu"), None)
+        return DevicePlan(torch.device("cpu"), None, sampler)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -116,7 +110,7 @@ def resolve_device(
     torch.backends.cudnn.allow_tf32 = bf16
     index = local_rank()
     torch.cuda.set_device(index)
-    return DevicePlan(torch.device("cuda", index), torch.bfloat16 if bf16 else None)
+    return DevicePlan(torch.device("cuda", index), torch.bfloat16 if bf16 else None, sampler)
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -36,7 +36,7 @@ from rlhf_pipeline.errors import DataContractError, PipelineError, SettingsError
 from rlhf_pipeline.io import UTF8_OPTIONAL_BOM, read_jsonl, sha256_file
 from rlhf_pipeline.json_stream import iter_json_array
 from rlhf_pipeline.params.labelling import LabellingParams
-from rlhf_pipeline.preferences.text_rules import INVISIBLE_CHARACTERS, text_problem
+from rlhf_pipeline.text_rules import INVISIBLE_CHARACTERS, text_problem
 from rlhf_pipeline.project_key import pseudonym
 from rlhf_pipeline.redaction import header_safe, redact, remember, shown_url
 
@@ -392,7 +392,7 @@ MAX_SAMPLES = 64
 def task_data(item, position: int, where: str) -> tuple[dict, int, str]:
     """``(data, n, label)`` of one exported task, checked field by field: every field `rlhf label
     export` writes, of its type and range, texts that pass the contract's text rule
-    (:func:`rlhf_pipeline.preferences.text_rules.text_problem`); else :class:`DataContractError` naming the field."""
+    (:func:`rlhf_pipeline.text_rules.text_problem`); else :class:`DataContractError` naming the field."""
     if not isinstance(item, dict):
         raise DataContractError(f"{where}: task {position} is a {type(item).__name__}, not a task object.")
     label = f"{where}: task {plain(str(item.get('id', position)), 40)}"

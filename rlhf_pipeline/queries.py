@@ -24,7 +24,7 @@ from torch import Tensor
 
 from rlhf_pipeline.conversations import render_prompt
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.preferences.text_rules import text_problem
+from rlhf_pipeline.text_rules import text_problem
 from rlhf_pipeline.tokens import encode_start, special_prefix, without_prefix
 
 # Drop reasons, in the order the rules are applied; the stage's metrics count each one.

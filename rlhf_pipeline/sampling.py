@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -20,8 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_pipeline.conversations import end_of_turn, require_chat_template
-from rlhf_pipeline.decoding import SampleOutput, never_pad, position_ids_from_mask, sample_from_logits
-from rlhf_pipeline.devices import cuda_sampler, model_device
+from rlhf_pipeline.decoding import DecodedTokens, SampleOutput, SamplingRequest, never_pad, position_ids_from_mask
+from rlhf_pipeline.devices import model_device
 from rlhf_pipeline.functional import logprobs_and_entropy, logprobs_from_logits, truncate_response
 from rlhf_pipeline.models import backbone_of, transformer_layers
 from rlhf_pipeline.params.task import TaskParams
@@ -85,23 +84,8 @@ def _feed(backbone, state: _Decoding, token: Tensor, layers: list[int]) -> objec
 
 
 @torch.no_grad()
-def sample_responses(
-    model: nn.Module,
-    queries: Tensor,
-    query_mask: Tensor,
-    response_length: int,
-    temperature: float,
-    pad_token_id: int,
-    generator: torch.Generator | None = None,
-    eos_token_id: int | None = None,
-    stop_at_eos: bool = False,
-    value_head: nn.Module | None = None,
-    num_samples: int = 1,
-    capture_layers: Sequence[int] = (),
-    process_share: tuple[int, int] = (0, 1),
-    uniforms: Tensor | None = None,
-) -> SampleOutput:
-    """Sample ``num_samples`` responses per query (rows repeat each query ``num_samples`` times).
+def sample_responses(model: nn.Module, request: SamplingRequest) -> SampleOutput:
+    """Sample ``request.num_samples`` responses per query (rows repeat each query ``num_samples`` times).
 
     The query prefix is run once and its KV cache repeated, so best-of-N labelling costs one
     prefill per query, not N.
@@ -118,95 +102,41 @@ def sample_responses(
     """
     backbone = backbone_of(model)
     lm_head = model.get_output_embeddings()
-    device = queries.device
-    layers = sorted(set(capture_layers))
-    state = _prefill(backbone, queries, query_mask, model.config, num_samples, layers)
-    batch = state.hidden.shape[0]
-    tokens = torch.full((batch, response_length), pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(batch, response_length, device=device)
-    values = torch.zeros(batch, response_length, device=device) if value_head is not None else None
-    alive = torch.ones(batch, dtype=torch.bool, device=device)
-    for t in range(response_length):
-        logits = never_pad(lm_head(state.hidden).float(), pad_token_id, inplace=True).div_(temperature)
-        drawn = None if uniforms is None else uniforms[:, t : t + 1]
-        token, logprob = sample_from_logits(logits, generator, process_share=process_share, uniforms=drawn)
-        if values is not None:
-            values[:, t] = value_head(state.hidden).squeeze(-1).float()
-        token = torch.where(alive, token, torch.full_like(token, pad_token_id))
-        tokens[:, t] = token
-        logprobs[:, t] = torch.where(alive, logprob, 0.0)
-        # the eos itself is a real token; only what comes after it is padding
-        alive_next = alive & (token != eos_token_id) if stop_at_eos and eos_token_id is not None else alive
-        if t == response_length - 1 and not layers:
+    layers = sorted(set(request.capture_layers))
+    state = _prefill(backbone, request.queries, request.query_mask, model.config, request.num_samples, layers)
+    decoded = DecodedTokens(request, state.hidden.shape[0], request.queries.device)
+    last = request.response_length - 1
+    for t in range(request.response_length):
+        token = decoded.take(t, decoded.scaled(lm_head(state.hidden).float()), state.hidden)
+        if t == last and not layers:
             break
         out = _feed(backbone, state, token, layers)  # the last step only captures the final token's states
-        if t == response_length - 1:
+        if t == last:
             break
         state.cache, state.hidden = out.cache, out.last_hidden_state[:, -1]
         state.next_pos = state.next_pos + 1
-        alive = alive_next
-    response_mask = tokens != pad_token_id
-    if not stop_at_eos:
-        response_mask = torch.ones_like(response_mask)
-    hidden_states = {layer: torch.cat(parts, dim=1) for layer, parts in zip(layers, state.captured)}
-    return SampleOutput(tokens, logprobs, values, response_mask, hidden_states)
+    return decoded.output({layer: torch.cat(parts, dim=1) for layer, parts in zip(layers, state.captured)})
 
 
-def samples_statically(device: torch.device, capture_layers: Sequence[int], process_share: tuple[int, int]) -> bool:
-    """Whether a sampling call on ``device`` goes to the static-cache sampler: on CUDA, where
-    ``compute.cuda_sampler`` is ``static`` and the call asks nothing that sampler lacks."""
-    return device.type == "cuda" and cuda_sampler() == "static" and supports_static(capture_layers, process_share)
-
-
-def sample_on_device(
-    model: nn.Module,
-    queries: Tensor,
-    query_mask: Tensor,
-    response_length: int,
-    temperature: float,
-    pad_token_id: int,
-    generator: torch.Generator | None = None,
-    eos_token_id: int | None = None,
-    stop_at_eos: bool = False,
-    value_head: nn.Module | None = None,
-    num_samples: int = 1,
-    capture_layers: Sequence[int] = (),
-    process_share: tuple[int, int] = (0, 1),
-    uniforms: Tensor | None = None,
-) -> SampleOutput:
-    """:func:`sample_responses`, or on CUDA the static-cache sampler with the same draws
-    (:func:`samples_statically`; it draws its own uniforms): the one entry every sampling stage and PPO's
-    rollouts go through."""
-    if uniforms is None and samples_statically(queries.device, capture_layers, process_share):
-        return sample_responses_static(
-            model,
-            queries,
-            query_mask,
-            response_length,
-            temperature,
-            pad_token_id,
-            generator,
-            eos_token_id,
-            stop_at_eos,
-            value_head,
-            num_samples,
-        )
-    return sample_responses(
-        model,
-        queries,
-        query_mask,
-        response_length,
-        temperature,
-        pad_token_id,
-        generator,
-        eos_token_id,
-        stop_at_eos,
-        value_head,
-        num_samples,
-        capture_layers,
-        process_share,
-        uniforms,
+def samples_statically(request: SamplingRequest, cuda_sampler: str) -> bool:
+    """Whether ``request`` goes to the static-cache sampler: on CUDA, where the device plan's sampler
+    (``compute.cuda_sampler``) is ``static`` and the call asks nothing that sampler lacks (its own draws,
+    no captured layers, one process)."""
+    return (
+        request.queries.device.type == "cuda"
+        and cuda_sampler == "static"
+        and request.uniforms is None
+        and supports_static(request.capture_layers, request.process_share)
     )
+
+
+def sample_on_device(model: nn.Module, request: SamplingRequest, cuda_sampler: str = "static") -> SampleOutput:
+    """:func:`sample_responses`, or on CUDA the static-cache sampler with the same draws
+    (:func:`samples_statically`): the one entry every sampling stage and PPO's rollouts go through.
+    ``cuda_sampler``: the device plan's choice (:attr:`rlhf_pipeline.devices.DevicePlan.sampler`)."""
+    if samples_statically(request, cuda_sampler):
+        return sample_responses_static(model, request)
+    return sample_responses(model, request)
 
 
 # Architectures whose backbone accepts ``inputs_embeds`` without adding position embeddings
@@ -420,17 +350,33 @@ class ResponseSampler:
     eos_token_id: int | None
     truncate_token_id: int | None
     stop_at_eos: bool | None = None  # None: task.stop_at_eos
+    cuda_sampler: str = "static"  # the device plan's sampler on CUDA (DevicePlan.sampler)
 
     @classmethod
-    def from_tokenizer(cls, task: TaskParams, tokenizer) -> ResponseSampler:
+    def from_tokenizer(cls, task: TaskParams, tokenizer, cuda_sampler: str = "static") -> ResponseSampler:
         """The task's sampler; in chat mode a response stops at the chat template's end-of-turn
-        token (which stays in the response, as in the preference data), not at the tokenizer's EOS."""
+        token (which stays in the response, as in the preference data), not at the tokenizer's EOS.
+        ``cuda_sampler``: the device plan's (:attr:`rlhf_pipeline.devices.DevicePlan.sampler`)."""
         truncate_token_id = single_token_id(tokenizer, task.truncate_token, "task.truncate_token")
         if not task.chat:
-            return cls(task, tokenizer.pad_token_id, tokenizer.eos_token_id, truncate_token_id)
+            return cls(task, tokenizer.pad_token_id, tokenizer.eos_token_id, truncate_token_id, None, cuda_sampler)
         require_chat_template(tokenizer, "task.chat")
         end = single_token_id(tokenizer, end_of_turn(tokenizer), "the chat template's end-of-turn text")
-        return cls(task, tokenizer.pad_token_id, end, truncate_token_id, stop_at_eos=True)
+        return cls(task, tokenizer.pad_token_id, end, truncate_token_id, stop_at_eos=True, cuda_sampler=cuda_sampler)
+
+    def request(self, queries: Tensor, generator: torch.Generator | None, **asked) -> SamplingRequest:
+        """The task's sampling request for ``queries`` (``asked``: the request's other fields)."""
+        return SamplingRequest(
+            queries=queries,
+            query_mask=queries != self.pad_token_id,
+            response_length=self.task.response_length,
+            temperature=self.task.temperature,
+            pad_token_id=self.pad_token_id,
+            generator=generator,
+            eos_token_id=self.eos_token_id,
+            stop_at_eos=self.task.stop_at_eos if self.stop_at_eos is None else self.stop_at_eos,
+            **asked,
+        )
 
     def sample(
         self,
@@ -444,22 +390,9 @@ class ResponseSampler:
         uniforms: Tensor | None = None,
     ):
         queries = queries.to(model_device(model))  # the caller's queries may sit on the CPU
-        out = sample_on_device(
-            model,
-            queries,
-            queries != self.pad_token_id,
-            self.task.response_length,
-            self.task.temperature,
-            self.pad_token_id,
-            generator=generator,
-            eos_token_id=self.eos_token_id,
-            stop_at_eos=self.task.stop_at_eos if self.stop_at_eos is None else self.stop_at_eos,
-            value_head=value_head,
-            num_samples=num_samples,
-            capture_layers=capture_layers,
-            process_share=process_share,
-            uniforms=uniforms,
-        )
+        asked = {"value_head": value_head, "num_samples": num_samples, "capture_layers": capture_layers}
+        request = self.request(queries, generator, **asked, process_share=process_share, uniforms=uniforms)
+        out = sample_on_device(model, request, self.cuda_sampler)
         truncated, valid = self.truncate(out.responses)
         return out, truncated, valid
 

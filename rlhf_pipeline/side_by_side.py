@@ -35,7 +35,7 @@ from rlhf_pipeline.file_lock import held
 from rlhf_pipeline.io import atomic_file
 from rlhf_pipeline.labelling import answered_choice, pairwise_agreement, read_export, task_annotations
 from rlhf_pipeline.params.labelling import LabellingParams
-from rlhf_pipeline.preferences.text_rules import text_problem
+from rlhf_pipeline.text_rules import text_problem
 from rlhf_pipeline.project_key import project_key, seal, seal_agrees
 from rlhf_pipeline.promotion import Tally
 

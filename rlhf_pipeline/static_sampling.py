@@ -16,9 +16,10 @@ value head on each step's final hidden state). What it does not do: capture the 
 trunk split reuses, or sample a share of a batch for one of several processes
 (:func:`supports_static` says when this path applies).
 
-:func:`rlhf_pipeline.sampling.sample_on_device` picks it on CUDA, unless ``compute.cuda_sampler`` is
-``eager``; on a CPU nothing is compiled and the eager sampler stays the sampler: the graphs pay only
-where launches cost (``bench/sampling_throughput.py`` measures both against ``generate``).
+:func:`rlhf_pipeline.sampling.sample_on_device` picks it on CUDA, unless the device plan's sampler
+(``compute.cuda_sampler``) is ``eager``; on a CPU nothing is compiled and the eager sampler stays the
+sampler: the graphs pay only where launches cost (``bench/sampling_throughput.py`` measures both
+against ``generate``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from rlhf_pipeline.decoding import SampleOutput, never_pad, position_ids_from_mask, sample_from_logits
+from rlhf_pipeline.decoding import DecodedTokens, SampleOutput, SamplingRequest, position_ids_from_mask
 from rlhf_pipeline.models import backbone_of
 
 
@@ -99,32 +100,25 @@ def compiled_step(model: nn.Module) -> Callable:
 
 @torch.no_grad()
 def sample_responses_static(
-    model: nn.Module,
-    queries: Tensor,
-    query_mask: Tensor,
-    response_length: int,
-    temperature: float,
-    pad_token_id: int,
-    generator: torch.Generator | None = None,
-    eos_token_id: int | None = None,
-    stop_at_eos: bool = False,
-    value_head: nn.Module | None = None,
-    num_samples: int = 1,
-    compile: bool | None = None,
-    reuse_shapes: bool | None = None,
+    model: nn.Module, request: SamplingRequest, compile: bool | None = None, reuse_shapes: bool | None = None
 ) -> SampleOutput:
-    """:func:`~rlhf_pipeline.sampling.sample_responses` (without captured layers) over a
-    static cache of ``Q + response_length`` slots. The queries are repeated ``num_samples`` times
-    before the prefill (a static cache has one batch size), so row ``i * num_samples + k`` is sample
-    ``k`` of query ``i``, as in the eager sampler. ``compile``: compile the decoding step (None: on
-    CUDA only). ``reuse_shapes`` (None: where the step is compiled): run a smaller batch in the shape of
-    a cache already held (:func:`batch_to_run`), its extra rows copies of the first; nothing is drawn
-    for them, so the real rows get the draws they get alone."""
-    device = queries.device
+    """:func:`~rlhf_pipeline.sampling.sample_responses` (without captured layers, on one process, with
+    the generator's draws: :func:`supports_static`) over a static cache of ``Q + response_length`` slots.
+    The queries are repeated ``num_samples`` times before the prefill (a static cache has one batch
+    size), so row ``i * num_samples + k`` is sample ``k`` of query ``i``, as in the eager sampler.
+    ``compile``: compile the decoding step (None: on CUDA only). ``reuse_shapes`` (None: where the step
+    is compiled): run a smaller batch in the shape of a cache already held (:func:`batch_to_run`), its
+    extra rows copies of the first; nothing is drawn for them, so the real rows get the draws they get
+    alone."""
+    if not supports_static(request.capture_layers, request.process_share) or request.uniforms is not None:
+        raise ValueError(
+            "sample_responses_static: captured layers, a process share and given draws are the eager sampler's"
+        )
+    device, response_length, num_samples = request.queries.device, request.response_length, request.num_samples
     compile = device.type == "cuda" if compile is None else compile
     reuse_shapes = compile if reuse_shapes is None else reuse_shapes
-    queries = queries.repeat_interleave(num_samples, 0)
-    query_mask = query_mask.repeat_interleave(num_samples, 0).to(torch.long)
+    queries = request.queries.repeat_interleave(num_samples, 0)
+    query_mask = request.query_mask.repeat_interleave(num_samples, 0).to(torch.long)
     rows, query_length = queries.shape
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     batch = batch_to_run(model, rows, query_length + response_length, dtype) if reuse_shapes else rows
@@ -147,24 +141,12 @@ def sample_responses_static(
     logits = model.get_output_embeddings()(hidden).float()
     step = compiled_step(model) if compile else decode_step
     position = query_mask.sum(-1)
-    tokens = torch.full((rows, response_length), pad_token_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(rows, response_length, device=device)
-    values = torch.zeros(rows, response_length, device=device) if value_head is not None else None
-    alive = torch.ones(rows, dtype=torch.bool, device=device)
+    decoded = DecodedTokens(request, rows, device)
     for t in range(response_length):
-        logits = never_pad(logits[:rows], pad_token_id, inplace=True).div_(temperature)
-        token, logprob = sample_from_logits(logits, generator)
-        if values is not None:  # the value of the state before this token, as the eager sampler's
-            values[:, t] = value_head(hidden[:rows]).squeeze(-1).float()
-        token = torch.where(alive, token, torch.full_like(token, pad_token_id))
-        tokens[:, t] = token
-        logprobs[:, t] = torch.where(alive, logprob, 0.0)
-        if stop_at_eos and eos_token_id is not None:
-            alive = alive & (token != eos_token_id)
+        token = decoded.take(t, decoded.scaled(logits[:rows]), hidden[:rows])
         if t == response_length - 1:
             break
         fed = torch.cat([token, token[:1].expand(filler)]) if filler else token
         hidden, logits = (x.clone() for x in step(model, cache, fed, position, mask))  # graphs reuse outputs
         position = position + 1
-    response_mask = tokens != pad_token_id if stop_at_eos else torch.ones_like(tokens, dtype=torch.bool)
-    return SampleOutput(tokens, logprobs, values, response_mask)
+    return decoded.output()

@@ -52,6 +52,7 @@ def main(params: Params) -> None:
                 params.seed,
                 cfg.samples_per_prompt,
                 progress="corpus",
+                cuda_sampler=plan.sampler,
             )
         print(f"corpus: sampled on {plan.describe()}")
     elif is_local_source(cfg.source):

@@ -62,7 +62,7 @@ def main(params: Params) -> None:
     base = load_causal_lm(BASE, plan.device).eval()
     policy = load_causal_lm(POLICY, plan.device).eval()
     reward_model = load_reward_model(REWARD, plan.device)
-    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
+    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer, plan.sampler)
     labeler = gold_labeler(params.data.preferences.source, params.data.preferences.labeler)
     setup = Evaluation(
         base=base,

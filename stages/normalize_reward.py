@@ -83,7 +83,7 @@ def main(params: Params) -> None:
     tokenizer = load_tokenizer(BASE)
     model = load_reward_model(TRAINED, plan.device)
     base = load_causal_lm(BASE, plan.device).eval()
-    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
+    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer, plan.sampler)
     # Queries come from the train split, the set PPO optimises over; drawing each of them once
     # (normalize_samples = its size) removes query-sampling error from the fit. The check redraws
     # the queries and samples fresh responses, with a different seed stream from train_reward.

@@ -64,7 +64,7 @@ def simulated_splits(params: Params, tokenizer) -> tuple[dict[str, dict], dict, 
         )
     plan = resolve_compute(params.compute)
     model = load_causal_lm(BASE, plan.device).eval()
-    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
+    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer, plan.sampler)
     labeler = get_labeler(cfg.labeler)
     generator = torch.Generator().manual_seed(params.seed)
     rng = np.random.default_rng(params.seed)

@@ -119,6 +119,7 @@ def train(params: Params, plan: DevicePlan, accelerator, tokenizer, queries: tor
             gold_standardization=gold_standardization,
             log=step_logger(live),
             autocast=plan.autocast if plan.autocast_dtype else None,
+            cuda_sampler=plan.sampler,
         )
         trainer = PPOTrainer(parts, accelerator)
         history = trainer.train(progress=is_main)

@@ -98,7 +98,7 @@ def fit_normalize_before(
     base model's responses (every process computes the same fit from the same seed)."""
     samples = params.reward.train.normalize_before_samples
     queries = load_queries(QUERIES, "train", tokenizer.pad_token_id, samples)
-    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer)
+    sampler = ResponseSampler.from_tokenizer(params.task, tokenizer, plan.sampler)
     with plan.autocast():
         gain, bias, _ = normalize_on_base_samples(
             model,

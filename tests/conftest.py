@@ -257,6 +257,21 @@ def add_pipeline_definition(root: str | os.PathLike) -> None:
     shutil.copy(REPO / "dvc.yaml", Path(root) / "dvc.yaml")
 
 
+def sampling_request(queries, query_mask, response_length, temperature, pad_token_id, generator=None, **fields):
+    """A :class:`~rlhf_pipeline.decoding.SamplingRequest` from the arguments in their old positional order."""
+    from rlhf_pipeline.decoding import SamplingRequest
+
+    return SamplingRequest(
+        queries=queries,
+        query_mask=query_mask,
+        response_length=response_length,
+        temperature=temperature,
+        pad_token_id=pad_token_id,
+        generator=generator,
+        **fields,
+    )
+
+
 def tiny_params(**overrides) -> dict:
     """A params.yaml mapping sized for the tiny model; ``overrides`` are dotted keys."""
     params = {

@@ -13,7 +13,7 @@ from rlhf_pipeline.conversations import end_of_turn, render_prompt, to_text_pair
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.models import load_tokenizer
 from rlhf_pipeline.preferences.formats import CONVERSATIONAL, PAIRWISE, detect_format, to_flat_frame
-from rlhf_pipeline.preferences.text_rules import BAD_CHARACTER_CHECK, EMPTY_TEXT_CHECK
+from rlhf_pipeline.text_rules import BAD_CHARACTER_CHECK, EMPTY_TEXT_CHECK
 
 
 def user(text):

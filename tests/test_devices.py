@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_stage_script
+from conftest import run_stage_script, sampling_request
 from test_numerics import MODEL_STAGES
 
 from rlhf_pipeline import devices
@@ -32,7 +32,6 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, warn_only=False: deterministic.append(on))
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(devices, "_cuda_sampler", devices.cuda_sampler())  # put back after the test
     # torch's backend flags are properties of module objects: saved and put back by hand
     flags = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -128,12 +127,28 @@ def test_every_stage_that_runs_a_model_resolves_its_device_through_the_one_rule(
         assert "torch.device(" not in (REPO / "stages" / f"{name}.py").read_text(), name
 
 
-def test_the_static_sampler_takes_cuda_calls_it_can_serve_unless_compute_asks_eager(fake_gpu):
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    devices.resolve_device("cuda")  # compute.cuda_sampler: static, the default
-    assert samples_statically(cuda, (), (0, 1))
-    assert not samples_statically(cpu, (), (0, 1))  # the CPU samples eagerly: nothing to replay there
-    assert not samples_statically(cuda, (20,), (0, 1))  # the trunk split's captured layer
-    assert not samples_statically(cuda, (), (0, 2))  # one of two processes' share
-    devices.resolve_compute(parse_params({"compute": {"cuda_sampler": "eager"}}).compute)
-    assert devices.cuda_sampler() == "eager" and not samples_statically(cuda, (), (0, 1))
+def test_the_static_sampler_takes_cuda_calls_it_can_serve_unless_the_plan_says_eager(fake_gpu):
+    """The sampler is chosen where the device plan is made (compute.cuda_sampler) and passed in: no module
+    keeps it, so two plans in one process each sample as they say."""
+
+    class OnGpu:  # queries on a GPU, as far as the choice looks at them
+        device = torch.device("cuda", 0)
+
+    def request(device=None, **fields):
+        asked = sampling_request(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool), 4, 0.7, 0)
+        for name, value in fields.items():
+            setattr(asked, name, value)
+        if device == "cuda":
+            asked.queries = OnGpu()
+        return asked
+
+    static = devices.resolve_device("cuda")  # compute.cuda_sampler: static, the default
+    assert static.sampler == "static" and samples_statically(request("cuda"), static.sampler)
+    assert not samples_statically(request(), static.sampler)  # the CPU samples eagerly: nothing to replay there
+    # the trunk split's captured layer, one of two processes' share, draws given by the caller
+    for asked in ({"capture_layers": (20,)}, {"process_share": (0, 2)}, {"uniforms": torch.zeros(2, 4)}):
+        assert not samples_statically(request("cuda", **asked), static.sampler), asked
+    eager = devices.resolve_compute(parse_params({"compute": {"cuda_sampler": "eager"}}).compute)
+    assert eager.sampler == "eager" and not samples_statically(request("cuda"), eager.sampler)
+    assert samples_statically(request("cuda"), static.sampler)  # the first plan samples as it did
+    assert "static-cache sampler" in static.describe() and "eager sampler" in eager.describe()

@@ -278,6 +278,40 @@ def test_the_library_has_no_import_cycle():
     assert cycles == [], f"import cycles: {cycles[:3]}"
 
 
+def test_no_module_imports_a_folder_that_stands_above_it_and_the_folders_make_no_circle():
+    """A folder (ppo/, params/, preferences/, reward/, lineage/) stands at the floor of its highest module:
+    what imports from it is on that floor or above (queries and conversations importing the contract's text
+    rules from preferences/, which stands on floor 2, were the house's upward arrows: the rules now live at
+    the library's base). And folded into folders, the imports between them make no circle."""
+    import networkx as nx
+
+    floor = {name: level for level, names in LIBRARY_FLOORS.items() for name in names.split()}
+    modules = [(path, _library_name(path)) for path in library_modules()]
+    folder_floor: dict[str, int] = {}
+    for _, name in modules:
+        if name is not None and "/" in name:
+            folder = name.split("/")[0]
+            folder_floor[folder] = max(folder_floor.get(folder, 0), floor[name])
+    upward, graph = [], nx.DiGraph()
+    for path, name in modules:
+        if name is None:
+            continue
+        for imported in imported_modules(path):
+            target = module_path(imported)
+            other = _library_name(target) if target is not None and target != path else None
+            if other is None or "/" not in other:
+                continue
+            folder, own = other.split("/")[0], name.split("/")[0] if "/" in name else None
+            if folder != own and floor[name] < folder_floor[folder]:
+                upward.append(
+                    f"{name} (floor {floor[name]}) imports {other} from {folder}/ (floor {folder_floor[folder]})"
+                )
+            if own is not None and folder != own:
+                graph.add_edge(own, folder)
+    assert upward == [], f"imports from a folder above: {upward}"
+    assert list(nx.simple_cycles(graph)) == [], f"circles between folders: {list(nx.simple_cycles(graph))[:3]}"
+
+
 def test_a_first_party_import_inside_a_function_says_why():
     """An import inside a function hides a dependency from a reader of the module's head; each one
     carries its reason in a comment on its line or the line above (or is not first-party)."""
@@ -430,7 +464,7 @@ def test_the_pipeline_s_paths_are_dvc_yaml_s():
 LIBRARY_FLOORS = {
     # maths on tensors, I/O, git, the pipeline's names: no model, no params
     0: "errors allocator io json_stream gitrepo paths metric_keys offline logging functional decoding optim progress "
-    "numerics tokens model_folder saved_datasets arguments ppo/advantages ppo/kl ppo/losses preferences/text_rules "
+    "numerics tokens model_folder saved_datasets arguments ppo/advantages ppo/kl ppo/losses text_rules "
     "redaction project_key file_lock project_files",
     # the params schema, section by section
     1: "params/__init__ params/base_model params/compute params/data params/evaluate params/labelling params/ppo "

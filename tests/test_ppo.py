@@ -935,7 +935,9 @@ def test_a_rollout_in_pieces_runs_its_forwards_on_the_pieces_and_gives_each_row_
     on 4 rows at a time, each row's uniform at each step is the one a single pass over the batch gives it
     (so the pieces sample what that pass samples wherever the products over 4 and 16 rows round alike), and
     the rows come back in the one pass's order, whole groups of a query's samples together."""
-    from rlhf_pipeline import decoding, sampling
+    from rlhf_pipeline import decoding
+
+    real_draw = decoding.sample_from_logits
 
     def rollout(pieces):
         draws, scored = [], []
@@ -944,13 +946,13 @@ def test_a_rollout_in_pieces_runs_its_forwards_on_the_pieces_and_gives_each_row_
             if uniforms is None:  # what sample_from_logits would draw itself
                 uniforms = decoding.step_uniforms(generator, len(logits), process_share, logits.device)
             draws.append(uniforms)
-            return decoding.sample_from_logits(logits, generator, block_size, process_share, uniforms)
+            return real_draw(logits, generator, block_size, process_share, uniforms)
 
         def scores(self, rows, truncated, valid):
             scored.append(len(rows))
             return real_scores(self, rows, truncated, valid)
 
-        monkeypatch.setattr(sampling, "sample_from_logits", recorded)
+        monkeypatch.setattr(decoding, "sample_from_logits", recorded)
         monkeypatch.setattr(RolloutMaker, "scores", scores)
         overrides = {"rollout_microbatch_size": pieces, "samples_per_query": samples_per_query}
         trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(**overrides))

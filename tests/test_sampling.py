@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import sampling_request
 
-from rlhf_pipeline.sampling import sample_from_logits
+from rlhf_pipeline.decoding import sample_from_logits
 
 
 def test_frequencies_match_softmax_across_blocks_and_tail():
@@ -102,7 +103,9 @@ def two_queries_sampled(model, pad: int, **options):
 
     queries = torch.tensor([[pad, pad, 5, 6, 7], [8, 9, 10, 11, 12]])
     generator = torch.Generator().manual_seed(0)
-    return queries, sample_responses(model, queries, queries != pad, 6, 0.7, pad, generator=generator, **options)
+    return queries, sample_responses(
+        model, sampling_request(queries, queries != pad, 6, 0.7, pad, generator=generator, **options)
+    )
 
 
 def test_captured_hidden_states_equal_a_plain_forward(tiny_model, tiny_tokenizer):
@@ -158,9 +161,10 @@ def test_the_sampler_passes_the_kv_cache_by_its_current_name(tiny_model, tiny_to
     queries = torch.tensor([[pad, 5, 6, 7], [8, 9, 10, 11]])
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        out = sample_responses(
-            tiny_model, queries, queries != pad, 4, 0.7, pad, generator=torch.Generator().manual_seed(0), num_samples=2
+        request = sampling_request(
+            queries, queries != pad, 4, 0.7, pad, torch.Generator().manual_seed(0), num_samples=2
         )
+        out = sample_responses(tiny_model, request)
     assert out.responses.shape == (4, 4)
     assert "deprecated" not in caplog.text
 
@@ -206,7 +210,9 @@ def test_response_outputs_in_blocks_runs_the_head_on_a_block_at_a_time_and_gives
     pad = tiny_tokenizer.pad_token_id
     queries = torch.tensor([[pad, pad, 5, 6, 7], [8, 9, 10, 11, 12], [pad, 13, 14, 15, 16]]).repeat(2, 1)[:5]
     generator = torch.Generator().manual_seed(0)
-    responses = sample_responses(tiny_model, queries, queries != pad, 6, 0.7, pad, generator=generator).responses
+    responses = sample_responses(
+        tiny_model, sampling_request(queries, queries != pad, 6, 0.7, pad, generator)
+    ).responses
     full = torch.cat([queries, responses], dim=1)
     args = (full, full != pad, queries.shape[1], 0.7, pad)
     with torch.no_grad():
@@ -243,9 +249,10 @@ def test_one_call_over_chunks_samples_what_the_chunks_sample_one_by_one(tiny_mod
     chunks = [queries[:3], queries[3:6], queries[6:]]
 
     def sample(rows, generator, uniforms=None):
-        return sample_responses(
-            tiny_model, rows, rows != pad, 6, 0.7, pad, generator, process_share=process_share, uniforms=uniforms
+        request = sampling_request(
+            rows, rows != pad, 6, 0.7, pad, generator, process_share=process_share, uniforms=uniforms
         )
+        return sample_responses(tiny_model, request)
 
     generator = torch.Generator().manual_seed(11)
     one_by_one = [sample(chunk, generator) for chunk in chunks]

@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from conftest import sampling_request
 from families import FAMILIES, tiny_causal_lm
 
 from rlhf_pipeline.decoding import position_ids_from_mask
@@ -51,9 +52,8 @@ def test_the_static_sampler_s_logprobs_are_the_model_s_for_its_tokens(tiny_base_
     queries = torch.where(mask, queries, torch.full_like(queries, pad)).to(device)
     mask = mask.to(device)
     generator = torch.Generator(device=device).manual_seed(1)
-    out = sample_responses_static(
-        model, queries, mask, 12, 0.7, pad, generator, eos_token_id=5, stop_at_eos=stop_at_eos, num_samples=num_samples
-    )
+    asked = {"eos_token_id": 5, "stop_at_eos": stop_at_eos, "num_samples": num_samples}
+    out = sample_responses_static(model, sampling_request(queries, mask, 12, 0.7, pad, generator, **asked))
     assert out.responses.shape == (len(queries) * num_samples, 12)
     joined = torch.cat([queries.repeat_interleave(num_samples, 0), out.responses], 1)
     forced = response_outputs(model, joined, joined != pad, queries.shape[1], 0.7, pad)
@@ -69,9 +69,11 @@ def test_the_static_and_eager_samplers_draw_the_same_tokens_from_one_generator(t
     pad = model.config.pad_token_id
     queries, mask = left_padded_queries(model.config.vocab_size, torch.Generator().manual_seed(2))
     queries = torch.where(mask, queries, torch.full_like(queries, pad))
-    eager = sample_responses(model, queries, mask, 16, 0.7, pad, torch.Generator().manual_seed(3), num_samples=2)
+    eager = sample_responses(
+        model, sampling_request(queries, mask, 16, 0.7, pad, torch.Generator().manual_seed(3), num_samples=2)
+    )
     static = sample_responses_static(
-        model, queries, mask, 16, 0.7, pad, torch.Generator().manual_seed(3), num_samples=2
+        model, sampling_request(queries, mask, 16, 0.7, pad, torch.Generator().manual_seed(3), num_samples=2)
     )
     agreement = (eager.responses == static.responses).float().mean().item()
     assert agreement >= 0.95, agreement
@@ -97,7 +99,7 @@ def test_the_static_sampler_s_values_are_the_value_head_s_on_each_state(tiny_bas
     queries = torch.where(mask, queries, torch.full_like(queries, pad)).to(device)
     mask = mask.to(device)
     draws = torch.Generator(device=device).manual_seed(8)
-    out = sample_responses_static(model, queries, mask, 10, 0.7, pad, draws, value_head=value_head)
+    out = sample_responses_static(model, sampling_request(queries, mask, 10, 0.7, pad, draws, value_head=value_head))
     joined = torch.cat([queries, out.responses], 1)
     real = joined != pad
     hidden = model.model(input_ids=joined, attention_mask=real, position_ids=position_ids_from_mask(real))
@@ -115,7 +117,8 @@ def test_every_family_s_static_cache_gives_the_model_s_logprobs(model_type):
     model = tiny_causal_lm(model_type)
     pad = 0
     queries, mask = left_padded_queries(model.config.vocab_size, torch.Generator().manual_seed(4))
-    out = sample_responses_static(model, queries, mask, 12, 0.7, pad, torch.Generator().manual_seed(5), num_samples=2)
+    request = sampling_request(queries, mask, 12, 0.7, pad, torch.Generator().manual_seed(5), num_samples=2)
+    out = sample_responses_static(model, request)
     joined = torch.cat([queries.repeat_interleave(2, 0), out.responses], 1)
     forced = response_outputs(model, joined, joined != pad, queries.shape[1], 0.7, pad)
     torch.testing.assert_close(out.logprobs, forced.logprobs, atol=1e-4, rtol=0)
@@ -143,18 +146,25 @@ def test_a_smaller_batch_runs_in_a_shape_already_held_and_gets_its_own_draws(tin
     pad = model.config.pad_token_id
     queries, mask = left_padded_queries(model.config.vocab_size, torch.Generator().manual_seed(9))
     queries = torch.where(mask, queries, torch.full_like(queries, pad))
-    sample_responses_static(model, queries, mask, 10, 0.7, pad, torch.Generator().manual_seed(1), num_samples=2)
+    sample_responses_static(
+        model, sampling_request(queries, mask, 10, 0.7, pad, torch.Generator().manual_seed(1), num_samples=2)
+    )
     held = set(_caches[model])
     assert batch_to_run(model, 4, queries.shape[1] + 10, None) == 12
     assert batch_to_run(model, 13, queries.shape[1] + 10, None) == 13  # no cache has room
     assert batch_to_run(model, 4, queries.shape[1] + 11, None) == 4  # nor one of other slots
     small_q, small_m = queries[1:3], mask[1:3]
+    small = {"response_length": 10, "temperature": 0.7, "pad_token_id": pad, "num_samples": 2}
     reused = sample_responses_static(
-        model, small_q, small_m, 10, 0.7, pad, torch.Generator().manual_seed(3), num_samples=2, reuse_shapes=True
+        model,
+        sampling_request(small_q, small_m, generator=torch.Generator().manual_seed(3), **small),
+        reuse_shapes=True,
     )
     assert set(_caches[model]) == held  # ran in the 12-row cache, no new shape
     alone = sample_responses_static(
-        model, small_q, small_m, 10, 0.7, pad, torch.Generator().manual_seed(3), num_samples=2, reuse_shapes=False
+        model,
+        sampling_request(small_q, small_m, generator=torch.Generator().manual_seed(3), **small),
+        reuse_shapes=False,
     )
     assert (4, queries.shape[1] + 10, None) in _caches[model]  # without reuse, a shape of its own
     assert reused.responses.shape == alone.responses.shape == (4, 10)

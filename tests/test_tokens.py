@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import sampling_request
 from families import tiny_backbone, tiny_causal_lm
 from tokenizers.processors import TemplateProcessing
 
@@ -136,7 +137,7 @@ def test_the_sampler_and_the_training_forward_read_the_same_bos_led_ids(model_ty
     lm = tiny_causal_lm(model_type)
     queries = torch.tensor([tokenize_query(tokenizer, q, 12) for q in ("Hi.", "The film was fine.", "No.")])
     assert all(row[row != pad][0] == tokenizer.bos_token_id for row in queries)
-    out = sample_responses(lm, queries, queries != pad, 5, 0.7, pad, generator=torch.Generator().manual_seed(0))
+    out = sample_responses(lm, sampling_request(queries, queries != pad, 5, 0.7, pad, torch.Generator().manual_seed(0)))
     query_responses = torch.cat([queries, out.responses], 1)
     with torch.no_grad():
         trained = response_outputs(lm, query_responses, query_responses != pad, queries.shape[1], 0.7, pad)

@@ -41,6 +41,7 @@ class TrainerParts:
     gold_standardization: tuple[float, float] | None = None  # (mean, std) of the base samples' gold scores
     log: Callable[[dict], None] | None = None  # called with each update's record
     autocast: Callable | None = None  # the device plan's autocast context (None: full precision)
+    cuda_sampler: str = "static"  # the device plan's sampler on CUDA (DevicePlan.sampler)
 
     def __post_init__(self) -> None:
         if self.cfg.score_source == "gold" and (self.gold_labeler is None or self.gold_standardization is None):
@@ -67,7 +68,7 @@ def trainer_parts(
     """The parts of a run on the base model in ``base_dir``: the reference loaded first (on ``frozen_device``,
     default ``device``; none with LoRA), then the policy (:func:`build_policy`; ``value_from``: the reward
     model, or its folder, a separate value model starts from). ``hooks``: :class:`TrainerParts`' optional
-    fields (checkpointer, gold_labeler, gold_standardization, log, autocast)."""
+    fields (checkpointer, gold_labeler, gold_standardization, log, autocast, cuda_sampler)."""
     ref_model = load_causal_lm(base_dir, frozen_device or device) if cfg.lora is None else None
     policy = build_policy(base_dir, cfg, device, value_from)
     return TrainerParts(

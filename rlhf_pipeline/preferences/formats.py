@@ -38,7 +38,7 @@ import numpy as np
 
 from rlhf_pipeline.conversations import as_messages, content_length, end_of_turn, is_conversational, to_text_pairs
 from rlhf_pipeline.errors import DataContractError, PipelineError
-from rlhf_pipeline.preferences.text_rules import text_problem
+from rlhf_pipeline.text_rules import text_problem
 from rlhf_pipeline.queries import is_cut, pad_tokens, tokenize_query
 from rlhf_pipeline.tokens import special_prefix
 
