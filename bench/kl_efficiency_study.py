@@ -17,7 +17,7 @@ end point alone: the runs end at different KL.
 
 Usage (see ``bench/experiments.py`` for how experiments run and are timed):
 
-    .venv/bin/python bench/kl_efficiency_study.py --baseline-log bench/results/default_run_craft3.log \\
+    .venv/bin/python bench/kl_efficiency_study.py --baseline-log run.log \\
         --output bench/results/kl_efficiency_table.md
 """
 

@@ -14,7 +14,7 @@ built, one whole preferences call (64 queries x 4 samples, 24 query tokens, 16 s
 Usage: ``.venv/bin/python bench/probe_draw.py [--repeats 20] [--calls 3] [--profile] [--markdown] [--output FILE]``,
 alone on the machine, under the stages' numerics (``portable``: AVX2 kernels, 2 threads). ``--profile`` also prints
 where the shipped call's time goes, aten op by aten op (:class:`common.OpClock`).
-Findings: ``bench/results/zen3_2026-12-03/``.
+Findings: ``bench/results/zen3_2026-12-03/README.md`` at commit def2191 (``git show def2191:PATH``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ same logprobs, bit for bit, and with ``--profile`` gives each call's time by ate
 
 Usage: ``.venv/bin/python bench/probe_kv_cache.py [--calls 3] [--profile] [--markdown] [--output FILE]``, alone on
 the machine, under the stages' numerics (``portable``) and malloc setting (:func:`allocator.keep_freed_memory`).
-Findings: ``bench/results/zen3_2026-12-03/``.
+Findings: ``bench/results/zen3_2026-12-03/README.md`` at commit def2191 (``git show def2191:PATH``).
 """
 
 from __future__ import annotations

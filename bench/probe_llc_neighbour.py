@@ -2,7 +2,8 @@
 its weights from the last-level cache?
 
 Issue 50: in the reward bench, TRL's matrix products ran at 133 GFLOP/s with its side alone and at 104 with
-the two sides' steps in turn, ours at 125 and 119 (bench/results/reward_bench_in_turns_2026-11-30/). This
+the two sides' steps in turn, ours at 125 and 119 (bench/results/reward_bench_in_turns_2026-11-30/ at
+commit def2191). This
 machine's L3 is large (``lscpu``), so a working set that fits in it could stay there from one step to the
 next when a process runs alone, and be evicted by the other side's step when the two take turns.
 

@@ -16,7 +16,7 @@ The suspects, and the probe or ablation that tests each:
 
 Usage (the default run's log gives the times of the stages an experiment reuses):
 
-    .venv/bin/python bench/seed_diagnosis.py --baseline-log bench/results/default_run_craft3.log \\
+    .venv/bin/python bench/seed_diagnosis.py --baseline-log run.log \\
         --output bench/results/seed_diagnosis_table.md
 """
 

@@ -70,7 +70,8 @@ def test_no_link_misses_its_closing_bracket():
 
 
 def test_every_link_reaches_its_file_and_heading():
-    documents = [README, *sorted((REPO / "docs").glob("*.md"))]
+    """In the README, the guides and the bench reports (whose index, bench/results/README.md, links them all)."""
+    documents = [README, *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "bench").rglob("*.md"))]
     broken = []
     for document in documents:
         for link in re.findall(r"\]\(([^)\s]+)\)", document.read_text()):
@@ -83,3 +84,14 @@ def test_every_link_reaches_its_file_and_heading():
             elif fragment and target.suffix == ".md" and fragment not in map(anchor, headings(target.read_text())):
                 broken.append(f"{document.name}: {link} (no such heading)")
     assert broken == []
+
+
+def test_bench_results_is_an_index_of_current_reports():
+    """bench/results/ keeps one current report per bench or study (older runs live in git history),
+    at most 40 files, each listed in its index."""
+    results = REPO / "bench" / "results"
+    files = sorted(p.relative_to(results).as_posix() for p in results.rglob("*") if p.is_file())
+    assert len(files) <= 40, f"{len(files)} files in bench/results: keep the current report of each bench"
+    index = (results / "README.md").read_text()
+    linked = set(re.findall(r"\]\(([^)#\s]+)\)", index))
+    assert [f for f in files if f != "README.md" and f not in linked] == []
