@@ -178,6 +178,34 @@ def test_text_report_names_stages_and_sources(repo, monkeypatch, capsys):
     print(out)  # visible with -s: the sample in the report
 
 
+def test_a_fresh_clone_says_what_is_not_checked_out_and_dates_the_run_from_git(repo, tmp_path, monkeypatch, capsys):
+    """A clone without DVC's outputs: the run is as recorded, its outputs are only absent, so the verdict
+    says so in one paragraph (not STALE with a line per missing path), the run is dated by the commit that
+    recorded it (not the clone's time), and the sources git holds, all as recorded, are one line."""
+    clone = tmp_path / "clone"
+    _git(tmp_path, "clone", "-q", str(repo), str(clone))
+    monkeypatch.chdir(clone)
+    assert lineage_cli("models/policy") == 0
+    out = capsys.readouterr().out
+    sha, seconds = _git(repo, "log", "-1", "--format=%h %ct", "--", "dvc.lock").split()
+    when = dt.datetime.fromtimestamp(int(seconds), dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    assert f"run recorded by commit {sha} at {when}, dated from git" in out
+    assert "verdict      NOT CHECKED OUT" in out and "STALE" not in out and "`dvc pull`" in out
+    assert "(not here: data/preferences, data/validation, models/base, models/policy, source.txt)" in out
+    assert "sources in git, each as recorded: scripts/policy.py" in out
+    assert "\n  scripts/base.py\n" not in out  # folded, not an input line of its own
+    event = _lineage_json(capsys, "models/policy")
+    assert event["eventTime"] == when and event["run"]["facets"]["artifact"]["datedBy"] == f"commit {sha}"
+    _validate_event(event)
+
+    # one output checked out again, another source edited: the edit is listed, the absent ones fold
+    (clone / "scripts/base.py").write_text((clone / "scripts/base.py").read_text() + "# edited\n")
+    assert lineage_cli("models/policy") == 0
+    out = capsys.readouterr().out
+    assert "verdict      STALE" in out and "base_model: dep scripts/base.py modified" in out
+    assert "- not checked out (data/preferences, data/validation, models/base, models/policy, source.txt)" in out
+
+
 def test_json_is_an_openlineage_run_event(repo, monkeypatch, capsys):
     monkeypatch.chdir(repo)
     event = _lineage_json(capsys, "models/policy")

@@ -88,9 +88,10 @@ def _event(repo, stage, out, rel: str, configured_namespace: str | None) -> dict
     locked_outs = sorted(
         f"{record.repo_path(repo, o)}={o.hash_info.value if o.hash_info else None}" for o in stage.outs
     )
+    event_time, dated_by = record.produced_at(stage)
     return {
         "eventType": "COMPLETE",
-        "eventTime": record.produced_at(stage),
+        "eventTime": event_time,
         "producer": PRODUCER,
         "schemaURL": RUN_EVENT_SCHEMA,
         "job": {
@@ -101,7 +102,7 @@ def _event(repo, stage, out, rel: str, configured_namespace: str | None) -> dict
         "run": {
             # deterministic: the same stage run (the same locked outputs) always gets the same id
             "runId": str(uuid.uuid5(uuid.NAMESPACE_URL, f"{namespace}/{name}?outs={','.join(locked_outs)}")),
-            "facets": _run_facets(repo, stage, order, _artifact(repo, out, rel), git),
+            "facets": _run_facets(repo, stage, order, {**_artifact(repo, out, rel), "datedBy": dated_by}, git),
         },
         "inputs": _inputs(repo, order, namespace),
         "outputs": outputs,

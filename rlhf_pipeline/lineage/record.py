@@ -290,27 +290,42 @@ def show(value: Any) -> str:
     return "(unset)" if value is None else value if isinstance(value, str) else json.dumps(value, default=str)
 
 
-def produced_at(stage) -> str:
-    """When the stage run that wrote ``stage``'s outputs finished: the newest modification time among its
-    output files (a .dvc file's: the tracked data's), else the record file's; ISO 8601 in UTC.
+def _iso(seconds: float) -> str:
+    return dt.datetime.fromtimestamp(seconds, dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
-    The artifact is the evidence: the time a lineage report is asked for says nothing about the run.
-    At a revision (no files on disk), the time of the commit that recorded the run."""
+
+def produced_at(stage) -> tuple[str, str]:
+    """When the stage run that wrote ``stage``'s outputs finished (ISO 8601 in UTC), and what dates it:
+    ``outputs``, the newest modification time among the files of its outputs in DVC's cache (a .dvc
+    file's: the tracked data's); where none is in the workspace (a fresh clone), ``commit <sha>``, the commit that last
+    recorded the stage's record file, when that file is as committed; else ``record file``, its own time.
+
+    The artifact is the evidence: the time a lineage report is asked for says nothing about the run, nor
+    does the time a clone wrote the record file. At a revision (no files on disk), the commit's time."""
+    root = project_root(stage.repo)
     if rev := revision(stage.repo):
-        committed = git(project_root(stage.repo), "log", "-1", "--format=%ct", rev)
-        moment = dt.datetime.fromtimestamp(int(committed or 0), dt.UTC)
-        return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        committed = git(root, "log", "-1", "--format=%ct", rev)
+        return _iso(int(committed or 0)), f"commit {rev}"
     times = []
     for out in stage.outs:
+        if not out.use_cache:  # a file git keeps (metrics): a clone writes it, the run's time is the commit's
+            continue
         top = Path(out.fs_path)
         if top.is_dir():
             times += [f.stat().st_mtime for f in top.rglob("*") if f.is_file()]
         elif top.is_file():
             times.append(top.stat().st_mtime)
-    if not times and Path(stage.path).is_file():
-        times.append(Path(stage.path).stat().st_mtime)
-    moment = dt.datetime.fromtimestamp(max(times), dt.UTC) if times else dt.datetime.fromtimestamp(0, dt.UTC)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    if times:
+        return _iso(max(times)), "outputs"
+    recorded_in = record_file(stage)
+    if not git(root, "status", "--porcelain", "--", recorded_in):  # as committed (or git is not there)
+        committed = git(root, "log", "-1", "--format=%ct %h", "--", recorded_in)
+        if committed:
+            seconds, sha = committed.split()
+            return _iso(int(seconds)), f"commit {sha}"
+    if Path(stage.path).is_file():
+        return _iso(Path(stage.path).stat().st_mtime), "record file"
+    return _iso(0), "record file"
 
 
 def shareable_remote(remote: str | None) -> str | None:

@@ -50,7 +50,7 @@ def _summary(event: dict[str, Any]) -> list[str]:
         f"Lineage of {artifact['path']}",
         f"  stage        {job['name']}  (recorded in {run['dvcStages']['stages'][0]['recordedIn']})",
         f"  command      {job['facets']['sourceCode']['sourceCode']}",
-        f"  namespace    {job['namespace']}  (run finished {event['eventTime']})",
+        f"  namespace    {job['namespace']}  ({_run_time(event['eventTime'], artifact.get('datedBy', 'outputs'))})",
         f"  output       {artifact['output']}  md5 {out.get('hash')}{_size(out)}",
     ]
     if artifact["path"] != artifact["output"]:
@@ -64,11 +64,47 @@ def _summary(event: dict[str, Any]) -> list[str]:
         return [*lines, f"  verdict      as recorded at {git['revision']} (nothing compared with the workspace)"]
     if not stale["stale"]:
         return [*lines, "  verdict      up to date: workspace, params and commands match dvc.lock"]
+    absent = sorted({r.split(": ", 1)[1].split()[1] for r in stale["reasons"] if r.endswith(" missing")})
+    changed = [r for r in stale["reasons"] if not r.endswith(" missing")]
+    if artifact["status"] == "missing" and not changed:
+        return [
+            *lines,
+            "  verdict      NOT CHECKED OUT: dvc.lock records this run and nothing it recorded has changed;",
+            "               its outputs are not in this workspace: `dvc pull` fetches them from the remote,",
+            "               `dvc checkout` from a local cache",
+            f"               (not here: {_listed(absent)})",
+        ]
     lines.append("  verdict      STALE: `dvc repro` would change this lineage")
-    lines += [f"                 - {reason}" for reason in stale["reasons"]]
+    lines += [f"                 - {reason}" for reason in changed]
+    if absent:
+        lines.append(f"                 - not checked out ({_listed(absent)}): `dvc pull` or `dvc checkout`")
     if stale["artifactModified"] and not any(artifact["output"] in r for r in stale["reasons"]):
         lines.append(f"                 - {artifact['path']} {artifact['status']} in the workspace")
     return lines
+
+
+def _stage_verdict(report: dict[str, Any]) -> str:
+    """One stage's line: up to date, only its recorded files absent, or what changed."""
+    if not report["stale"]:
+        return "up to date"
+    absent = [r.split()[1] for r in report["reasons"] if r.endswith(" missing")]
+    changed = [r for r in report["reasons"] if not r.endswith(" missing")]
+    not_here = f"not checked out: {_listed(absent)}" if absent else ""
+    return "; ".join(["STALE: " + "; ".join(changed), *([not_here] if not_here else [])]) if changed else not_here
+
+
+def _run_time(moment: str, dated_by: str) -> str:
+    """When the run finished, and what says so (its outputs' times, or the commit that recorded it)."""
+    if dated_by.startswith("commit "):
+        return f"run recorded by {dated_by} at {moment}, dated from git"
+    if dated_by == "record file":
+        return f"run recorded by {moment}, the record file's time"
+    return f"run finished {moment}"
+
+
+def _listed(paths: list[str], shown: int = 6) -> str:
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(paths[:shown]) + more
 
 
 def _parameters(event: dict[str, Any]) -> list[str]:
@@ -85,7 +121,7 @@ def _parameters(event: dict[str, Any]) -> list[str]:
     lines += ["", "Stages (producing stage first, then upstream)"]
     for report in run["dvcStages"]["stages"]:
         lines.append(f"  {report['name']}: {report['cmd'] or '(dvc add)'}")
-        lines.append("      " + ("STALE: " + "; ".join(report["reasons"]) if report["stale"] else "up to date"))
+        lines.append("      " + _stage_verdict(report))
     return lines
 
 
@@ -114,6 +150,11 @@ def _input_lines(dataset: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _unchanged_source(dvc: dict[str, Any]) -> bool:
+    """A source file git tracks (not a stage's output, not DVC-tracked data) that is as dvc.lock recorded it."""
+    return not dvc["producedBy"] and not dvc.get("trackedBy") and dvc["status"] in ("ok", "recorded")
+
+
 def _round_line(entry: dict[str, Any]) -> str:
     """One labelling round of human preference data: its rows and the model that sampled them."""
     counts = ", ".join(f"{entry[k]} {k}" for k in ("tasks", "annotators") if k in entry)
@@ -127,7 +168,14 @@ def _round_line(entry: dict[str, Any]) -> str:
 def render_text(event: dict[str, Any]) -> str:
     run, env = event["run"]["facets"], event["run"]["facets"]["environment"]
     lines = [*_summary(event), "", *_parameters(event), "", "Inputs (walked back to the sources)"]
-    lines += [line for dataset in event["inputs"] for line in _input_lines(dataset)] or ["  (none)"]
+    # git-tracked sources (code, the lock file) as recorded: one line; each is in --json with its md5
+    unchanged = [d for d in event["inputs"] if _unchanged_source(d["facets"]["dvc"])]
+    shown = [d for d in event["inputs"] if d not in unchanged]
+    lines += [line for dataset in shown for line in _input_lines(dataset)]
+    if unchanged:
+        names = [d["name"] for d in unchanged]
+        lines.append(f"  {len(names)} sources in git, each as recorded: {_listed(names, 3)} (`--json` lists each)")
+    lines += [] if event["inputs"] else ["  (none)"]
     lines += ["", f"Metrics (stage {event['job']['name']})"]
     for label, facet in (("", run["metrics"]), ("upstream ", run["upstreamMetrics"])):
         lines += [
