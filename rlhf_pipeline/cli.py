@@ -21,13 +21,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rlhf_pipeline import __version__, labelling, numerics, paths, side_by_side
+from rlhf_pipeline import __version__, numerics, paths, side_by_side
 from rlhf_pipeline.arguments import fraction, whole_number
 from rlhf_pipeline.datadocs import check_docs_folder
 from rlhf_pipeline.environment import environment_record, record_lines
-from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError, SettingsError, StorageError, quoted
+from rlhf_pipeline.errors import ParamsError, PipelineError, SettingsError, StorageError, quoted
 from rlhf_pipeline.file_lock import held
 from rlhf_pipeline.io import atomic_file
+from rlhf_pipeline.label_studio import export as label_export
+from rlhf_pipeline.label_studio import interface as label_interface
+from rlhf_pipeline.label_studio.importing import import_labels, open_export
 from rlhf_pipeline.params import read_params_file
 from rlhf_pipeline.params.compute import ComputeParams
 from rlhf_pipeline.params.data import SIMULATED
@@ -308,7 +311,7 @@ def cmd_label(args) -> int:
         if args.side_by_side:
             print(side_by_side.label_config(), end="")
         else:
-            print(labelling.label_config(args.n), end="")
+            print(label_interface.label_config(args.n), end="")
         return 0
     if args.action == "compare":
         return _label_compare(args)
@@ -325,7 +328,7 @@ def cmd_label(args) -> int:
         refuse_owned(args.output, "OUTPUT", params)
         numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
         task = params.task
-        from rlhf_pipeline.label_tasks import export_tasks  # loads torch and transformers: only when exporting
+        from rlhf_pipeline.label_studio.tasks import export_tasks  # loads torch and transformers: only when exporting
 
         with sampling_model(args.model) as (folder, name):
             tasks = export_tasks(
@@ -354,24 +357,19 @@ def cmd_label(args) -> int:
     root = project_root("label")
     if target is not None:
         refuse_owned(target, "OUTPUT", params, appending=args.append, root=root)
-    handle, where = _label_export(args, limits)
-    with handle:
-        tasks = (task for _, task in labelling.read_export(handle, where, limits))
-        report = labelling.rows_from_export(
-            tasks, where, project_key(root), min_agreement, limits.max_annotations_per_task
-        )
-    if not report.rows:
-        raise DataContractError(f"{where}: no usable annotation ({report.summary()}); nothing written.")
-    rows, merged = report.rows, {}
+    source, project = _label_import_paths(args)
     # read, merge and write under the file's lock: two imports at once each keep the other's rows
-    with writing(args.output), held(args.output):
-        if args.append and Path(args.output).exists():
-            existing = labelling.read_rows(args.output)
-            rows, added, repeated = labelling.merge_rounds(existing, report.rows, args.output)
-            merged = {"kept": len(existing), "added": added, "already_there": repeated}
-        with atomic_file(args.output) as out:
-            out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    print(json.dumps({"output": args.output, **report.summary(), **merged}, indent=2))
+    with writing(args.output):
+        summary = import_labels(
+            source,
+            args.output,
+            key=project_key(root),
+            limits=limits,
+            project=project,
+            min_agreement=min_agreement,
+            append=args.append,
+        )
+    print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -436,7 +434,7 @@ def _label_verdicts(args) -> int:
         raise SettingsError(
             "rlhf label verdicts takes INPUT (Label Studio's JSON export) or --from-server PROJECT: one of the two."
         )
-    handle, where = _open_export(labelling, args.input, args.from_server, limits)
+    handle, where = open_export(args.input, args.from_server, limits)
     with handle, writing(side_by_side.ROUNDS):
         rounds, report = side_by_side.import_verdicts(handle, where, project_root("label"), limits)
     print(json.dumps({"rounds": [r.name for r in rounds], **report.summary()}, indent=2))
@@ -472,14 +470,14 @@ def sampling_model(model: str) -> Iterator[tuple[str, str]]:
         yield str(Path(scratch) / "model"), version.tag
 
 
-def _label_export(args, limits) -> tuple:
-    """(Label Studio's JSON export as an open text file, where it came from) for `rlhf label import`: the
-    file ``INPUT``, or ``--from-server PROJECT``; sets ``args.output``."""
+def _label_import_paths(args) -> tuple[str | None, int | None]:
+    """(the export file, or None; the Label Studio project, or None) of `rlhf label import`: the file
+    ``INPUT``, or ``--from-server PROJECT``; sets ``args.output``."""
     if args.from_server is not None:
         if len(args.paths) != 1:
             raise SettingsError("rlhf label import --from-server PROJECT takes one path: OUTPUT (the .jsonl to write).")
         args.output = args.paths[0]
-        return _open_export(labelling, None, args.from_server, limits)
+        return None, args.from_server
     if len(args.paths) != 2:
         raise SettingsError(
             "rlhf label import takes INPUT OUTPUT (Label Studio's JSON export, the .jsonl to write), "
@@ -487,15 +485,7 @@ def _label_export(args, limits) -> tuple:
         )
     args.input, args.output = args.paths
     never_over_inputs(args.output, args.input)
-    return _open_export(labelling, args.input, None, limits)
-
-
-def _open_export(labelling, path: str | None, project: int | None, limits) -> tuple:
-    """(Label Studio's JSON export as an open text file, where it came from): project ``project`` pulled
-    from the server (spooled), else the file ``path``, each within ``limits``' bounds."""
-    if project is not None:
-        return labelling.fetch_export(project, limits)
-    return labelling.open_export_file(path, limits), path
+    return args.input, None
 
 
 def cmd_plots_page(args) -> int:
@@ -626,10 +616,11 @@ def _add_models_parser(sub) -> None:
     )
 
 
-# what `rlhf label import` accepts back in a task (labelling.task_data), so an export never makes a task it refuses
-RESPONSES = whole_number(2, labelling.MAX_SAMPLES)
-SEED = whole_number(0, labelling.INTEGER_FIELDS["seed"] - 1)
-ROUND = whole_number(0, labelling.INTEGER_FIELDS["round"] - 1)
+# what `rlhf label import` accepts back in a task (label_studio.export.task_data): an export never makes
+# a task the import refuses
+RESPONSES = whole_number(2, label_export.MAX_SAMPLES)
+SEED = whole_number(0, label_export.INTEGER_FIELDS["seed"] - 1)
+ROUND = whole_number(0, label_export.INTEGER_FIELDS["round"] - 1)
 
 
 def _add_side_by_side_parsers(label) -> None:

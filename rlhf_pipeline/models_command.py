@@ -21,8 +21,8 @@ from rlhf_pipeline import paths
 from rlhf_pipeline.errors import DamagedArtifactError, DataContractError, PipelineError, plain
 from rlhf_pipeline.gitrepo import commit_staged, file_at, git
 from rlhf_pipeline.io import CHECKSUMS, checksum_problems, read_checksums, verify_checksums, write_checksums
+from rlhf_pipeline.label_studio.client import fetch_export, send_tasks
 from rlhf_pipeline.labelers import get_labeler
-from rlhf_pipeline.labelling import fetch_export, send_tasks
 from rlhf_pipeline.lineage.verify import tree_md5
 from rlhf_pipeline.modelcard import add_held_out_results, held_out_result, read_card
 from rlhf_pipeline.params.promotion import REGISTERED_JUDGE, PromotionParams

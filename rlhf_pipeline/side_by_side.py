@@ -33,11 +33,11 @@ from xml.sax.saxutils import quoteattr
 from rlhf_pipeline.errors import DataContractError, SettingsError, plain, quoted
 from rlhf_pipeline.file_lock import held
 from rlhf_pipeline.io import atomic_file
-from rlhf_pipeline.labelling import answered_choice, pairwise_agreement, read_export, task_annotations
+from rlhf_pipeline.label_studio.export import answered_choice, pairwise_agreement, read_export, task_annotations
 from rlhf_pipeline.params.labelling import LabellingParams
-from rlhf_pipeline.text_rules import text_problem
 from rlhf_pipeline.project_key import project_key, seal, seal_agrees
 from rlhf_pipeline.promotion import Tally
+from rlhf_pipeline.text_rules import text_problem
 
 # the rounds' folder, in the project's root: the gate's, not a stage's (no stage reads or writes it, so it
 # is not in rlhf_pipeline/paths.py, whose every edit makes every stage stale)

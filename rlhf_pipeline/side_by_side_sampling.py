@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.label_tasks import query_vocabulary_problem
-from rlhf_pipeline.labelling import weights_sha256
+from rlhf_pipeline.label_studio.interface import weights_sha256
+from rlhf_pipeline.label_studio.tasks import query_vocabulary_problem
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.preferences.simulated import MAX_RESAMPLES, sample_clean_candidates, sample_problem

@@ -478,7 +478,8 @@ LIBRARY_FLOORS = {
     3: "reward/training reward/adoption ppo/policy ppo/parts ppo/rollout ppo/trainer evaluation evaluation_report",
     # audit and commands: lineage, the registry and its gate, labelling with people, the CLI
     4: "lineage/record lineage/verify lineage/facts lineage/event lineage/render lineage/diff registry promotion "
-    "models_command labelling label_tasks side_by_side side_by_side_sampling cli",
+    "models_command label_studio/interface label_studio/client label_studio/export label_studio/tasks "
+    "label_studio/importing side_by_side side_by_side_sampling cli",
 }
 
 

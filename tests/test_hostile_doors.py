@@ -20,7 +20,7 @@ from test_labelling import answer
 from test_labelling import task as labelling_task
 
 from rlhf_pipeline.errors import DataContractError, SettingsError
-from rlhf_pipeline.labelling import rows_from_export
+from rlhf_pipeline.label_studio.export import rows_from_export
 from rlhf_pipeline.project_files import owner_of, project_relative
 from rlhf_pipeline.project_key import KEY_FILE, project_key, pseudonym, seal
 from rlhf_pipeline.side_by_side import (
@@ -438,3 +438,14 @@ def test_annotators_reach_tracked_files_only_as_stable_pseudonyms(project):
     repo = Path(__file__).resolve().parents[1]
     assert subprocess.run(["git", "check-ignore", "-q", KEY_FILE], cwd=repo).returncode == 0
     assert ".rlhf/" in (repo / ".dvcignore").read_text().splitlines()
+
+
+@pytest.mark.parametrize("forged", ["é" * 64, "\udc80" * 64, "", 7, None])
+def test_a_seal_edited_to_any_value_is_a_disagreement_not_a_crash(forged):
+    """hypothesis found it: hmac.compare_digest raises on a str with non-ASCII characters, so a seal edited to
+    one was a traceback, not exit 3. Seals are compared as bytes."""
+    from rlhf_pipeline.project_key import seal_agrees
+
+    payload = {"challenger": "policy@v2.0.0", "verdicts": []}
+    assert seal_agrees(payload, b"key", seal(payload, b"key"))
+    assert not seal_agrees(payload, b"key", forged)

@@ -23,7 +23,8 @@ from test_pipeline_e2e import sh
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `flows` lives at the repo root
 
 from flows.retrain.flow import retrain  # noqa: E402
-from rlhf_pipeline.labelling import TOKEN_VARIABLE, URL_VARIABLE, weights_sha256  # noqa: E402
+from rlhf_pipeline.label_studio.client import TOKEN_VARIABLE, URL_VARIABLE  # noqa: E402
+from rlhf_pipeline.label_studio.interface import weights_sha256  # noqa: E402
 from rlhf_pipeline.project_key import project_key, pseudonym  # noqa: E402
 
 pytestmark = pytest.mark.e2e  # a real Label Studio server

@@ -14,13 +14,9 @@ from pathlib import Path
 import pytest
 
 from rlhf_pipeline.errors import DataContractError
-from rlhf_pipeline.labelling import (
-    TOKEN_VARIABLE,
-    URL_VARIABLE,
-    label_config,
-    pairwise_agreement,
-    rows_from_export,
-)
+from rlhf_pipeline.label_studio.client import TOKEN_VARIABLE, URL_VARIABLE
+from rlhf_pipeline.label_studio.export import pairwise_agreement, rows_from_export
+from rlhf_pipeline.label_studio.interface import label_config
 from rlhf_pipeline.project_key import project_key, pseudonym
 
 REPO = Path(__file__).resolve().parents[1]

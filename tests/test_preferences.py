@@ -23,10 +23,10 @@ from rlhf_pipeline.preferences.formats import (
 )
 from rlhf_pipeline.preferences.simulated import ceiling_accuracy, pick_best, sample_problem, simulate_preferences
 from rlhf_pipeline.preferences.splits import load_user_frames
-from rlhf_pipeline.text_rules import BAD_CHARACTER_CHECK, EMPTY_TEXT_CHECK, text_problem
 from rlhf_pipeline.queries import is_left_padded, pad_tokens
 from rlhf_pipeline.sampling import ResponseSampler
 from rlhf_pipeline.sources import TINY_TEXT
+from rlhf_pipeline.text_rules import BAD_CHARACTER_CHECK, EMPTY_TEXT_CHECK, text_problem
 
 
 class CountE(Labeler):

@@ -12,7 +12,7 @@ from datasets import Dataset, DatasetDict
 
 from rlhf_pipeline.cli import main
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.label_tasks import export_tasks
+from rlhf_pipeline.label_studio.tasks import export_tasks
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.saved_datasets import read_split
 from rlhf_pipeline.side_by_side_sampling import sample_round

@@ -38,8 +38,8 @@ import numpy as np
 
 from rlhf_pipeline.conversations import as_messages, content_length, end_of_turn, is_conversational, to_text_pairs
 from rlhf_pipeline.errors import DataContractError, PipelineError
-from rlhf_pipeline.text_rules import text_problem
 from rlhf_pipeline.queries import is_cut, pad_tokens, tokenize_query
+from rlhf_pipeline.text_rules import text_problem
 from rlhf_pipeline.tokens import special_prefix
 
 PAIRWISE, BEST_OF_N, CONVERSATIONAL = "pairwise", "best_of_n", "conversational"
@@ -47,7 +47,7 @@ PAIRED_FORMATS = (PAIRWISE, CONVERSATIONAL)  # one chosen against one rejected: 
 PAIRWISE_COLUMNS = ("prompt", "chosen", "rejected")
 SAMPLE_COLUMN = re.compile(r"^sample(0|[1-9]\d*)$")  # sample0, sample1, ...: no leading zeros
 LOOKS_LIKE_SAMPLE = re.compile(r"^sample\d+$")
-TASK_ID = "task_id"  # human labels: the labelling task a row answers (rlhf_pipeline.labelling)
+TASK_ID = "task_id"  # human labels: the labelling task a row answers (rlhf_pipeline.label_studio)
 LABEL_KEY = (TASK_ID, "annotator")  # human labels: one answer per task and annotator
 FILE_ROWS = "file_rows"  # DataFrame.attrs key: the file's row number of each row of a split
 VALIDATE_HINT = "Run `rlhf validate-preferences FILE` for a full report of the problems in a preference file."

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.text_rules import BAD_CHARACTER_CHECK, EMPTY_TEXT_CHECK, text_problem
 from rlhf_pipeline.progress import Progress
+from rlhf_pipeline.text_rules import BAD_CHARACTER_CHECK, EMPTY_TEXT_CHECK, text_problem
 
 MAX_RESAMPLES = 3  # draws again of a query whose candidates would break the data contract, before it is skipped
 

@@ -1,6 +1,7 @@
 """Label Studio tasks sampled from a model, for people to label (`rlhf label export`): N responses per
-query, drawn as the preferences stage draws them. Apart from :mod:`rlhf_pipeline.labelling` (the
-interface, the server and reading exports back) because it loads torch and transformers."""
+query, drawn as the preferences stage draws them. A module of its own because it loads torch and
+transformers, which the interface, the client and reading exports back (the package's other modules) do
+not need."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import torch
 
 from rlhf_pipeline.errors import PipelineError
-from rlhf_pipeline.labelling import task_id, weights_sha256
+from rlhf_pipeline.label_studio.interface import task_id, weights_sha256
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.preferences.simulated import MAX_RESAMPLES, sample_clean_candidates, sample_problem
