@@ -479,7 +479,8 @@ LIBRARY_FLOORS = {
     # audit and commands: lineage, the registry and its gate, labelling with people, the CLI
     4: "lineage/record lineage/verify lineage/facts lineage/event lineage/render lineage/diff registry promotion "
     "models_command label_studio/interface label_studio/client label_studio/export label_studio/tasks "
-    "label_studio/importing side_by_side side_by_side_sampling cli",
+    "label_studio/importing side_by_side side_by_side_sampling commands/base commands/project commands/models "
+    "commands/data commands/lineage commands/label cli",
 }
 
 
