@@ -39,7 +39,9 @@ from rlhf_pipeline.promotion import (
     render,
 )
 from rlhf_pipeline.registry import (
+    POLICY,
     PROD,
+    REWARD_MODEL,
     Version,
     assign,
     dangling_stages,
@@ -55,7 +57,6 @@ from rlhf_pipeline.registry import (
 from rlhf_pipeline.side_by_side import import_verdicts, load_round, refuse_existing_round, round_path, rounds_lock
 from rlhf_pipeline.side_by_side import tally as side_by_side_tally
 
-POLICY, REWARD_MODEL = "policy", "reward-model"
 SCORE_BATCH = 64
 
 
@@ -225,7 +226,7 @@ def gate(root: str | Path = ".", params_path: str | Path = "params.yaml") -> dic
     params = load_params(root / params_path)
     rule = params.promotion
     if POLICY not in declared_artifacts(root):
-        return {"decision": None, "outcome": "skipped: dvc.yaml declares no 'policy' artifact", "markdown": ""}
+        return {"decision": None, "outcome": f"skipped: dvc.yaml declares no {POLICY!r} artifact", "markdown": ""}
     require_recorded_run(root)
     existing, _, _ = version_of(root, POLICY)
     waiting = existing is not None and rule.score == "human" and PROD not in existing.stages
@@ -378,7 +379,7 @@ def fetch(
     from dvc.repo.artifacts import Artifacts  # loads DVC's repo: only when fetching
 
     root = Path(root).resolve()
-    if with_results and name != "policy":
+    if with_results and name != POLICY:
         raise PipelineError(
             f"--with-results adds the evaluate stage's results to the policy's card; {name}'s card already holds "
             "its held-out results (its stage wrote them). Fetch it without --with-results."
@@ -403,7 +404,7 @@ def fetch(
             raise DamagedArtifactError(
                 f"{target.tag} as fetched does not match its {CHECKSUMS}: {'; '.join(problems[:5])}"
             )
-        wanted = name == "policy" and with_results is not False
+        wanted = name == POLICY and with_results is not False
         results = held_out_results(root, target, required=bool(with_results)) if wanted else []
         if results:
             add_held_out_results(

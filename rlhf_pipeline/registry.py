@@ -27,6 +27,8 @@ from rlhf_pipeline.gitrepo import file_at, resolve_rev
 from rlhf_pipeline.paths import EVALUATION_METRICS, REWARD_TRAIN_METRICS
 
 PROD = "prod"
+# the artifacts dvc.yaml declares (its `artifacts:` section) that the gate registers and promotes
+POLICY, REWARD_MODEL = "policy", "reward-model"
 # the metrics a version is listed with: (file, key, label)
 VERSION_METRICS = (
     (EVALUATION_METRICS, keys.GOLD_GAIN, "gold gain"),

@@ -50,13 +50,12 @@ from rlhf_pipeline.errors import (
 )
 from rlhf_pipeline.gitrepo import commit_staged, git
 from rlhf_pipeline.lineage.verify import RESTORE_ADVICE, stage_input_problems, stage_output_problems, verify_paths
-from rlhf_pipeline.models_command import POLICY
 from rlhf_pipeline.params import format_validation_error
 from rlhf_pipeline.params.schedule import ScheduleParams
 from rlhf_pipeline.params.schema import load_params
 from rlhf_pipeline.paths import POLICY as POLICY_DIR
 from rlhf_pipeline.paths import RUN_RECORD
-from rlhf_pipeline.registry import declared_artifacts
+from rlhf_pipeline.registry import POLICY, declared_artifacts
 
 DEPLOYMENT_NAME = "retrain-schedule"
 DEFAULT_LINEAGE_TARGET = POLICY_DIR
