@@ -64,8 +64,8 @@ def _summary(event: dict[str, Any]) -> list[str]:
         return [*lines, f"  verdict      as recorded at {git['revision']} (nothing compared with the workspace)"]
     if not stale["stale"]:
         return [*lines, "  verdict      up to date: workspace, params and commands match dvc.lock"]
-    absent = sorted({r.split(": ", 1)[1].split()[1] for r in stale["reasons"] if r.endswith(" missing")})
-    changed = [r for r in stale["reasons"] if not r.endswith(" missing")]
+    absent, changed = _absent_and_changed(stale["reasons"])
+    absent = sorted(absent)
     if artifact["status"] == "missing" and not changed:
         return [
             *lines,
@@ -83,12 +83,18 @@ def _summary(event: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _absent_and_changed(reasons: list[str]) -> tuple[list[str], list[str]]:
+    """(the paths a reason says are missing, once each in order; every other reason). A missing one reads
+    ``[STAGE: ]dep|out PATH missing`` (:func:`rlhf_pipeline.lineage.record.stage_reasons`)."""
+    absent = [r.removesuffix(" missing").rsplit(" ", 1)[-1] for r in reasons if r.endswith(" missing")]
+    return list(dict.fromkeys(absent)), [r for r in reasons if not r.endswith(" missing")]
+
+
 def _stage_verdict(report: dict[str, Any]) -> str:
     """One stage's line: up to date, only its recorded files absent, or what changed."""
     if not report["stale"]:
         return "up to date"
-    absent = [r.split()[1] for r in report["reasons"] if r.endswith(" missing")]
-    changed = [r for r in report["reasons"] if not r.endswith(" missing")]
+    absent, changed = _absent_and_changed(report["reasons"])
     not_here = f"not checked out: {_listed(absent)}" if absent else ""
     return "; ".join(["STALE: " + "; ".join(changed), *([not_here] if not_here else [])]) if changed else not_here
 
