@@ -23,8 +23,8 @@ import yaml
 from rlhf_pipeline import metric_keys as keys
 from rlhf_pipeline.errors import PipelineError, SettingsError, quoted
 from rlhf_pipeline.file_lock import held
-from rlhf_pipeline.gitrepo import file_at, resolve_rev
-from rlhf_pipeline.paths import EVALUATION_METRICS, REWARD_TRAIN_METRICS
+from rlhf_pipeline.gitrepo import file_at, git, resolve_rev
+from rlhf_pipeline.paths import EVALUATION_METRICS, REWARD_TRAIN_METRICS, RUN_RECORD
 
 PROD = "prod"
 # the artifacts dvc.yaml declares (its `artifacts:` section) that the gate registers and promotes
@@ -285,6 +285,23 @@ def assign(root: str | Path, name: str, version: str, stage: str = PROD, message
         target = resolve(root, f"{name}@{version}")
         _gto().assign(str(root), name, stage, version=target.version, message=message, force=True)
         return next(v for v in versions(root, name) if v.version == target.version)
+
+
+def require_recorded_run(root: str | Path) -> None:
+    """The gate registers HEAD: the run it judges must be what HEAD records (dvc.lock, metrics/ and
+    evaluation/ as committed), so that the version registered is the one evaluated."""
+    changed = (git(str(root), "status", "--porcelain", "--untracked-files=all", "--", *RUN_RECORD) or "").strip()
+    if changed:
+        listed = ", ".join(line[3:] for line in changed.splitlines()[:6])
+        raise PipelineError(
+            f"the run's record differs from HEAD ({listed}): commit dvc.lock, metrics/ and evaluation/ first "
+            "(the retrain flow does), so that the version registered is the one evaluated."
+        )
+
+
+def recorded_file(root: str | Path, version: Version, path: str) -> str | None:
+    """``path``'s text as ``version``'s commit recorded it (git); None where the commit has no such file."""
+    return file_at(root, version.commit, path)
 
 
 def metrics_at(root: str | Path, commit: str) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from xml.sax.saxutils import quoteattr
 
 from rlhf_pipeline.errors import DataContractError, SettingsError, plain, quoted
 from rlhf_pipeline.file_lock import held
+from rlhf_pipeline.gitrepo import commit_staged, git
 from rlhf_pipeline.io import atomic_file
 from rlhf_pipeline.label_studio.export import answered_choice, pairwise_agreement, read_export, task_annotations
 from rlhf_pipeline.params.labelling import LabellingParams
@@ -114,6 +115,16 @@ class Round:
 def rounds_lock(root: str | Path):
     """The lock every writer of ``root``'s round files holds across its read, merge and write."""
     return held(Path(root, ROUNDS))
+
+
+def commit_round(root: Path, path: Path) -> None:
+    """Commit a side-by-side round file as it stands (the order key, the verdicts): a decision people
+    made is audited like the version it decides on. Nothing to commit: nothing done."""
+    relative = str(path.relative_to(root))
+    if not (git(str(root), "status", "--porcelain", "--", relative) or "").strip():
+        return
+    git(str(root), "add", "--", relative)
+    commit_staged(root, [relative], f"side-by-side round {path.stem}")
 
 
 def refuse_existing_round(root: str | Path, challenger: str, incumbent: str) -> None:

@@ -62,7 +62,8 @@ def test_the_registry_and_verdict_commands_start_without_torch_or_transformers()
     transformers (about 3 s of CPU to import) load only when a command samples or scores a model."""
     code = (
         "import sys, json\n"
-        "import rlhf_pipeline.cli, rlhf_pipeline.models_command, rlhf_pipeline.side_by_side\n"
+        "import rlhf_pipeline.cli, rlhf_pipeline.gate, rlhf_pipeline.fetching, rlhf_pipeline.registry_listing\n"
+        "import rlhf_pipeline.side_by_side\n"
         "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -425,7 +425,7 @@ def test_only_gitrepo_starts_git():
 
 def test_the_registry_reads_git_below_the_lineage_records():
     """registry.py used to import lineage/record.py (the one upward arrow); both now read git below them."""
-    for name in ("registry.py", "models_command.py"):
+    for name in ("registry.py", "fetching.py"):
         imported = imported_modules(REPO / "rlhf_pipeline" / name)
         assert "rlhf_pipeline.gitrepo" in imported and "rlhf_pipeline.lineage.record" not in imported, name
 
@@ -478,9 +478,9 @@ LIBRARY_FLOORS = {
     3: "reward/training reward/adoption ppo/policy ppo/parts ppo/rollout ppo/trainer evaluation evaluation_report",
     # audit and commands: lineage, the registry and its gate, labelling with people, the CLI
     4: "lineage/record lineage/verify lineage/facts lineage/event lineage/render lineage/diff registry promotion "
-    "models_command label_studio/interface label_studio/client label_studio/export label_studio/tasks "
-    "label_studio/importing side_by_side side_by_side_sampling commands/base commands/project commands/models "
-    "commands/data commands/lineage commands/label cli",
+    "fetching registry_listing judges gate label_studio/interface label_studio/client label_studio/export "
+    "label_studio/tasks label_studio/importing side_by_side side_by_side_sampling commands/base commands/project "
+    "commands/models commands/data commands/lineage commands/label cli",
 }
 
 

@@ -937,3 +937,42 @@ def test_deploying_refuses_a_crash_window_prefect_cannot_keep_before_it_reads_th
     folder given is no project, and the error is about the option, not the folder."""
     with pytest.raises(PipelineError, match=re.escape(named)):
         deploy_to_pool("p", tmp_path / "no-project", **options)
+
+
+def test_the_flow_sends_a_waiting_round_once_and_pulls_only_one_it_sent(monkeypatch, tmp_path):
+    """Around the gate (flows/retrain/rounds.py): a gate that waits for a round not yet sampled, with a
+    Label Studio project, has the round sent; a sampled round, a round through files and a decision send
+    nothing. Before the gate, answers are pulled only for a sampled round of a project."""
+    import flows.retrain.rounds as rounds
+    from rlhf_pipeline.gate import WantedRound
+
+    sent, pulled = [], []
+    monkeypatch.setattr(
+        rounds,
+        "send_round",
+        lambda repo, c, i, p: sent.append((c, i, p)) or f"6 tasks sent to Label Studio project {p}",
+    )
+    monkeypatch.setattr(rounds, "pull_verdicts", lambda repo, p: pulled.append(p) or "pulled")
+    wanted = {"challenger": "policy@v2.0.0", "incumbent": "policy@v1.0.0", "sampled": False, "project": 3}
+    waiting = {"outcome": "policy@v2.0.0 is registered and waits", "waiting": True, "round": wanted}
+    assert rounds.send_after_gate(tmp_path, waiting).endswith("6 tasks sent to Label Studio project 3")
+    assert sent == [("policy@v2.0.0", "policy@v1.0.0", 3)]
+    for decision in (
+        dict(waiting, round=dict(wanted, sampled=True)),
+        dict(waiting, round=dict(wanted, project=None)),
+        {"outcome": "policy@v2.0.0 assigned prod", "decision": {"promote": True}},
+    ):
+        assert rounds.send_after_gate(tmp_path, decision) == decision["outcome"]
+    assert len(sent) == 1
+
+    shutil.copy(Path(__file__).resolve().parents[1] / "params.yaml", tmp_path / "params.yaml")
+    path = tmp_path / "side_by_side" / "policy@v2.0.0_vs_policy@v1.0.0.json"
+    for project, there, pulls in ((3, False, []), (None, True, []), (3, True, [3])):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("{}") if there else path.unlink(missing_ok=True)
+        round_ = WantedRound("policy@v2.0.0", "policy@v1.0.0", path, project)
+        monkeypatch.setattr(rounds, "waiting_round", lambda root, params, r=round_: r)
+        assert rounds.pull_before_gate(tmp_path) == ({"verdicts": "pulled"} if pulls else {})
+        assert pulled == pulls
+    monkeypatch.setattr(rounds, "waiting_round", lambda root, params: None)
+    assert rounds.pull_before_gate(tmp_path) == {}

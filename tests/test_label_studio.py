@@ -172,7 +172,8 @@ def test_people_judge_a_challenger_side_by_side_through_label_studio_both_ways(
     """promotion.score: human with the real server: a retrain run registers the challenger, sends its
     blind tasks to the project and ends; two people answer (one task in the real page, the rest through
     the API); the next run pulls their answers and decides. A second project answered the other way
-    keeps the version out of prod (there through `rlhf models gate`, the command a person runs)."""
+    keeps the version out of prod (there through `rlhf label verdicts --from-server` and `rlhf models gate`,
+    the commands a person runs: the gate itself only reads the round and decides)."""
     server = label_studio
     second = server.sign_up("judge.two@example.com", "a-long-password-2")
     config = (REPO / "labelling" / "side_by_side.xml").read_text()
@@ -188,7 +189,9 @@ def test_people_judge_a_challenger_side_by_side_through_label_studio_both_ways(
                                "min_queries": 2, "human": human}  # fmt: skip
         (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
-    def gate(root: Path) -> dict:
+    def gate(root: Path, project: int) -> dict:
+        pulled = rlhf("label", "verdicts", "--from-server", str(project), cwd=root, **env)
+        assert pulled.returncode == 0, pulled.stderr
         ran = rlhf("models", "gate", "--json", cwd=root, **env)
         assert ran.returncode == 0, ran.stderr
         return json.loads(ran.stdout)
@@ -227,11 +230,11 @@ def test_people_judge_a_challenger_side_by_side_through_label_studio_both_ways(
             if task != clicked:
                 server.annotate(task, mine, second)
 
-    # the second person answers one task in the real page (A); one answer is too few: the gate pulls it, waits
+    # the second person answers one task in the real page (A); one answer is too few: pulled, the gate waits
     assert label_in_browser(chromium, server, projects[0], second, "A").startswith(b"\x89PNG")
     ((clicked, annotation),) = server.annotations_by(projects[0], second)
     assert annotation["result"][0]["value"] == {"choices": ["a"]}
-    waits = gate(roots[0])
+    waits = gate(roots[0], projects[0])
     assert (
         waits["waiting"] and "1 verdict from 1 person; the rule needs at least 10 from at least 2" in waits["outcome"]
     )
@@ -241,7 +244,7 @@ def test_people_judge_a_challenger_side_by_side_through_label_studio_both_ways(
     answer(projects[0], "challenger", clicked)
     assert run_flow(roots[0]) == "policy@v1.0.0 assigned prod (with reward-model@v1.0.0)"
     assert prod_of(roots[0]) == "policy@v1.0.0"
-    promoted = gate(roots[0])  # decided: the command now finds nothing new, and prints the decision again
+    promoted = gate(roots[0], projects[0])  # decided: the command now finds nothing new, and prints the decision again
     assert promoted["decision"] is None and "no new version" in promoted["outcome"]
     verdicts = json.loads(round_file.read_text())["verdicts"]
     assert len(verdicts) == 2 * len(order)
@@ -249,7 +252,7 @@ def test_people_judge_a_challenger_side_by_side_through_label_studio_both_ways(
 
     # the other project: both prefer the base model's responses; the version stays out of prod
     answer(projects[1], "incumbent")
-    refused = gate(roots[1])
+    refused = gate(roots[1], projects[1])
     assert refused["decision"]["promote"] is False and "stays below 50%" in refused["markdown"]
     assert "prod stays unassigned" in refused["outcome"] and prod_of(roots[1]) is None
 

@@ -140,9 +140,9 @@ def test_a_frozen_judge_scores_with_its_own_reward_model_and_says_what_it_measur
 
     from rlhf_pipeline.errors import DamagedArtifactError
     from rlhf_pipeline.io import write_checksums
+    from rlhf_pipeline.judges import frozen_judge_folder, judge_accuracy, judge_scorer
     from rlhf_pipeline.modelcard import held_out_result
     from rlhf_pipeline.models import load_tokenizer, save_tokenizer
-    from rlhf_pipeline.models_command import frozen_judge_folder, judge_accuracy, judge_scorer
     from rlhf_pipeline.reward.adoption import reward_model_on_base
     from rlhf_pipeline.reward.persistence import save_reward_model
 

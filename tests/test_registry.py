@@ -414,3 +414,54 @@ def test_a_tag_pushed_by_hand_or_swapped_bytes_are_refused_and_concurrent_assign
     assert result.returncode == 7 and "is not what dvc.lock at its commit" in result.stderr, result.stderr
     assert not (tmp_path / "got").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".got.get-")]
+
+
+def test_the_gate_decides_through_eight_modules_and_samples_nothing(versioned, tmp_path, capsys):
+    """From `rlhf models gate` to the registered decision, with the gold rule and with people's, the
+    command and the gate call into at most 8 library modules, themselves included: the gate reads the
+    decision's inputs and writes the registration. Sampling, sending and pulling a round are `rlhf label`
+    commands that the retrain flow runs around it, so no sampler or Label Studio client is entered."""
+    import sys
+
+    from rlhf_pipeline import cli
+
+    command, gate = "rlhf_pipeline.commands.models", "rlhf_pipeline.gate"
+    path: set[str] = {command, gate}  # the modules the command's and the gate's own functions call into
+    printing = "rlhf_pipeline.redaction"  # the secret filter `rlhf` puts on stdout: every command prints through it
+    everything: set[str] = set()  # every library module entered below the command
+
+    def watch(frame, event, arg) -> None:
+        module = frame.f_globals.get("__name__", "")
+        if event != "call" or not module.startswith("rlhf_pipeline") or frame.f_code.co_name == "<module>":
+            return
+        everything.add(module)
+        caller = frame.f_back.f_globals.get("__name__") if frame.f_back is not None else None
+        if caller in (command, gate) and module != printing:
+            path.add(module)
+
+    human = {"score": "human", "judge": None, "max_kl": None, "human": {"label_studio_project": 3}}
+    for name, rule in (("gold", {}), ("human", human)):
+        root = tmp_path / name
+        shutil.copytree(versioned, root, symlinks=True)
+        set_promotion(root, **rule)
+        sh(["git", "commit", "-qam", f"the {name} rule", "--allow-empty"], root)
+        capsys.readouterr()
+        sys.setprofile(watch)
+        try:
+            with pytest.raises(SystemExit) as ended:
+                cli.main(["models", "gate", "--json", "--root", str(root)])
+        finally:
+            sys.setprofile(None)
+        assert ended.value.code == 0
+        decided = json.loads(capsys.readouterr().out)
+        assert decided["registered"] == "policy@v1.0.0, reward-model@v1.0.0"
+    assert decided["waiting"] and decided["round"] == {
+        "challenger": "policy@v1.0.0",
+        "incumbent": "models/base",
+        "file": "side_by_side/policy@v1.0.0_vs_models-base.json",
+        "sampled": False,
+        "project": 3,
+    }
+    assert "`rlhf label compare policy@v1.0.0 models/base --send 3`" in decided["outcome"]
+    assert len(path) <= 8, " ".join(sorted(path))
+    assert not {m for m in everything if "sampling" in m or "label_studio" in m}, sorted(everything)

@@ -5,6 +5,7 @@ tests/test_registry.py; through a real Label Studio: tests/test_label_studio.py.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from test_preferences import tiny_queries
 
 from rlhf_pipeline.errors import DataContractError, PipelineError
 from rlhf_pipeline.io import write_checksums
+from rlhf_pipeline.label_studio.client import TOKEN_VARIABLE, URL_VARIABLE
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
 from rlhf_pipeline.project_key import project_key, pseudonym
@@ -191,6 +193,17 @@ def test_the_commands_write_the_tasks_the_round_and_the_verdicts(two_models, tmp
     ]
     missing = subprocess.run([*rlhf, "verdicts"], cwd=tmp_path, capture_output=True, text=True)
     assert missing.returncode == 2 and "--from-server PROJECT" in missing.stderr
+    neither = subprocess.run([*rlhf, "compare", str(incumbent), str(challenger)], cwd=tmp_path, capture_output=True,
+                             text=True)  # fmt: skip
+    assert neither.returncode == 2 and "--send PROJECT" in neither.stderr
+    # a send the server refuses leaves no round to wait on: the flow's next run samples and sends it again
+    nowhere = {**os.environ, URL_VARIABLE: "http://127.0.0.1:9", TOKEN_VARIABLE: "secret-token-of-1"}
+    unsent = subprocess.run([*rlhf, "compare", str(incumbent), str(challenger), "--send", "3", "--num", "6"],
+                            cwd=tmp_path, capture_output=True, text=True, env=nowhere)  # fmt: skip
+    assert unsent.returncode != 0 and "did not answer" in unsent.stderr and "no task was sent" in unsent.stderr
+    assert "Traceback" not in unsent.stderr
+    assert "secret-token-of-1" not in unsent.stdout + unsent.stderr
+    assert [p.name for p in (tmp_path / "side_by_side").glob("*.json")] == [f"{name}.json"]
 
 
 def test_a_model_is_not_compared_with_itself_nor_sampled_from_queries_another_tokenizer_made(two_models, tmp_path):

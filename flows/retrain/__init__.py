@@ -41,16 +41,18 @@ What a run does, in order:
 6. Where the project declares a policy artifact: commits the run's record (dvc.lock, metrics/,
    evaluation/, the .dvc files; a registry version is a commit), then the promotion gate
    (``rlhf models gate``) registers the new policy and assigns it prod only if ``promotion.*``
-   holds; its decision is a markdown artifact. With ``promotion.score: human`` the gate may wait:
-   the run sends the challenger's side-by-side round to Label Studio and ends, and a later run pulls
-   the answers and decides (rlhf_pipeline/side_by_side.py).
+   holds; its decision is a markdown artifact. With ``promotion.score: human`` the gate may wait
+   (:mod:`.rounds`): after it, the run samples the challenger's side-by-side round and sends it to
+   ``promotion.human.label_studio_project`` (``rlhf label compare --send``) and ends; before the gate of
+   a later run, the answers are pulled (``rlhf label verdicts --from-server``), and the gate decides.
 7. Re-reads every output against dvc.lock and the DVC cache, then ``dvc push`` (to ``remote`` if
    given, else the default remote, else ``localremote``), then a markdown summary artifact (stages,
    metrics against HEAD and against the previous run, lineage of the policy) and a table artifact
    of the metrics.
 
 The package is split by concern: :mod:`.dvc_project` (everything asked of DVC), :mod:`.report`
-(the summary artifacts), :mod:`.labels` (the label tasks), :mod:`.flow` (the stage, commit, gate and
+(the summary artifacts), :mod:`.labels` (the label tasks), :mod:`.rounds` (the side-by-side round
+tasks around the gate), :mod:`.flow` (the stage, commit, gate and
 push tasks, the flow, the deployment), :mod:`.pool` (the work pool and its crash automations),
 ``__main__`` (the CLI).
 """

@@ -40,6 +40,7 @@ from flows.retrain.dvc_project import (
 )
 from flows.retrain.labels import bring_in_labels
 from flows.retrain.report import publish_summary
+from flows.retrain.rounds import pull_before_gate, send_after_gate
 from rlhf_pipeline.errors import (
     EXIT_CODE_MEANINGS,
     BusyError,
@@ -346,7 +347,8 @@ def retrain(
             report["status"], report["stages"] = reproduce_stale(root, stages, retries, retry_delay_seconds)
             if POLICY in declared_artifacts(root):
                 report["recorded"] = record_run(str(root), report["status"])
-                report["promotion"] = promotion_gate(str(root))["outcome"]
+                report |= pull_before_gate(root)
+                report["promotion"] = send_after_gate(root, promotion_gate(str(root)))
             report |= push_outputs(root, remote, push, retries, retry_delay_seconds)
         except BaseException as error:
             report["status"] = "failed"

@@ -18,8 +18,7 @@ from rlhf_pipeline.commands.base import (
     writing,
 )
 from rlhf_pipeline.errors import SettingsError, quoted
-from rlhf_pipeline.file_lock import held
-from rlhf_pipeline.io import atomic_file
+from rlhf_pipeline.io import CHECKSUMS, atomic_file, verify_checksums
 from rlhf_pipeline.label_studio import export as label_export
 from rlhf_pipeline.label_studio import interface as label_interface
 from rlhf_pipeline.label_studio.importing import import_labels, open_export
@@ -110,29 +109,46 @@ def cmd_label(args) -> int:
 
 
 def _label_compare(args) -> int:
-    """``rlhf label compare``: a blind side-by-side round of two models (rlhf_pipeline.side_by_side)."""
+    """``rlhf label compare``: a blind side-by-side round of two models (rlhf_pipeline.side_by_side), its
+    tasks written to OUTPUT, sent to a Label Studio project (``--send``), or both."""
     import json
 
     from rlhf_pipeline import side_by_side_sampling  # loads torch and transformers: only when this command runs
 
-    never_over_inputs(args.output, args.queries, args.challenger, args.incumbent)
+    if args.output is None and args.send is None:
+        raise SettingsError(
+            "rlhf label compare CHALLENGER INCUMBENT takes OUTPUT (a tasks file to import by hand), --send PROJECT "
+            "(straight to a Label Studio project), or both. Nothing was sampled."
+        )
+    if args.output is not None:
+        never_over_inputs(args.output, args.queries, args.challenger, args.incumbent)
     params = load_params(args.params)
     root = project_root("label")
-    refuse_owned(args.output, "OUTPUT", params, root=root)
+    if args.output is not None:
+        refuse_owned(args.output, "OUTPUT", params, root=root)
     numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
     num = args.num if args.num is not None else params.promotion.human.num_queries
     seed = args.seed if args.seed is not None else params.promotion.human.seed
     with sampling_model(args.challenger) as challenger, sampling_model(args.incumbent) as incumbent:
         side_by_side.refuse_existing_round(root, challenger[1], incumbent[1])
         tasks, record = side_by_side_sampling.sample_round(challenger, incumbent, args.queries, params.task, num, seed)
-    with writing(args.output), held(root / side_by_side.ROUNDS):
+    with writing(args.output or side_by_side.ROUNDS), side_by_side.rounds_lock(root):
         side_by_side.refuse_existing_round(root, record.challenger, record.incumbent)  # one sampled meanwhile
+        if args.send is not None:  # sent before the round is kept: a refused send leaves no round to wait on
+            from rlhf_pipeline.label_studio.client import send_tasks  # the HTTP client: only when sending
+
+            send_tasks(args.send, tasks, params.labelling)
         kept = record.save(root).relative_to(root)
-        with atomic_file(args.output) as out:
-            json.dump(tasks, out, indent=1, ensure_ascii=False)
+        if args.output is not None:
+            with atomic_file(args.output) as out:
+                json.dump(tasks, out, indent=1, ensure_ascii=False)
+    where = " and ".join(
+        [f"written to {args.output}"] * (args.output is not None)
+        + [f"sent to Label Studio project {args.send}"] * (args.send is not None)
+    )
     print(
-        f"{args.output}: {len(tasks)} side-by-side tasks, {record.challenger} against {record.incumbent} "
-        f"(seed {seed}); which model wrote Response A is kept in {kept}, not in the tasks. Labelling interface: "
+        f"{len(tasks)} side-by-side tasks, {record.challenger} against {record.incumbent} (seed {seed}), {where}; "
+        f"which model wrote Response A is kept in {kept}, not in the tasks. Labelling interface: "
         "rlhf label config --side-by-side"
     )
     return 0
@@ -165,6 +181,8 @@ def sampling_model(model: str) -> Iterator[tuple[str, str]]:
         root = project_root("label")
         # tasks and rounds name the folder by its path in the project, never by an absolute host path
         relative = project_relative(model, root, "the model folder")
+        if (root / relative / CHECKSUMS).is_file():  # a stage's output: its bytes as it wrote them, or no sample
+            verify_checksums(root / relative, f"restore {relative} with `dvc checkout`")
         yield str(root / relative), relative
         return
     if not any(mark in model for mark in "@#"):
@@ -174,12 +192,13 @@ def sampling_model(model: str) -> Iterator[tuple[str, str]]:
         )
     import tempfile
 
-    from rlhf_pipeline import models_command, registry  # loads DVC and GTO: only for a registered version
+    from rlhf_pipeline import registry  # loads GTO: only for a registered version
+    from rlhf_pipeline.fetching import fetch  # loads DVC: only for a registered version
 
     root = project_of(None, "label")
     version = registry.resolve(root, model)
     with tempfile.TemporaryDirectory(prefix=".label-export-", dir=root) as scratch:
-        models_command.fetch(root, version.artifact, version.version, None, Path(scratch) / "model")
+        fetch(root, version.artifact, version.version, None, Path(scratch) / "model")
         yield str(Path(scratch) / "model"), version.tag
 
 
@@ -208,10 +227,18 @@ def _add_side_by_side_parsers(label) -> None:
         "compare",
         "a blind side-by-side round: one response from each model per held-out query -> Label Studio tasks",
         "rlhf label compare policy@v2 policy#prod tasks.json",
+        "rlhf label compare policy@v2 policy#prod --send 3",
     )
     q.add_argument("challenger", help="a model folder or a registered version (policy@v2)")
     q.add_argument("incumbent", help="a model folder or a registered version (policy#prod, models/base)")
-    q.add_argument("output", help="the tasks (JSON) to import into Label Studio")
+    q.add_argument("output", nargs="?", default=None, help="the tasks (JSON) to import into Label Studio by hand")
+    q.add_argument(
+        "--send",
+        type=whole_number(1),
+        default=None,
+        metavar="PROJECT",
+        help="send the tasks to Label Studio project PROJECT at $LABEL_STUDIO_URL with $LABEL_STUDIO_API_KEY",
+    )
     q.add_argument("--queries", default=paths.QUERIES)
     q.add_argument(
         "--num", type=whole_number(1), default=None, help="held-out queries (default: promotion.human.num_queries)"

@@ -1,8 +1,10 @@
-"""`rlhf models`: the model registry (list, gate, assign, get), through :mod:`rlhf_pipeline.models_command`."""
+"""`rlhf models`: the model registry: list (:mod:`rlhf_pipeline.registry_listing`), gate
+(:mod:`rlhf_pipeline.gate`), assign (:mod:`rlhf_pipeline.registry`), get (:mod:`rlhf_pipeline.fetching`)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rlhf_pipeline.commands.base import (
     command,
@@ -16,33 +18,40 @@ def cmd_models(args) -> int:
     """The registry: list the versions, run the promotion gate, assign a stage, fetch a version."""
     import json
 
-    from rlhf_pipeline import models_command  # loads GTO (and, for the gate, torch): only when this command runs
-
     root = project_of(args.root, "models")
     if args.action == "gate":
-        result = models_command.gate(root, args.params)
+        from rlhf_pipeline.gate import gate  # loads GTO (and, to score, torch): only when the gate runs
+
+        result = gate(root, args.params)
         print(json.dumps(result, indent=2, default=str) if args.json else result["markdown"] or result["outcome"])
         return 0
     if args.action == "assign":
+        from rlhf_pipeline.registry import assign  # loads GTO: only when a stage is assigned
+
         if not args.name or not args.version:
             raise PipelineError("rlhf models assign NAME VERSION [--stage STAGE]: name the artifact and the version.")
-        version = models_command.assign_stage(root, args.name, args.version, args.stage)
+        message = f"assigned {args.stage} by hand (rlhf models assign)"
+        version = assign(Path(root).resolve(), args.name, args.version, args.stage, message=message)
         print(f"{args.name}@{version.version} is now {args.stage} (commit {version.commit[:12]})")
         return 0
     if args.action == "get":
+        from rlhf_pipeline.fetching import fetch  # loads DVC and GTO: only when a version is fetched
+
         if not args.name or not args.out:
             raise PipelineError(
                 "rlhf models get NAME [VERSION | --from-stage STAGE] -o DIR: name the artifact and DIR."
             )
         with writing(args.out):
             with_results = False if args.as_recorded else (True if args.with_results else None)
-            got = models_command.fetch(root, args.name, args.version, args.stage_filter, args.out, with_results)
+            got = fetch(root, args.name, args.version, args.stage_filter, args.out, with_results)
         print(f"{got['out']}: {got['artifact']}@{got['version']} ({got['files_checked']} files match its SHA256SUMS)")
         if got["results"]:
             print(f"{got['out']}/README.md: the card holds the version's held-out results (also as its model-index)")
         return 0
-    rows = models_command.listing(root)
-    print(json.dumps(rows, indent=2, default=str) if args.json else models_command.render_listing(rows))
+    from rlhf_pipeline.registry_listing import listing, render_listing  # loads GTO: only when listing
+
+    rows = listing(root)
+    print(json.dumps(rows, indent=2, default=str) if args.json else render_listing(rows))
     return 0
 
 

@@ -45,9 +45,10 @@ class HumanGateParams(Strict):
     label_studio_project: int | None = Field(
         None,
         gt=0,
-        description="The Label Studio project the gate sends a waiting challenger's side-by-side tasks to, and "
-        "pulls the answers from ($LABEL_STUDIO_URL, $LABEL_STUDIO_API_KEY); null: the round goes through files "
-        "(rlhf label compare, rlhf label verdicts).",
+        description="The Label Studio project a waiting challenger's side-by-side tasks are sent to (rlhf label "
+        "compare --send) and its answers pulled from (rlhf label verdicts --from-server), by the retrain flow around "
+        "the gate ($LABEL_STUDIO_URL, $LABEL_STUDIO_API_KEY); null: the round goes through files (rlhf label "
+        "compare, rlhf label verdicts).",
     )
 
 
