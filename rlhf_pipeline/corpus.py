@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from rlhf_pipeline.decoding import SamplingRequest
-from rlhf_pipeline.devices import model_device
+from rlhf_pipeline.devices import STATIC_SAMPLER, model_device
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.io import load_hub_dataset, read_table, read_txt_passages
 from rlhf_pipeline.progress import Progress
@@ -135,7 +135,7 @@ def generate_passages(
     seed: int,
     samples_per_prompt: int = 1,
     progress: str | None = None,
-    cuda_sampler: str = "static",
+    cuda_sampler: str = STATIC_SAMPLER,
 ) -> list[str]:
     """Sample ``num_passages`` passages from ``model``, deterministic for a given seed and model.
 

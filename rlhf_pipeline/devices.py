@@ -26,7 +26,8 @@ import torch
 from rlhf_pipeline.errors import SettingsError
 
 DEVICE_KEY = "compute.device"
-CUDA_SAMPLERS = ("static", "eager")
+STATIC_SAMPLER, EAGER_SAMPLER = "static", "eager"  # compute.cuda_sampler's values
+CUDA_SAMPLERS = (STATIC_SAMPLER, EAGER_SAMPLER)
 # cuBLAS picks reduction splits by workspace; a fixed configuration makes its GEMMs deterministic
 # (https://docs.nvidia.com/cuda/cublas/#results-reproducibility). Read when cuBLAS initialises.
 CUBLAS_WORKSPACE = ":4096:8"
@@ -42,7 +43,7 @@ class DevicePlan:
     autocast_dtype: torch.dtype | None  # bf16 autocast on CUDA; None (fp32) on CPU or compute.cuda_precision fp32
     # how this plan samples on CUDA (compute.cuda_sampler): static (the static-cache sampler, its step compiled
     # with CUDA graphs: rlhf_pipeline/static_sampling.py) or eager; the samplers take it from here
-    sampler: str = "static"
+    sampler: str = STATIC_SAMPLER
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -62,7 +63,7 @@ class DevicePlan:
         ``NVIDIA H100 80GB HBM3 (bf16 autocast, fp32 weights, TF32; static-cache sampler)``."""
         if self.device.type != "cuda":
             return f"cpu ({self.precision})"
-        sampler = "static-cache sampler" if self.sampler == "static" else "eager sampler"
+        sampler = "static-cache sampler" if self.sampler == STATIC_SAMPLER else "eager sampler"
         return f"{torch.cuda.get_device_name(self.device)} ({self.precision}; {sampler})"
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ def resolve_compute(compute, deterministic: bool = True) -> DevicePlan:
 
 
 def resolve_device(
-    device: str = "auto", cuda_precision: str = "bf16", deterministic: bool = True, sampler: str = "static"
+    device: str = "auto", cuda_precision: str = "bf16", deterministic: bool = True, sampler: str = STATIC_SAMPLER
 ) -> DevicePlan:
     """``compute.device`` for this process: ``auto`` is CUDA (the local rank's GPU) when torch sees
     one, else the CPU; ``cuda`` without a visible GPU is a :class:`DeviceError` (exit 2) naming the

@@ -34,7 +34,7 @@ from rlhf_pipeline.registry import (
     require_recorded_run,
     version_of,
 )
-from rlhf_pipeline.side_by_side import commit_round, load_round, round_path
+from rlhf_pipeline.side_by_side import commit_round, load_round, round_path, rounds_lock
 from rlhf_pipeline.side_by_side import tally as side_by_side_tally
 
 
@@ -181,8 +181,9 @@ def human_tally(root: Path, rule: PromotionParams, wanted: WantedRound) -> tuple
     why the gate waits, or None."""
     if not wanted.sampled:
         return None, round_to_sample(wanted)
-    commit_round(root, wanted.path)
-    record = load_round(wanted.path, root)  # sealed, and every verdict one person's one answer to a task of the round
+    with rounds_lock(root):  # the round counted is the round committed, whatever a pull writes meanwhile
+        commit_round(root, wanted.path)
+        record = load_round(wanted.path, root)  # sealed, and every verdict one person's one answer to a task of it
     if (record.challenger, record.incumbent) != (wanted.challenger, wanted.incumbent):
         raise DataContractError(
             f"{wanted.path}: the round compares {plain(record.challenger, 80)} with {plain(record.incumbent, 80)}, "

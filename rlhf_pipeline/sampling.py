@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from rlhf_pipeline.conversations import end_of_turn, require_chat_template
 from rlhf_pipeline.decoding import DecodedTokens, SampleOutput, SamplingRequest, never_pad, position_ids_from_mask
-from rlhf_pipeline.devices import model_device
+from rlhf_pipeline.devices import STATIC_SAMPLER, model_device
 from rlhf_pipeline.functional import logprobs_and_entropy, logprobs_from_logits, truncate_response
 from rlhf_pipeline.models import backbone_of, transformer_layers
 from rlhf_pipeline.params.task import TaskParams
@@ -122,15 +122,10 @@ def samples_statically(request: SamplingRequest, cuda_sampler: str) -> bool:
     """Whether ``request`` goes to the static-cache sampler: on CUDA, where the device plan's sampler
     (``compute.cuda_sampler``) is ``static`` and the call asks nothing that sampler lacks (its own draws,
     no captured layers, one process)."""
-    return (
-        request.queries.device.type == "cuda"
-        and cuda_sampler == "static"
-        and request.uniforms is None
-        and supports_static(request.capture_layers, request.process_share)
-    )
+    return request.queries.device.type == "cuda" and cuda_sampler == STATIC_SAMPLER and supports_static(request)
 
 
-def sample_on_device(model: nn.Module, request: SamplingRequest, cuda_sampler: str = "static") -> SampleOutput:
+def sample_on_device(model: nn.Module, request: SamplingRequest, cuda_sampler: str = STATIC_SAMPLER) -> SampleOutput:
     """:func:`sample_responses`, or on CUDA the static-cache sampler with the same draws
     (:func:`samples_statically`): the one entry every sampling stage and PPO's rollouts go through.
     ``cuda_sampler``: the device plan's choice (:attr:`rlhf_pipeline.devices.DevicePlan.sampler`)."""
@@ -350,10 +345,10 @@ class ResponseSampler:
     eos_token_id: int | None
     truncate_token_id: int | None
     stop_at_eos: bool | None = None  # None: task.stop_at_eos
-    cuda_sampler: str = "static"  # the device plan's sampler on CUDA (DevicePlan.sampler)
+    cuda_sampler: str = STATIC_SAMPLER  # the device plan's sampler on CUDA (DevicePlan.sampler)
 
     @classmethod
-    def from_tokenizer(cls, task: TaskParams, tokenizer, cuda_sampler: str = "static") -> ResponseSampler:
+    def from_tokenizer(cls, task: TaskParams, tokenizer, cuda_sampler: str = STATIC_SAMPLER) -> ResponseSampler:
         """The task's sampler; in chat mode a response stops at the chat template's end-of-turn
         token (which stays in the response, as in the preference data), not at the tokenizer's EOS.
         ``cuda_sampler``: the device plan's (:attr:`rlhf_pipeline.devices.DevicePlan.sampler`)."""

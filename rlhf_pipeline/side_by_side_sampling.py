@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
+from rlhf_pipeline.candidates import MAX_RESAMPLES, sample_clean_candidates, sample_problem
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.label_studio.interface import weights_sha256
 from rlhf_pipeline.label_studio.tasks import query_vocabulary_problem
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
-from rlhf_pipeline.preferences.simulated import MAX_RESAMPLES, sample_clean_candidates, sample_problem
 from rlhf_pipeline.sampling import ResponseSampler
 from rlhf_pipeline.saved_datasets import read_split
 from rlhf_pipeline.side_by_side import CHALLENGER, INCUMBENT, Round, task_id

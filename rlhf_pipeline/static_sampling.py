@@ -34,11 +34,12 @@ from rlhf_pipeline.decoding import DecodedTokens, SampleOutput, SamplingRequest,
 from rlhf_pipeline.models import backbone_of
 
 
-def supports_static(capture_layers, process_share: tuple[int, int]) -> bool:
-    """True when a sampling call asks nothing this sampler does not do: no captured layers (the
-    trunk split), one process (several processes sample shares of a batch, and FSDP shards the
-    weights between forwards: the compiled step would see neither)."""
-    return not tuple(capture_layers) and process_share == (0, 1)
+def supports_static(request: SamplingRequest) -> bool:
+    """True when ``request`` asks nothing this sampler does not do: its own draws from the generator
+    (not given ``uniforms``), no captured layers (the trunk split), one process (several processes
+    sample shares of a batch, and FSDP shards the weights between forwards: the compiled step would
+    see neither)."""
+    return request.uniforms is None and not tuple(request.capture_layers) and request.process_share == (0, 1)
 
 
 def decode_step(model: nn.Module, cache, token: Tensor, position: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -110,7 +111,7 @@ def sample_responses_static(
     is compiled): run a smaller batch in the shape of a cache already held (:func:`batch_to_run`), its
     extra rows copies of the first; nothing is drawn for them, so the real rows get the draws they get
     alone."""
-    if not supports_static(request.capture_layers, request.process_share) or request.uniforms is not None:
+    if not supports_static(request):
         raise ValueError(
             "sample_responses_static: captured layers, a process share and given draws are the eager sampler's"
         )

@@ -152,3 +152,14 @@ def test_the_static_sampler_takes_cuda_calls_it_can_serve_unless_the_plan_says_e
     assert eager.sampler == "eager" and not samples_statically(request("cuda"), eager.sampler)
     assert samples_statically(request("cuda"), static.sampler)  # the first plan samples as it did
     assert "static-cache sampler" in static.describe() and "eager sampler" in eager.describe()
+
+
+def test_the_sampler_names_are_the_schema_s():
+    """compute.cuda_sampler's values (a Literal of the params schema, which stands below devices) are the
+    names the device plan and the samplers compare against (devices.CUDA_SAMPLERS), its default the first."""
+    from typing import get_args
+
+    from rlhf_pipeline.params.compute import ComputeParams
+
+    field = ComputeParams.model_fields["cuda_sampler"]
+    assert get_args(field.annotation) == devices.CUDA_SAMPLERS and field.default == devices.STATIC_SAMPLER

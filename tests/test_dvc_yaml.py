@@ -471,9 +471,9 @@ LIBRARY_FLOORS = {
     "params/promotion params/reward params/schedule params/task params/schema",
     # models, devices and data: loading, sampling, scoring, formats, the contract
     2: "devices distributed environment models modelcard fit runner sources conversations queries sampling "
-    "static_sampling labelers preferences/formats preferences/splits preferences/simulated preferences/export "
-    "contract corpus datadocs plots_page reward/model reward/persistence reward/folder reward/normalization "
-    "ppo/checkpoint ppo/stats ppo/kl_budget training",
+    "static_sampling candidates labelers preferences/formats preferences/splits preferences/simulated "
+    "preferences/export contract corpus datadocs plots_page reward/model reward/persistence reward/folder "
+    "reward/normalization ppo/checkpoint ppo/stats ppo/kl_budget training",
     # training and evaluation
     3: "reward/training reward/adoption ppo/policy ppo/parts ppo/rollout ppo/trainer evaluation evaluation_report",
     # audit and commands: lineage, the registry and its gate, labelling with people, the CLI

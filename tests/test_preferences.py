@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import run_stage_script
 
+from rlhf_pipeline.candidates import sample_problem
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.labelers import Labeler, get_labeler
 from rlhf_pipeline.params.task import TaskParams
@@ -21,7 +22,7 @@ from rlhf_pipeline.preferences.formats import (
     pairwise_to_internal,
     to_flat_frame,
 )
-from rlhf_pipeline.preferences.simulated import ceiling_accuracy, pick_best, sample_problem, simulate_preferences
+from rlhf_pipeline.preferences.simulated import ceiling_accuracy, pick_best, simulate_preferences
 from rlhf_pipeline.preferences.splits import load_user_frames
 from rlhf_pipeline.queries import is_left_padded, pad_tokens
 from rlhf_pipeline.sampling import ResponseSampler

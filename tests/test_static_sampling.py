@@ -82,9 +82,12 @@ def test_the_static_and_eager_samplers_draw_the_same_tokens_from_one_generator(t
 
 
 def test_the_static_path_applies_only_where_nothing_else_is_asked():
-    assert supports_static((), (0, 1))
-    assert not supports_static((3,), (0, 1))  # the trunk split's captured layer
-    assert not supports_static((), (1, 2))  # a share of a batch sampled by several processes
+    queries = torch.ones(2, 3, dtype=torch.long)
+    asked = dict(queries=queries, query_mask=queries.bool(), response_length=4, temperature=0.7, pad_token_id=0)
+    assert supports_static(sampling_request(**asked))
+    assert not supports_static(sampling_request(**asked, capture_layers=(3,)))  # the trunk split's captured layer
+    assert not supports_static(sampling_request(**asked, process_share=(1, 2)))  # a share sampled by several processes
+    assert not supports_static(sampling_request(**asked, uniforms=torch.rand(2, 4)))  # draws given from outside
 
 
 @pytest.mark.parametrize("device", devices())

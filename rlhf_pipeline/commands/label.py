@@ -21,6 +21,7 @@ from rlhf_pipeline.errors import SettingsError, quoted
 from rlhf_pipeline.io import CHECKSUMS, atomic_file, verify_checksums
 from rlhf_pipeline.label_studio import export as label_export
 from rlhf_pipeline.label_studio import interface as label_interface
+from rlhf_pipeline.label_studio.client import TOKEN_VARIABLE, URL_VARIABLE, send_tasks
 from rlhf_pipeline.label_studio.importing import import_labels, open_export
 from rlhf_pipeline.params.labelling import LabellingParams
 from rlhf_pipeline.params.schema import load_params
@@ -135,8 +136,6 @@ def _label_compare(args) -> int:
     with writing(args.output or side_by_side.ROUNDS), side_by_side.rounds_lock(root):
         side_by_side.refuse_existing_round(root, record.challenger, record.incumbent)  # one sampled meanwhile
         if args.send is not None:  # sent before the round is kept: a refused send leaves no round to wait on
-            from rlhf_pipeline.label_studio.client import send_tasks  # the HTTP client: only when sending
-
             send_tasks(args.send, tasks, params.labelling)
         kept = record.save(root).relative_to(root)
         if args.output is not None:
@@ -220,6 +219,17 @@ def _label_import_paths(args) -> tuple[str | None, int | None]:
     return args.input, None
 
 
+def _project_option(parser, flag: str, does: str) -> None:
+    """A Label Studio project's id (``PROJECT``, at least 1) as ``flag``; the server and token from the environment."""
+    parser.add_argument(
+        flag,
+        type=whole_number(1),
+        default=None,
+        metavar="PROJECT",
+        help=f"{does} Label Studio project PROJECT at ${URL_VARIABLE} with ${TOKEN_VARIABLE}",
+    )
+
+
 def _add_side_by_side_parsers(label) -> None:
     """``rlhf label compare`` and ``rlhf label verdicts``: blind side-by-side rounds of two models."""
     q = command(
@@ -232,13 +242,7 @@ def _add_side_by_side_parsers(label) -> None:
     q.add_argument("challenger", help="a model folder or a registered version (policy@v2)")
     q.add_argument("incumbent", help="a model folder or a registered version (policy#prod, models/base)")
     q.add_argument("output", nargs="?", default=None, help="the tasks (JSON) to import into Label Studio by hand")
-    q.add_argument(
-        "--send",
-        type=whole_number(1),
-        default=None,
-        metavar="PROJECT",
-        help="send the tasks to Label Studio project PROJECT at $LABEL_STUDIO_URL with $LABEL_STUDIO_API_KEY",
-    )
+    _project_option(q, "--send", "send the tasks to")
     q.add_argument("--queries", default=paths.QUERIES)
     q.add_argument(
         "--num", type=whole_number(1), default=None, help="held-out queries (default: promotion.human.num_queries)"
@@ -253,9 +257,7 @@ def _add_side_by_side_parsers(label) -> None:
         "rlhf label verdicts --from-server 3",
     )
     q.add_argument("input", nargs="?", default=None, help="Label Studio's JSON export (not with --from-server)")
-    q.add_argument(
-        "--from-server", type=whole_number(1), default=None, metavar="PROJECT", help="pull project PROJECT's answers"
-    )
+    _project_option(q, "--from-server", "pull the answers from")
     q.add_argument("--params", default="params.yaml")
 
 
@@ -310,13 +312,7 @@ def add_parser(sub) -> None:
     q.add_argument(
         "paths", nargs="+", metavar="[INPUT] OUTPUT", help="the export file (not with --from-server), the .jsonl"
     )
-    q.add_argument(
-        "--from-server",
-        type=whole_number(1),
-        default=None,
-        metavar="PROJECT",
-        help="pull project PROJECT's annotations from the server at $LABEL_STUDIO_URL with $LABEL_STUDIO_API_KEY",
-    )
+    _project_option(q, "--from-server", "pull the annotations from")
     q.add_argument(
         "--min-agreement",
         type=fraction,

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
+from rlhf_pipeline.candidates import MAX_RESAMPLES, sample_clean_candidates, sample_problem
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.label_studio.interface import task_id, weights_sha256
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer
 from rlhf_pipeline.params.task import TaskParams
-from rlhf_pipeline.preferences.simulated import MAX_RESAMPLES, sample_clean_candidates, sample_problem
 from rlhf_pipeline.sampling import ResponseSampler
 from rlhf_pipeline.saved_datasets import read_split
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from rlhf_pipeline.devices import STATIC_SAMPLER
 from rlhf_pipeline.errors import PipelineError
 from rlhf_pipeline.models import load_causal_lm
 from rlhf_pipeline.params.ppo import PPOParams
@@ -41,7 +42,17 @@ class TrainerParts:
     gold_standardization: tuple[float, float] | None = None  # (mean, std) of the base samples' gold scores
     log: Callable[[dict], None] | None = None  # called with each update's record
     autocast: Callable | None = None  # the device plan's autocast context (None: full precision)
-    cuda_sampler: str = "static"  # the device plan's sampler on CUDA (DevicePlan.sampler)
+    cuda_sampler: str = STATIC_SAMPLER  # the device plan's sampler on CUDA (DevicePlan.sampler)
+
+    @property
+    def pad_id(self) -> int:
+        """The token that pads queries and responses (``query_responses != pad_id`` is the attention mask)."""
+        return self.tokenizer.pad_token_id
+
+    @property
+    def query_length(self) -> int:
+        """``Q``: a query's tokens, where each response starts in ``query_responses``."""
+        return self.queries.shape[1]
 
     def __post_init__(self) -> None:
         if self.cfg.score_source == "gold" and (self.gold_labeler is None or self.gold_standardization is None):

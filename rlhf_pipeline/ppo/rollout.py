@@ -83,7 +83,7 @@ class RolloutMaker:
         self.policy, self.ref_model, self.queries = parts.policy, parts.ref_model, parts.queries
         self.accelerator, self.device, self._ctx = accelerator, parts.device, autocast
         self.world_size, self.rank = accelerator.num_processes, accelerator.process_index
-        self.pad_id, self.query_length = parts.tokenizer.pad_token_id, parts.queries.shape[1]
+        self.pad_id, self.query_length = parts.pad_id, parts.query_length
         self.sampler = ResponseSampler.from_tokenizer(parts.task, parts.tokenizer, parts.cuda_sampler)
         self.samples_per_query, self.freeze = self.cfg.samples_per_query, self.cfg.freeze_layers
         reference = self.ref_model if self.ref_model is not None else self.policy.lm

@@ -123,7 +123,7 @@ class PPOTrainer:
         cfg = self.cfg = parts.cfg
         self.parts, self.policy, self.device = parts, parts.policy, parts.device
         self.checkpointer, self.log = parts.checkpointer, parts.log
-        self.pad_id, self.query_length = parts.tokenizer.pad_token_id, parts.queries.shape[1]
+        self.pad_id, self.query_length = parts.pad_id, parts.query_length
         self.num_updates = cfg.total_episodes // cfg.batch_size
         self._split_over_processes(accelerator)
         for frozen in (parts.ref_model, parts.reward_model):
