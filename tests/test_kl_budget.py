@@ -9,7 +9,17 @@ import torch
 
 from rlhf_pipeline.params.ppo import KLParams
 from rlhf_pipeline.ppo.kl_budget import KLBudget
-from rlhf_pipeline.ppo.stats import LossStats, RolloutStats, UpdateTimes, kl_reading, mean_loss_stats, update_record
+from rlhf_pipeline.ppo.stats import (
+    LossStats,
+    RolloutStats,
+    UpdateTimes,
+    gap_terms,
+    history_summary,
+    kl_reading,
+    logprob_gap,
+    mean_loss_stats,
+    update_record,
+)
 
 
 class OneWeight:
@@ -160,3 +170,28 @@ def test_phase_times_add_up_piece_by_piece():
         generation=0.5, reference=0.5, scoring=0.5
     )
     assert (total.generation, total.reference, total.scoring, total.training) == (1.5, 2.5, 3.5, 0.0)
+
+
+def test_the_rollout_trainer_gap_is_the_largest_and_the_mean_token_difference_over_every_process():
+    """|log pi_sample - log pi_train| over the kept tokens of the first minibatch's microbatches, pooled over the
+    processes as the one-process run would pool them: the largest anywhere, the mean over every token."""
+    sampled = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, 0.0]])
+    trained = torch.tensor([[-1.0, -2.5, -9.0], [-0.5, -0.5, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])  # the -9 is past the response: not counted
+    terms = gap_terms(sampled, trained, mask)
+    assert terms.tolist() == [0.5, 0.75, 5.0]
+    other_process = torch.tensor([[1.0, 1.0, 2.0]], dtype=torch.float64)  # its one microbatch: 2 tokens, one off by 1
+    gap = logprob_gap([terms, terms], lambda mine: torch.cat([mine, other_process]), torch.device("cpu"))
+    assert gap == {"logprob_gap_max": 1.0, "logprob_gap_mean": pytest.approx(2.5 / 12)}
+    assert logprob_gap([gap_terms(sampled, sampled, mask)], lambda mine: mine, torch.device("cpu")) == {
+        "logprob_gap_max": 0.0,
+        "logprob_gap_mean": 0.0,
+    }
+    assert logprob_gap([], lambda mine: mine, torch.device("cpu")) == {}
+    history = [
+        {"episodes": 8 * (u + 1), "objective/score": 0.0, "objective/kl": 1.0, "objective/kl_coef": 0.1}
+        | {"policy/logprob_gap_max": top, "policy/logprob_gap_mean": mean}
+        for u, (top, mean) in enumerate([(0.25, 0.01), (0.5, 0.03)])
+    ]
+    summary = history_summary(history, with_gold=False)
+    assert summary["logprob_gap/max"] == 0.5 and summary["logprob_gap/mean"] == pytest.approx(0.02)

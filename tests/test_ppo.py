@@ -161,6 +161,8 @@ def test_seeded_training_is_deterministic_and_learns_something(tiny_base_dir, re
     for record in h1:
         assert 0.0 <= record["policy/clipfrac"] <= 1.0
         assert record["lr"] <= params.ppo.lr
+        # the sampled tokens' log-probabilities against the first training forward's: rounding apart, the same
+        assert 0.0 <= record["policy/logprob_gap_mean"] <= record["policy/logprob_gap_max"] < 1e-3
     # LR annealed linearly to 0 across updates: update u uses lr * (1 - u / U)
     assert [r["lr"] for r in h1] == pytest.approx([1e-3 * (1 - u / 4) for u in range(4)])
 

@@ -42,6 +42,9 @@ class LossStats:
     ratio_max: float  # over processes: the maximum, not the mean
     value: float | None = None  # the clipped value loss
     value_clipfrac: float | None = None
+    # the rollout-trainer gap (:func:`logprob_gap`): the update's, set once its microbatches are averaged
+    logprob_gap_max: float | None = None
+    logprob_gap_mean: float | None = None
 
 
 # the record's name of each LossStats field: sorted by name, as the record has always listed them
@@ -52,6 +55,8 @@ _LOSS_NAMES = {
     "approxkl": "policy/approxkl",
     "clipfrac": "policy/clipfrac",
     "entropy": "policy/entropy",
+    "logprob_gap_max": "policy/logprob_gap_max",
+    "logprob_gap_mean": "policy/logprob_gap_mean",
     "ratio_max": "policy/ratio_max",
     "ratio_mean": "policy/ratio_mean",
     "value_clipfrac": "val/clipfrac",
@@ -75,6 +80,33 @@ def mean_loss_stats(records: Sequence[LossStats], gather_rows, device: torch.dev
             for i, name in enumerate(present)
         }
     )
+
+
+def gap_terms(sampled: Tensor, trained: Tensor, mask: Tensor) -> Tensor:
+    """One microbatch's share of :func:`logprob_gap`: (3,) float64, the largest
+    ``|sampled - trained|`` over the tokens ``mask`` keeps, their sum and their count."""
+    gap = (trained.detach().double() - sampled.double()).abs()[mask.bool()]
+    largest = gap.max() if gap.numel() else gap.new_zeros(())
+    return torch.stack([largest, gap.sum(), gap.new_tensor(float(gap.numel()))])
+
+
+def logprob_gap(terms: Sequence[Tensor], gather_rows, device: torch.device) -> dict[str, float]:
+    r"""The rollout-trainer gap of an update, over every process's kept response tokens in the microbatches
+    whose :func:`gap_terms` are ``terms``:
+
+    .. math:: \max_t |\log\pi_{\text{sample}}(a_t) - \log\pi_{\text{train}}(a_t)| \quad\text{and its mean,}
+
+    the old log-probability each token was sampled with (the decoding pass over a KV cache) against the one
+    the first training forward gives it, before any optimizer step moved the policy. Zero when the two
+    passes compute the same bytes; ``{}`` without terms."""
+    if not terms:
+        return {}
+    mine = torch.stack(list(terms))
+    local = torch.stack([mine[:, 0].max(), mine[:, 1].sum(), mine[:, 2].sum()])[None].to(device)
+    every = gather_rows(local)
+    count = every[:, 2].sum().item()
+    mean = every[:, 1].sum().item() / count if count else 0.0
+    return {"logprob_gap_max": every[:, 0].max().item(), "logprob_gap_mean": mean}
 
 
 @dataclass(kw_only=True)
@@ -168,4 +200,8 @@ def history_summary(history: list[dict], with_gold: bool) -> dict:
     if with_gold:
         metrics["gold/first_quarter"] = mean_of(first, "objective/gold")
         metrics["gold/last_quarter"] = mean_of(last, "objective/gold")
+    gapped = [record for record in history if "policy/logprob_gap_max" in record]
+    if gapped:  # the rollout-trainer gap over the whole run: its largest token, and its mean over the updates
+        metrics["logprob_gap/max"] = max(record["policy/logprob_gap_max"] for record in gapped)
+        metrics["logprob_gap/mean"] = mean_of(gapped, "policy/logprob_gap_mean")
     return metrics

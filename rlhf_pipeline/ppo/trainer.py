@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from accelerate.utils import gather_object
@@ -48,7 +49,9 @@ from rlhf_pipeline.ppo.stats import (
     LossStats,
     UpdateTimes,
     display,
+    gap_terms,
     kl_reading,
+    logprob_gap,
     mean_loss_stats,
     non_finite_values,
     update_record,
@@ -185,9 +188,12 @@ class PPOTrainer:
         return Advantages(rewards=rewards, non_score=non_score, advantages=whiten(advantages, mask), returns=returns)
 
     # ---- 3: the loss ------------------------------------------------------------------------
-    def loss(self, ro: Rollout, adv: Advantages, micro: Tensor, attn: Tensor) -> tuple[Tensor, LossStats]:
+    def loss(
+        self, ro: Rollout, adv: Advantages, micro: Tensor, attn: Tensor, gaps: list[Tensor] | None = None
+    ) -> tuple[Tensor, LossStats]:
         """The PPO loss of the rows ``micro`` and their statistics: the clipped policy loss,
-        + ``vf_coef`` * the clipped value loss with a critic, - ``entropy_coef`` * the entropy."""
+        + ``vf_coef`` * the clipped value loss with a critic, - ``entropy_coef`` * the entropy.
+        ``gaps``: where this forward's log-probabilities meet the sampled ones (:func:`gap_terms`)."""
         cfg, use_trunk = self.cfg, self.rollouts.use_trunk
         with self._ctx():
             logprobs, entropy, vpred = self.train_module(
@@ -200,6 +206,8 @@ class PPOTrainer:
                 ro.trunk[micro] if use_trunk else None,
             )
         mask = ro.mask[micro]
+        if gaps is not None:
+            gaps.append(gap_terms(ro.logprobs[micro], logprobs, mask))
         pg_loss, pg = policy_loss(logprobs.float(), ro.logprobs[micro], adv.advantages[micro], cfg.cliprange, mask)
         entropy_mean = masked_mean(entropy, mask)
         value = {}
@@ -233,22 +241,28 @@ class PPOTrainer:
         attn = ro.query_responses != self.pad_id
         generator = torch.Generator().manual_seed(self.parts.seed * 7_919 + update)
         records: list[LossStats] = []
+        first_forwards: list[Tensor] = []  # the first minibatch's forwards run before the update's first step
         self.policy.train()
-        for _ in range(cfg.ppo_epochs):
+        for epoch in range(cfg.ppo_epochs):
             # each minibatch cut into one share per process, each share into microbatches
-            for shares in minibatch_indices(cfg.batch_size, cfg.nminibatches, self.minibatch_share, generator):
+            minibatches = minibatch_indices(cfg.batch_size, cfg.nminibatches, self.minibatch_share, generator)
+            for index, shares in enumerate(minibatches):
+                gaps = first_forwards if epoch == index == 0 else None
                 records += accumulate_and_step(
                     self.accelerator,
                     self.train_module,
                     self.optimizer,
                     [micro.to(self.device) for micro in shares[self.rank].split(cfg.microbatch_size)],
-                    lambda micro: self.loss(ro, adv, micro, attn),
+                    lambda micro, gaps=gaps: self.loss(ro, adv, micro, attn, gaps),
                     lambda what, detail: self.non_finite(what, detail, update),
                     cfg.max_grad_norm,
                     self.policy,
                 )
         self.policy.eval()
-        return mean_loss_stats(records, lambda rows: distributed.gather_rows(self.accelerator, rows), self.device)
+        gather = partial(distributed.gather_rows, self.accelerator)
+        return replace(
+            mean_loss_stats(records, gather, self.device), **logprob_gap(first_forwards, gather, self.device)
+        )
 
     def non_finite(self, what: str, detail, update: int) -> NonFiniteError:
         """The error every process raises when a loss (``detail``: the microbatch's statistics, or
