@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from rlhf_pipeline.functional import log_softmax_logprobs
+
 
 @dataclass
 class SampleOutput:
@@ -119,8 +121,8 @@ def sample_from_logits(
     """One token per row of ``logits`` (B, V) drawn from softmax(logits), and its log-probability.
 
     Inverse-CDF sampling: with w_i = exp(l_i - max l), C_i = sum_{j<=i} w_j and u ~ U[0, 1), the
-    token is the smallest i with C_i > u * C_V, so P(i) = w_i / C_V = softmax(l)_i, and
-    log p(i) = l_i - max l - log C_V.
+    token is the smallest i with C_i > u * C_V, so P(i) = w_i / C_V = softmax(l)_i. Its log-probability
+    is :func:`~rlhf_pipeline.functional.log_softmax_logprobs`'s, the training forward's own formula.
 
     Why not ``torch.multinomial``: it draws V exponentials per row, which on CPU at a 49k vocabulary
     was half of every decoding step. This draws one uniform per row. A plain cumulative sum over V
@@ -156,10 +158,8 @@ def sample_from_logits(
     inner_cdf = blocks[torch.arange(batch, device=logits.device), block.squeeze(-1)].cumsum(-1, dtype=torch.float64)
     rest = torch.minimum(rest.clamp(min=0.0), _just_below(inner_cdf[:, -1:]))
     token = (block * block_size + torch.searchsorted(inner_cdf, rest, right=True)).squeeze(-1)
-    logprob = (
-        logits.gather(-1, token[:, None]).squeeze(-1) - peak.squeeze(-1) - total.squeeze(-1).log().to(logits.dtype)
-    )
-    return token, logprob
+    # the training forward's formula, not l_i - max l - log C_V: the same bytes as its log-probability
+    return token, log_softmax_logprobs(logits, token)[0]
 
 
 # Rows of float64 block sums made at once on a CPU: their float64 copy of the weights (about 2 MB) stays in

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlhf_pipeline.attention import use_attention
 from rlhf_pipeline.errors import SettingsError
 
 DEVICE_KEY = "compute.device"
@@ -76,7 +77,10 @@ def local_rank() -> int:
 
 
 def resolve_compute(compute, deterministic: bool = True) -> DevicePlan:
-    """:func:`resolve_device` for a ``compute`` params section (rlhf_pipeline/params/compute.py)."""
+    """:func:`resolve_device` for a ``compute`` params section (rlhf_pipeline/params/compute.py), with its
+    attention installed for every model the process runs (:func:`rlhf_pipeline.attention.use_attention`):
+    every stage that runs a model calls this first."""
+    use_attention(compute.attention)
     return resolve_device(compute.device, compute.cuda_precision, deterministic, compute.cuda_sampler)
 
 

@@ -222,12 +222,27 @@ def logprobs_and_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor
     would cost one more pass over ``(B, T, V)`` in every training step (+35 % for this function,
     measured). Half-precision logits are upcast first, as in :func:`logprobs_from_logits`.
     """
+    logprobs, logp = log_softmax_logprobs(logits, labels)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return logprobs, entropy
+
+
+def log_softmax_logprobs(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Log-probability of ``labels`` (shape ``labels.shape``) and the whole ``log_softmax(logits)``.
+
+    .. math:: \log p(y) = \log\mathrm{softmax}(z)_y
+
+    Why one function: the sampler's log-probability of each token it draws is PPO's old log-probability,
+    and the training forward's (:func:`logprobs_and_entropy`) is the new one; computed by two formulas
+    (a log-normaliser summed otherwise) they differ in the last bits before any step, which the
+    rollout-trainer gap (``policy/logprob_gap_max``) reports. torch's log-softmax treats each row alone,
+    so a row gets the same bytes in a (B, V) decoding step and in a (B, R, V) training block.
+    Half-precision logits are upcast first, as in :func:`logprobs_from_logits`.
+    """
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
-    logprobs = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
-    return logprobs, entropy
+    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1), logp
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:

@@ -464,7 +464,7 @@ def test_the_pipeline_s_paths_are_dvc_yaml_s():
 LIBRARY_FLOORS = {
     # maths on tensors, I/O, git, the pipeline's names: no model, no params
     0: "errors allocator io json_stream gitrepo paths metric_keys offline logging functional decoding optim progress "
-    "numerics tokens model_folder saved_datasets arguments ppo/advantages ppo/kl ppo/losses text_rules "
+    "numerics attention tokens model_folder saved_datasets arguments ppo/advantages ppo/kl ppo/losses text_rules "
     "redaction project_key file_lock project_files",
     # the params schema, section by section
     1: "params/__init__ params/base_model params/compute params/data params/evaluate params/labelling params/ppo "

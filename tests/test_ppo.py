@@ -167,6 +167,25 @@ def test_seeded_training_is_deterministic_and_learns_something(tiny_base_dir, re
     assert [r["lr"] for r in h1] == pytest.approx([1e-3 * (1 - u / 4) for u in range(4)])
 
 
+@pytest.mark.parametrize("freeze_layers", [0, 1])
+def test_under_the_invariant_attention_the_rollout_trainer_gap_is_zero(
+    tiny_base_dir, reward_model, queries, freeze_layers
+):
+    """compute.attention: invariant: every update's first training forward gives each sampled token the
+    log-probability its sampling step gave it, to the bit, from the whole model or from the trunk the
+    sampling kept (the PPO ratio starts at exactly 1). The log-probabilities share one formula
+    (functional.log_softmax_logprobs) and the attention gives a row the same bytes decoded or in a full forward."""
+    from rlhf_pipeline.attention import INVARIANT, SDPA, use_attention
+
+    params = make_params(freeze_layers=freeze_layers, total_episodes=32)
+    try:
+        use_attention(INVARIANT)
+        history = make_trainer(tiny_base_dir, reward_model, queries, params).train(progress=False)
+    finally:
+        use_attention(SDPA)
+    assert [(r["policy/logprob_gap_max"], r["policy/logprob_gap_mean"]) for r in history] == [(0.0, 0.0)] * 2
+
+
 def test_frozen_layers_train_only_the_top(tiny_base_dir, reward_model, queries):
     trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(freeze_layers=1, total_episodes=32))
     assert trainer.rollouts.use_trunk

@@ -63,6 +63,9 @@ def cmd_label(args) -> int:
         params = load_params(args.params)
         refuse_owned(args.output, "OUTPUT", params)
         numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
+        from rlhf_pipeline.attention import use_attention  # torch and transformers: only when sampling
+
+        use_attention(params.compute.attention)
         task = params.task
         from rlhf_pipeline.label_studio.tasks import export_tasks  # loads torch and transformers: only when exporting
 
@@ -128,6 +131,9 @@ def _label_compare(args) -> int:
     if args.output is not None:
         refuse_owned(args.output, "OUTPUT", params, root=root)
     numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
+    from rlhf_pipeline.attention import use_attention  # torch and transformers: only when sampling
+
+    use_attention(params.compute.attention)
     num = args.num if args.num is not None else params.promotion.human.num_queries
     seed = args.seed if args.seed is not None else params.promotion.human.seed
     with sampling_model(args.challenger) as challenger, sampling_model(args.incumbent) as incumbent:

@@ -38,6 +38,14 @@ class ComputeParams(Strict):
         "compatible: portable with MKL's COMPATIBLE branch, the same bytes on Intel and AMD CPUs, GEMMs 2.2x "
         "slower; native: this host's fastest kernels, whose rounding is its own (rlhf_pipeline/numerics.py).",
     )
+    attention: Literal["sdpa", "invariant"] = Field(
+        "sdpa",
+        description="The attention of every model with transformers' default (sdpa) implementation "
+        "(rlhf_pipeline/attention.py): sdpa: torch's fused kernel; invariant: torch's own products, sums and "
+        "softmax, no BLAS: a token decoded from a KV cache and the same token in a full forward get the same "
+        "bytes (PPO's rollout-trainer gap is 0 on the CPU), at about 1.6x a PPO training step and 2.5x a "
+        "reward-model step on the CPU (bench/results/logprob_gap_probe.md).",
+    )
     cpu_threads: int | None = Field(
         2,
         gt=0,
