@@ -62,10 +62,7 @@ def cmd_label(args) -> int:
             )
         params = load_params(args.params)
         refuse_owned(args.output, "OUTPUT", params)
-        numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
-        from rlhf_pipeline.attention import use_attention  # torch and transformers: only when sampling
-
-        use_attention(params.compute.attention)
+        _compute_as_the_stages(params)
         task = params.task
         from rlhf_pipeline.label_studio.tasks import export_tasks  # loads torch and transformers: only when exporting
 
@@ -130,10 +127,7 @@ def _label_compare(args) -> int:
     root = project_root("label")
     if args.output is not None:
         refuse_owned(args.output, "OUTPUT", params, root=root)
-    numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)  # before the first sample
-    from rlhf_pipeline.attention import use_attention  # torch and transformers: only when sampling
-
-    use_attention(params.compute.attention)
+    _compute_as_the_stages(params)
     num = args.num if args.num is not None else params.promotion.human.num_queries
     seed = args.seed if args.seed is not None else params.promotion.human.seed
     with sampling_model(args.challenger) as challenger, sampling_model(args.incumbent) as incumbent:
@@ -173,6 +167,14 @@ def _label_verdicts(args) -> int:
         rounds, report = side_by_side.import_verdicts(handle, where, project_root("label"), limits)
     print(json.dumps({"rounds": [r.name for r in rounds], **report.summary()}, indent=2))
     return 0
+
+
+def _compute_as_the_stages(params) -> None:
+    """Before the first sample: the CPU numerics and the attention that ``params.compute`` asks, as a stage's."""
+    numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)
+    from rlhf_pipeline.attention import use_attention  # torch and transformers: only when sampling
+
+    use_attention(params.compute.attention)
 
 
 @contextmanager
