@@ -9,7 +9,8 @@ then the training forward from it, and a forward of the whole model) and reports
    trunk: the first one whose output differs is the op that makes the gap;
 2. the gap itself under each attention (`compute.attention`), with the sampler's former log-normaliser
    (float64 block sums, ``l - max - log C``) beside the training forward's log-softmax;
-3. what the invariant attention costs at the pipeline's shapes, against torch's sdpa, medians of 3.
+3. what the invariant attention costs at the pipeline's shapes, against torch's sdpa, medians of 3;
+4. which softmax rows round otherwise once masked keys follow them (why the invariant attention pads).
 
     .venv/bin/python bench/probe_logprob_gap.py [--markdown] [--output FILE]
 """
@@ -29,7 +30,7 @@ numerics.pin("portable", 2)  # before torch's first kernel: the default run's nu
 import torch  # noqa: E402
 from common import emit, environment_lines, render_report, render_table  # noqa: E402
 
-from rlhf_pipeline.attention import INVARIANT, SDPA, use_attention  # noqa: E402
+from rlhf_pipeline.attention import INVARIANT, MIN_KEYS, SDPA, use_attention  # noqa: E402
 from rlhf_pipeline.decoding import SamplingRequest, block_sums_float64  # noqa: E402
 from rlhf_pipeline.models import load_causal_lm, load_tokenizer  # noqa: E402
 from rlhf_pipeline.queries import load_queries  # noqa: E402
@@ -182,6 +183,23 @@ def costs(setup: Setup) -> dict[str, float]:
     }
 
 
+def short_softmax_rows(longest: int = 40, padded_to: int = 200) -> list[int]:
+    """The row lengths n (1 to ``longest``) whose softmax changes when masked keys follow: n values, then the
+    dtype's min up to every length from n + 1 to ``padded_to``, compared with the n values alone."""
+    g = torch.Generator().manual_seed(0)
+    differ = []
+    for n in range(1, longest + 1):
+        values = torch.randn(64, n, generator=g)
+        alone = torch.softmax(values, -1)
+        for length in range(n + 1, padded_to + 1):
+            row = torch.full((64, length), torch.finfo(torch.float32).min)
+            row[:, :n] = values
+            if not torch.equal(torch.softmax(row, -1)[:, :n], alone):
+                differ.append(n)
+                break
+    return differ
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default=".", help="the project whose models/base and data/queries are read")
@@ -189,7 +207,7 @@ def main() -> None:
     parser.add_argument("--output")
     args = parser.parse_args()
     setup = Setup(args.root)
-    parts, gaps, cost = {}, {}, {}
+    parts, gaps, cost, short = {}, {}, {}, short_softmax_rows()
     for kind in (SDPA, INVARIANT):
         use_attention(kind)
         parts[kind], gaps[kind], cost[kind] = block_parts(setup), gap(setup), costs(setup)
@@ -241,6 +259,11 @@ def main() -> None:
             gap_table,
             f"{heading}3. What the invariant attention costs",
             cost_table,
+            f"{heading}4. torch's softmax on a row followed by masked keys",
+            "Row lengths n (1 to 40) whose softmax gives other bytes once masked keys follow (any total length to "
+            f"200): {', '.join(map(str, short)) or 'none'}. A row shorter than one vector register is summed in "
+            "another order; rlhf_pipeline/attention.py pads every row with masked keys to MIN_KEYS = "
+            f"{MIN_KEYS}.",
         ]
     )
     notes = [
