@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from rlhf_pipeline.attention import decoding
 from rlhf_pipeline.conversations import end_of_turn, require_chat_template
 from rlhf_pipeline.decoding import DecodedTokens, SampleOutput, SamplingRequest, never_pad, position_ids_from_mask
 from rlhf_pipeline.devices import STATIC_SAMPLER, model_device
@@ -100,6 +101,11 @@ def sample_responses(model: nn.Module, request: SamplingRequest) -> SampleOutput
     ``uniforms`` (rows, response_length): each row's draw at each step, given instead of the generator's
     (:func:`rlhf_pipeline.decoding.chunk_uniforms`: one call over several chunks of rows).
     """
+    with decoding():  # each step's KV cache extends the last: the invariant attention converts new rows only
+        return _sample(model, request)
+
+
+def _sample(model: nn.Module, request: SamplingRequest) -> SampleOutput:
     backbone = backbone_of(model)
     lm_head = model.get_output_embeddings()
     layers = sorted(set(request.capture_layers))

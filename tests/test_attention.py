@@ -4,7 +4,6 @@ whatever else is in the call (decoding with a KV cache against a full forward, t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from typing import get_args
@@ -105,6 +104,62 @@ def test_the_tensors_it_trains_get_torch_s_gradients():
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
 
 
+def test_its_products_are_exact_sums_whatever_the_order_or_the_blocking():
+    """exact_product's float64 sums are exact: a product split by rows and by columns, and the same grid values
+    summed elementwise in reverse order, give the same bytes; within float32's error bound of the float64
+    product."""
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(5, 40, 64, generator=g), torch.randn(5, 64, 24, generator=g) * 1e3
+    whole = attention.exact_product(a, b)
+    assert torch.equal(torch.cat([attention.exact_product(a[:, i : i + 8], b) for i in range(0, 40, 8)], 1), whole)
+    assert torch.equal(attention.exact_product(a, b[..., 7:9]), whole[..., 7:9])
+    bits = attention._bits(64)
+    rows, columns = attention._row_grid(a, bits)[0], attention._row_grid(b.mT, bits)[0]
+    reversed_sum = (rows.flip(-1)[:, :, None, :] * columns.flip(-1)[:, None, :, :]).sum(-1, dtype=torch.float64)
+    assert torch.equal(reversed_sum.float(), whole)
+    error = (whole.double() - a.double() @ b.double()).abs()
+    assert (error <= 2.0**-21 * (a.double().abs() @ b.double().abs())).all()  # within float32's worst case (K * 2**-24)
+
+
+def test_decoding_converts_only_the_new_cache_rows_and_gets_the_same_bytes():
+    """Inside decoding(), a module's KV cache rows are kept and only appended rows converted; each step's
+    output is the bytes of a call outside it. A cache written over in place (a static cache) is converted again,
+    and the kept rows go when the block ends."""
+    q, k, v = tensors(batch=4, heads=9, kv_heads=3, length=48, dim=64, seed=5)
+    module = Causal()
+    with torch.no_grad():
+        plain = [
+            invariant_attention(module, q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], None)[0]
+            for t in range(30, 48)
+        ]
+        converted = []
+        real = attention._row_grid
+        try:
+            attention._row_grid = lambda x, bits: (converted.append(x.shape[-2]), real(x, bits))[1]
+            with attention.decoding():
+                cached = [
+                    invariant_attention(
+                        module, q[:, :, t : t + 1], k[:, :, : t + 1].clone(), v[:, :, : t + 1].clone(), None
+                    )[0]
+                    for t in range(30, 48)
+                ]
+                assert module in attention._DECODED
+                static_k, static_v = k[:, :, :40].clone(), v[:, :, :40].clone()
+                first = invariant_attention(module, q[:, :, 39:40], static_k, static_v, None)[0]
+                static_k[:, :, 39] += 1.0  # written over in place, as a static cache's step writes
+                again = invariant_attention(module, q[:, :, 39:40], static_k, static_v, None)[0]
+            assert module not in attention._DECODED
+        finally:
+            attention._row_grid = real
+    assert all(torch.equal(a, b) for a, b in zip(plain, cached))
+    # the first call converts its 31 key and value rows, and its 3 query and probability rows (9 heads over 3);
+    # each later one a key and a value row (and its own 3 and 3)
+    assert converted[:4] == [31, 3, 31, 3] and set(converted[4 : 4 * 18]) == {1, 3}
+    assert not torch.equal(first, again)
+    moved = invariant_attention(module, q[:, :, 39:40], static_k, static_v, None)[0]
+    assert torch.equal(again, moved)
+
+
 MKL_PROBE = r"""
 import json, os, sys
 from rlhf_pipeline import numerics
@@ -128,10 +183,7 @@ def test_no_mkl_product_is_in_it():
     them. torch's sdpa kernel, which calls MKL, changes: the check can see a difference."""
 
     def run(mode: str) -> dict:
-        clean = {
-            k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
-        }
-        done = subprocess.run([sys.executable, "-c", MKL_PROBE, mode], env=clean, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-c", MKL_PROBE, mode], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -41,10 +41,10 @@ class ComputeParams(Strict):
     attention: Literal["sdpa", "invariant"] = Field(
         "sdpa",
         description="The attention of every model with transformers' default (sdpa) implementation "
-        "(rlhf_pipeline/attention.py): sdpa: torch's fused kernel; invariant: torch's own products, sums and "
-        "softmax, no BLAS: a token decoded from a KV cache and the same token in a full forward get the same "
-        "bytes (PPO's rollout-trainer gap is 0 on the CPU), at about 1.6x a PPO training step and 2.5x a "
-        "reward-model step on the CPU (bench/results/logprob_gap_probe.md).",
+        "(rlhf_pipeline/attention.py): sdpa: torch's fused kernel; invariant: both products as exact float64 "
+        "sums, so no BLAS, CPU vendor or thread count changes their bytes, and a token decoded from a KV cache "
+        "and the same token in a full forward get the same bytes (PPO's rollout-trainer gap is 0 on the CPU), at "
+        "about 1.1x a training step and 1.15x sampling on the CPU (bench/results/logprob_gap_probe.md).",
     )
     cpu_threads: int | None = Field(
         2,
