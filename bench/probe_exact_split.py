@@ -1,7 +1,9 @@
 """Can attention keep BLAS and still give the same bytes on every CPU and in every batch? A probe of exact splits.
 
-`compute.attention: invariant` (rlhf_pipeline/attention.py) gets its bytes by computing attention without BLAS, at
-1.6-2.5x a training step. This probe tries the other way (the Ozaki scheme): cut each row of both factors into
+`compute.attention: invariant` (rlhf_pipeline/attention.py) first got its bytes by computing attention without BLAS,
+at 1.6-2.5x a training step (the "invariant" column of the committed report; it now takes this probe's finding
+further: one float64 product whose sums are exact, instead of several float32 slice products). This probe tries
+the other way (the Ozaki scheme): cut each row of both factors into
 slices of s bits under the row's power-of-two scale, so that every product of two slices, summed over the K terms
 of a matrix product in any order, is exact in fp32 (2s + log2 K <= 23 bits). Any BLAS, any blocking, any vendor
 then returns the same bytes for each slice product; the slice products are added elementwise in a fixed order.

@@ -273,8 +273,10 @@ def main() -> None:
         "the query positions (the prefill is itself a full forward)",
         "2: the sampler now takes the training forward's formula (rlhf_pipeline/functional.py "
         "log_softmax_logprobs); its former one is the last row. Under the invariant attention the gap is 0",
-        "3: sampling pays least (one query row a step); the training forwards and backwards "
-        "pay for the (rows, keys, head dim) products that no BLAS computes",
+        "3: the invariant attention's two products are float64 BLAS products of factors rounded to per-row "
+        "power-of-two grids (exact sums); the training passes pay for the float64 products and the rounding, "
+        "sampling for a decoding step's many small ops (its KV cache's rows are rounded once, as they are "
+        "appended)",
     ]
     env = environment_lines("SmolLM2-135M (models/base), the train queries")
     emit(

@@ -320,6 +320,17 @@ def capture(cmd: list[str], cwd: Path, timeout: float | None = 600) -> CommandRe
     return CommandResult(proc.returncode, redact(proc.stdout), redact(proc.stderr))
 
 
+def run_rlhf(repo: Path, args: list[str], doing: str, timeout: float | None = 600, unchanged: str = "") -> str:
+    """``rlhf ARGS`` in ``repo``; its output, or a :class:`RetrainError` with its exit status and what it
+    printed (redacted): "``doing`` failed (exit N)", then ``unchanged`` (what the failure left as it was)."""
+    result = capture(rlhf_command(*args), repo, timeout=timeout)
+    if result.returncode != 0:
+        details = "\n".join(part.strip() for part in (result.output, result.stderr) if part.strip())
+        left = f"; {unchanged}" if unchanged else ""
+        raise RetrainError(f"{doing} failed (exit {result.returncode}){left}:\n{details}", result.returncode)
+    return result.output
+
+
 def stream(cmd: list[str], cwd: Path, logger) -> CommandResult:
     """Run ``cmd``, logging each output line as it comes (a traceback, from its first line on, and
     DVC's ``ERROR:`` lines at ERROR, the rest at INFO); keep the tail for error messages."""

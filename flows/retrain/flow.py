@@ -31,6 +31,7 @@ from flows.retrain.dvc_project import (
     refuse_retry_on_contract_errors,
     restore_lock_copy,
     rlhf_command,
+    run_rlhf,
     stage_exit_code,
     stage_failure_message,
     stage_order,
@@ -221,11 +222,7 @@ def promotion_gate(repo: str) -> dict[str, Any]:
     """``rlhf models gate``: register the new policy and assign it prod only if the rule in
     ``promotion.*`` holds; the decision is a markdown artifact. A rejected challenger is a
     result, not a failure."""
-    result = capture(rlhf_command("models", "gate", "--json"), Path(repo), timeout=3600)
-    if result.returncode != 0:
-        details = "\n".join(part.strip() for part in (result.output, result.stderr) if part.strip())
-        raise RetrainError(f"the promotion gate failed (exit {result.returncode}):\n{details}", result.returncode)
-    decision = json.loads(result.output)
+    decision = json.loads(run_rlhf(Path(repo), ["models", "gate", "--json"], "the promotion gate", timeout=3600))
     get_run_logger().info("promotion gate: %s\n%s", decision["outcome"], decision.get("markdown", ""))
     if decision.get("markdown"):
         create_markdown_artifact(

@@ -29,7 +29,7 @@ from flows.retrain.dvc_project import (
     dvc_command,
     is_stage_output,
     refuse_retry_on_contract_errors,
-    rlhf_command,
+    run_rlhf,
 )
 from rlhf_pipeline.errors import DataContractError, ParamsError, PipelineError
 from rlhf_pipeline.params.labelling import FILE_LABELS, LABEL_FILE_SUFFIXES, SIMULATED_LABELS
@@ -140,15 +140,13 @@ def pull_labels(repo: str, project: int, labels_file: str, private: str) -> dict
         shutil.copyfile(current, private)
     else:
         Path(private).unlink(missing_ok=True)
-    result = capture(rlhf_command("label", "import", "--from-server", str(project), private, "--append"), root)
-    if result.returncode != 0:
-        details = "\n".join(part.strip() for part in (result.output, result.stderr) if part.strip())
-        raise RetrainError(
-            f"pulling labels from Label Studio project {project} failed (exit {result.returncode}); {labels_file} "
-            f"is unchanged.\n{details}",
-            result.returncode,
-        )
-    return json.loads(result.output)
+    pulled = run_rlhf(
+        root,
+        ["label", "import", "--from-server", str(project), private, "--append"],
+        f"pulling labels from Label Studio project {project}",
+        unchanged=f"{labels_file} is unchanged",
+    )
+    return json.loads(pulled)
 
 
 def bring_in_labels(

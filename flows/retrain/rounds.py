@@ -17,20 +17,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
-from flows.retrain.dvc_project import RetrainError, capture, refuse_retry_on_contract_errors, rlhf_command
+from flows.retrain.dvc_project import refuse_retry_on_contract_errors, run_rlhf
 from rlhf_pipeline.gate import waiting_round
 from rlhf_pipeline.params.schema import load_params
 from rlhf_pipeline.side_by_side import commit_round, load_round, round_path
 
 ROUND_TIMEOUT_SECONDS = 3600  # sampling both models on the held-out queries
-
-
-def _run(repo: str, args: list[str], doing: str, timeout: float = 600) -> str:
-    result = capture(rlhf_command(*args), Path(repo), timeout=timeout)
-    if result.returncode != 0:
-        details = "\n".join(part.strip() for part in (result.output, result.stderr) if part.strip())
-        raise RetrainError(f"{doing} failed (exit {result.returncode}):\n{details}", result.returncode)
-    return result.output
 
 
 @task(
@@ -42,7 +34,9 @@ def _run(repo: str, args: list[str], doing: str, timeout: float = 600) -> str:
 )
 def pull_verdicts(repo: str, project: int) -> str:
     """People's answers in Label Studio project ``project`` into their rounds' files."""
-    output = _run(repo, ["label", "verdicts", "--from-server", str(project)], f"pulling project {project}'s verdicts")
+    output = run_rlhf(
+        Path(repo), ["label", "verdicts", "--from-server", str(project)], f"pulling project {project}'s verdicts"
+    )
     get_run_logger().info("side-by-side verdicts pulled from project %d:\n%s", project, output)
     return output
 
@@ -52,7 +46,7 @@ def send_round(repo: str, challenger: str, incumbent: str, project: int) -> str:
     """The round of ``challenger`` against ``incumbent`` sampled, sent to ``project`` and committed."""
     root = Path(repo)
     args = ["label", "compare", challenger, incumbent, "--send", str(project)]
-    _run(repo, args, f"sending the round of {challenger} against {incumbent}", timeout=ROUND_TIMEOUT_SECONDS)
+    run_rlhf(root, args, f"sending the round of {challenger} against {incumbent}", timeout=ROUND_TIMEOUT_SECONDS)
     path = round_path(root, challenger, incumbent)
     commit_round(root, path)
     return f"{len(load_round(path, root).order)} tasks sent to Label Studio project {project}"

@@ -170,11 +170,12 @@ def _label_verdicts(args) -> int:
 
 
 def _compute_as_the_stages(params) -> None:
-    """Before the first sample: the CPU numerics and the attention that ``params.compute`` asks, as a stage's."""
+    """Before the first sample: what ``params.compute`` asks, as a stage gets it (the runner's pin, then the
+    device plan and attention every model stage resolves first)."""
     numerics.pin(params.compute.cpu_numerics, params.compute.cpu_threads)
-    from rlhf_pipeline.attention import use_attention  # torch and transformers: only when sampling
+    from rlhf_pipeline.devices import resolve_compute  # torch and transformers: only when sampling
 
-    use_attention(params.compute.attention)
+    resolve_compute(params.compute)
 
 
 @contextmanager
