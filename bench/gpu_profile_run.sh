@@ -1,5 +1,5 @@
 #!/bin/bash
-# The `gpu` profile (the reference sizes on one CUDA GPU) with the embedded SmolLM2-135M-Instruct GGUF, on a
+# The `gpu` profile (the CPU recipe at 4,992 labels on one CUDA GPU) with the embedded SmolLM2-135M-Instruct GGUF, on a
 # lent device host, in three calls: a call carries at most 64 MiB, the kit (.gpu, 45 MB) and the GGUF (98 MB)
 # together are 143 MB, and a warm host keeps what earlier calls wrote. Each step is this script with a verb:
 #
@@ -12,7 +12,7 @@
 #
 # Each call must follow the last inside the host's warm window (30 s), or the host is bare again.
 # `run` copies the checkout to /tmp/gpurun, applies `rlhf profile gpu`, overrides KEY=VALUE with
-# `dvc exp run -S` (ppo.total_episodes: the profile's 1M episodes are ~1,950 updates, hours on one GPU),
+# `dvc exp run -S` (e.g. ppo.total_episodes; the reference profile's 1M are ~1,950 updates, hours on one GPU),
 # and samples nvidia-smi's memory.used every 0.5 s beside it (each stage's last line gives its own peak of
 # torch's pool since 2026-11-30; nvidia-smi adds the CUDA context and shows when within the stage).
 # Logs and metrics land in $OUT (8 files come back from a call: 5 a run). A dry run here (CPU; it stops at the profile's device check, exit 2):

@@ -83,13 +83,15 @@ def run_ours(
     lora_rank: int = 0,
 ) -> list[dict]:
     """Per-update phase times (seconds) of the project's PPOTrainer, warmup update included; the first
-    record also holds the peak GPU memory (``peak_bytes``, None on the CPU). ``lora_rank`` > 0: a LoRA
+    record also holds the peak memory (``peak_bytes``: the GPU's allocated peak on CUDA, the process's peak
+    resident memory on the CPU). ``lora_rank`` > 0: a LoRA
     adapter of that rank on every linear layer (``ppo.lora``), the reference being the adapter switched off.
 
     ``profiler`` (a not-yet-started ``torch.profiler.profile``) is started after the warmup update
     and stopped at the end, so it sees the timed updates only. The first record also holds the warm-up
     update's matrix-product FLOPs (``flops``).
     """
+    from rlhf_pipeline.allocator import peak_rss_mb
     from rlhf_pipeline.devices import resolve_device
     from rlhf_pipeline.params.schema import Params
     from rlhf_pipeline.ppo.parts import trainer_parts
@@ -117,6 +119,7 @@ def run_ours(
                 "freeze_layers": args.freeze_layers,
                 "value_model": value_model,
                 "checkpoint_every": 10**6,
+                "recompute_logits": args.recompute_logits,
                 **({"lora": {"rank": lora_rank}} if lora_rank else {}),
             },
         }
@@ -181,7 +184,7 @@ def run_ours(
         }
         phases["other"] = times.update - sum(phases.values())
         out.append({"update": times.update, **phases})
-    out[0]["peak_bytes"] = torch.cuda.max_memory_allocated() if on_gpu else None
+    out[0]["peak_bytes"] = torch.cuda.max_memory_allocated() if on_gpu else peak_rss_mb() * 2**20
     out[0]["flops"] = flops.total
     del trainer, parts, reward_model, value_init
     gc.collect()
@@ -350,7 +353,7 @@ def op_table(profiler, args) -> str | None:
 
 
 def peak_cell(results: dict[str, list[dict]], key: str) -> str:
-    """The side's peak GPU memory, and its ratio to the full fine-tune's (``shared``) when both ran."""
+    """The side's peak memory, and its ratio to the full fine-tune's (``shared``) when both ran."""
     peak = results[key][0].get("peak_bytes")
     if peak is None:
         return "n/a"
@@ -390,6 +393,11 @@ def main(argv=None) -> None:
         help="run only these sides (repeatable; lora runs only when named)",
     )
     parser.add_argument("--lora-rank", type=int, default=8, help="the lora side's ppo.lora.rank (all linear layers)")
+    parser.add_argument(
+        "--recompute-logits",
+        action="store_true",
+        help="ppo.recompute_logits on our sides: the backward makes the LM head's logits again instead of keeping them",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -485,7 +493,7 @@ def main(argv=None) -> None:
         "PPO epochs s",
         "other s",
         "warmup update s",
-        "peak GPU memory",
+        "peak memory",
     ]
     table = render_table(headers, rows, args.markdown)
     usage_line = "page faults a timed update (median; minor faults, and the system time the process spent) and " + (
@@ -510,6 +518,9 @@ def main(argv=None) -> None:
         f"1 warmup update + {args.updates} timed updates per side (medians of the timed updates).",
         "ours: task truncate_token '.' after 16 tokens (scoring only), KL adaptive init 0.15, whitened rewards, "
         "Adam eps 1e-5; no checkpointing; "
+        + ("ppo.recompute_logits (the backward makes the LM head's logits again); " if args.recompute_logits else "")
+        + "peak memory: on CUDA torch.cuda.max_memory_allocated over the side's run, on the CPU the side's process's "
+        "peak resident memory (VmHWM: weights, Python and the allocator's kept memory included); "
         "torch deterministic algorithms not enabled (the train_policy stage enables them; no measurable effect on "
         "CPU expected).",
         f"TRL: per_device_train_batch_size {args.microbatch} x gradient_accumulation_steps "
@@ -542,7 +553,7 @@ def main(argv=None) -> None:
         notes.append(
             f"lora: ppo.lora rank {args.lora_rank} (alpha 16) on every linear layer of every block, the base weights "
             "frozen; the reference is the policy with its adapter switched off (no second model loaded), as the "
-            "train_policy stage runs it. peak GPU memory: torch.cuda.max_memory_allocated over the side's run."
+            "train_policy stage runs it."
         )
     if args.profile:
         notes.append(

@@ -5,10 +5,10 @@
   so a token's log-probability while sampling and in PPO's training forward differ in the last bits
   (the rollout-trainer gap, ``policy/logprob_gap_max``), and it calls MKL's small products from its
   own parallel loop, where MKL rounds otherwise on Intel and on AMD CPUs (docs/numerics.md).
-- ``invariant``: :func:`invariant_attention`, whose two products are exact sums of integers in float64
-  (:func:`exact_product`): BLAS computes them, but no BLAS, vendor, blocking or thread count can change
-  their bytes, and a query row's output does not depend on the other rows or on the masked keys that
-  follow it, so decoding with a KV cache and a full forward agree exactly
+- ``invariant``: :func:`invariant_attention`, whose two products are exact float64 sums of terms on
+  power-of-two grids (:func:`exact_product`): BLAS computes them, but no BLAS, vendor, blocking or thread
+  count can change their bytes, and a query row's output does not depend on the other rows or on the
+  masked keys that follow it, so decoding with a KV cache and a full forward agree exactly
   (bench/results/logprob_gap_probe.md has what it costs).
 
 :func:`use_attention` installs one of them under transformers' ``sdpa`` name, so every model this
@@ -78,8 +78,18 @@ def exact_product(a: Tensor, b: Tensor) -> Tensor:
     2^{\alpha_m + \beta_n - 2w} below 2^{\alpha_m + \beta_n}, and there are K of them: their float64 sum is
     exact in any order, blocking or thread count, so the one rounding is to float32. Error about 2^-w of the
     largest terms, near float32's own."""
-    bits = _bits(a.shape[-1])
-    return _bmm(_row_grid(a, bits)[0], _row_grid(b.mT, bits)[0].mT).to(a.dtype)
+    return _product_with_grid_rows(a, _grid_rows(b.mT)[0])
+
+
+def _grid_rows(x: Tensor) -> tuple[Tensor]:
+    """Each row of ``x`` (..., N, K) on the grid :func:`exact_product` puts a factor's rows or columns of K terms."""
+    return (_row_grid(x, _bits(x.shape[-1]))[0],)
+
+
+def _product_with_grid_rows(a: Tensor, grid_rows: Tensor) -> Tensor:
+    """:func:`exact_product` of ``a`` (..., M, K) and the matrix whose columns are ``grid_rows`` (..., N, K),
+    already on their grids (:func:`_grid_rows`)."""
+    return _bmm(_row_grid(a, _bits(a.shape[-1]))[0], grid_rows.mT).to(a.dtype)
 
 
 def _value_rows(value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -191,16 +201,11 @@ def _cache_rows(module: nn.Module, x: Tensor, rows: Callable[[Tensor], tuple[Ten
     return parts
 
 
-def _key_rows(key: Tensor) -> tuple[Tensor]:
-    return (_row_grid(key, _bits(key.shape[-1]))[0],)
-
-
 def _scores(module: nn.Module, rows: Tensor, key: Tensor) -> Tensor:
     """rows (..., M, D) @ key (..., L, D)^T by :func:`exact_product`, the key rows cached while decoding."""
     if _tracks_grad(rows, key):
         return _ExactProduct.apply(rows, key.mT, False)
-    (key_grid,) = _cache_rows(module, key, _key_rows)
-    return _bmm(_row_grid(rows, _bits(rows.shape[-1]))[0], key_grid.mT).to(rows.dtype)
+    return _product_with_grid_rows(rows, _cache_rows(module, key, _grid_rows)[0])
 
 
 def _output(module: nn.Module, probs: Tensor, value: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from rlhf_pipeline.attention import decoding
 from rlhf_pipeline.conversations import end_of_turn, require_chat_template
@@ -208,6 +209,9 @@ def shared_lower_blocks(model: nn.Module, other: nn.Module) -> int:
 # profile's largest block on SmolLM2 (evaluate: 96 x 16 x 49,153) is 302 MB, under it: that run computes
 # as before.
 LOGITS_BLOCK_BYTES = 2**29
+# Recomputed blocks are smaller: their backward makes one block's logits (and their gradient) at a time, and a
+# head forward per block costs the same FLOPs whatever the block, so small blocks buy memory for nothing but calls.
+RECOMPUTED_LOGITS_BLOCK_BYTES = 2**26
 
 
 def responses_per_logits_block(responses: int, response_length: int, vocabulary: int, limit: int | None = None) -> int:
@@ -301,24 +305,39 @@ def response_outputs(
     start_layer: int = 0,
     trunk: Tensor | None = None,
     entropy: bool = False,
+    recompute_logits: bool = False,
 ) -> ResponseOutputs:
     """The one path from a forward over query+response to the response tokens' logprobs under
     ``model`` at ``temperature`` (and their entropy when asked): from block ``start_layer`` on,
     given the ``trunk`` entering it, with the LM head on the response positions only. PPO's
     training forward, its reference pass and the evaluation's KL all go through it. The head runs on
     :func:`responses_per_logits_block` responses at a time, so no logits block passes
-    :data:`LOGITS_BLOCK_BYTES` (a batch under it is one block, computed as a whole)."""
+    :data:`LOGITS_BLOCK_BYTES` (a batch under it is one block, computed as a whole).
+
+    ``recompute_logits`` (``ppo.recompute_logits``; only where autograd records): each block's head runs
+    under activation checkpointing, in blocks of at most :data:`RECOMPUTED_LOGITS_BLOCK_BYTES`. The graph
+    then keeps the (B, R, H) states instead of several (B, R, V) fp32 copies per block (the logits, their
+    log-softmax, its exponential), and the backward makes them again one block at a time: a microbatch's
+    peak memory loses its logits for one more head forward. Each block's recomputation repeats its own
+    forward op for op, so the gradient is the one the kept logits give for the same blocks."""
     hidden = response_hidden(model, query_responses, attention_mask, query_length, start_layer, trunk)
     labels = query_responses[:, query_length:]
-    per_block = responses_per_logits_block(*labels.shape, vocabulary_size(model))
-    parts = []
-    for block_hidden, block_labels in zip(hidden.split(per_block), labels.split(per_block)):
+    recompute = recompute_logits and torch.is_grad_enabled()
+    limit = RECOMPUTED_LOGITS_BLOCK_BYTES if recompute else None
+    per_block = responses_per_logits_block(*labels.shape, vocabulary_size(model), limit)
+
+    def block_outputs(block_hidden: Tensor, block_labels: Tensor) -> tuple[Tensor, Tensor | None]:
         logits = response_logits(model, block_hidden, temperature, pad_token_id)
         if entropy:
-            parts.append(logprobs_and_entropy(logits, block_labels))
-        else:  # gather minus logsumexp: no (B, R, V) log-softmax is kept
-            parts.append((logprobs_from_logits(logits, block_labels), None))
-        del logits  # freed before the next block's are made
+            return logprobs_and_entropy(logits, block_labels)
+        return logprobs_from_logits(logits, block_labels), None  # gather minus logsumexp: no log-softmax kept
+
+    parts = []
+    for block_hidden, block_labels in zip(hidden.split(per_block), labels.split(per_block)):
+        if recompute:
+            parts.append(checkpoint(block_outputs, block_hidden, block_labels, use_reentrant=False))
+        else:  # the block's logits are freed on return, before the next block's are made
+            parts.append(block_outputs(block_hidden, block_labels))
     if len(parts) == 1:
         logprobs, entropies = parts[0]
     else:

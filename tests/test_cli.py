@@ -19,7 +19,7 @@ from rlhf_pipeline import __version__
 from rlhf_pipeline.cli import main
 from rlhf_pipeline.contract import validate_file_cli
 from rlhf_pipeline.params import read_params_file
-from rlhf_pipeline.params.schema import load_params, parse_params
+from rlhf_pipeline.params.schema import Params, load_params, parse_params
 from rlhf_pipeline.runner import declared_keys_by_stage, missing_key_problems
 from rlhf_pipeline.sources import load_source_model
 
@@ -199,6 +199,29 @@ def test_every_profile_is_valid_and_spells_out_every_tracked_key(profile):
 
 def test_the_shipped_params_file_is_the_cpu_profile():
     assert (REPO / "params.yaml").read_bytes() == (REPO / "params" / "cpu.yaml").read_bytes()
+
+
+def test_the_gpu_profile_is_the_cpu_recipe_at_the_reference_label_count():
+    """params/gpu.yaml's header: the CPU profile's recipe with the reference's label count; besides it only the
+    device and the sampling stages' batch sizes differ."""
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            out |= flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
+        return out
+
+    cpu, gpu = (flat(read_params_file(REPO / "params" / f"{name}.yaml")) for name in ("cpu", "gpu"))
+    assert {key for key in cpu.keys() | gpu.keys() if cpu.get(key) != gpu.get(key)} == {
+        "compute.device",
+        "data.preferences.num_labels",
+        "data.corpus.batch_size",
+        "data.preferences.batch_size",
+        "reward.normalize.batch_size",
+        "evaluate.batch_size",
+    }
+    assert gpu["compute.device"] == "cuda"
+    assert gpu["data.preferences.num_labels"] == Params().data.preferences.num_labels == 4992
 
 
 def test_profile_command_switches_params_and_refuses_a_broken_profile(tmp_path, monkeypatch, capsys):

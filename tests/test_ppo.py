@@ -186,6 +186,25 @@ def test_under_the_invariant_attention_the_rollout_trainer_gap_is_zero(
     assert [(r["policy/logprob_gap_max"], r["policy/logprob_gap_mean"]) for r in history] == [(0.0, 0.0)] * 2
 
 
+@pytest.mark.parametrize("freeze_layers", [0, 1])
+def test_recomputed_logits_train_the_weights_kept_logits_train(tiny_base_dir, reward_model, queries, freeze_layers):
+    """ppo.recompute_logits: the backward makes the LM head's logits again instead of keeping them. The tiny
+    batch's logits are one block either way, so two updates write the same weights, to the bit, and the same
+    statistics: the recomputation repeats the forward op for op."""
+    from rlhf_pipeline.ppo.policy import trainable_state
+
+    runs = []
+    for recompute in (False, True):
+        params = make_params(freeze_layers=freeze_layers, total_episodes=32, recompute_logits=recompute)
+        trainer = make_trainer(tiny_base_dir, reward_model, queries, params)
+        assert trainer.policy.recompute_logits is recompute
+        history = trainer.train(progress=False)
+        runs.append((history, trainable_state(trainer.policy)))
+    (kept_history, kept), (recomputed_history, recomputed) = runs
+    assert kept_history == recomputed_history
+    assert kept.keys() == recomputed.keys() and all(torch.equal(kept[k], recomputed[k]) for k in kept)
+
+
 def test_frozen_layers_train_only_the_top(tiny_base_dir, reward_model, queries):
     trainer = make_trainer(tiny_base_dir, reward_model, queries, make_params(freeze_layers=1, total_episodes=32))
     assert trainer.rollouts.use_trunk

@@ -236,6 +236,59 @@ def test_response_outputs_in_blocks_runs_the_head_on_a_block_at_a_time_and_gives
     assert torch.equal(blocks.hidden, whole.hidden)
 
 
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_recomputed_logits_leave_no_vocabulary_sized_tensor_in_the_graph(
+    tiny_base_dir, tiny_tokenizer, monkeypatch, blocks
+):
+    """recompute_logits: autograd keeps the (B, R, H) states, no (B, R, V) tensor, and the backward makes each
+    block's logits again. In one block the logprobs, entropies and every gradient are the kept logits' to the
+    bit; in three blocks (the recomputed limit at two responses) the same within rounding. Without a graph
+    (no_grad) the flag changes nothing: the head sees the whole batch."""
+    from rlhf_pipeline import sampling
+    from rlhf_pipeline.models import load_causal_lm
+    from rlhf_pipeline.sampling import response_outputs
+
+    model = load_causal_lm(tiny_base_dir).train()
+    vocabulary = sampling.vocabulary_size(model)
+    pad = tiny_tokenizer.pad_token_id
+    ids = torch.randint(0, 250, (5, 11), generator=torch.Generator().manual_seed(2))
+    ids[:2, :2] = pad
+    args = (ids, ids != pad, 5, 0.7, pad)
+    if blocks > 1:
+        monkeypatch.setattr(sampling, "RECOMPUTED_LOGITS_BLOCK_BYTES", 2 * 6 * vocabulary * 4)
+
+    def forward_and_backward(recompute: bool):
+        model.zero_grad()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+            out = response_outputs(model, *args, entropy=True, recompute_logits=recompute)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return out, grads, saved
+
+    kept, kept_grads, kept_saved = forward_and_backward(False)
+    recomputed, recomputed_grads, recomputed_saved = forward_and_backward(True)
+    assert any(shape[-1] == vocabulary for shape in kept_saved)
+    assert not any(shape[-1] == vocabulary for shape in recomputed_saved)
+    assert kept_grads.keys() == recomputed_grads.keys() and kept_grads
+    if blocks == 1:
+        assert torch.equal(recomputed.logprobs, kept.logprobs) and torch.equal(recomputed.entropy, kept.entropy)
+        assert all(torch.equal(recomputed_grads[name], kept_grads[name]) for name in kept_grads)
+    else:
+        torch.testing.assert_close(recomputed.logprobs, kept.logprobs, rtol=0, atol=1e-6)
+        torch.testing.assert_close(recomputed.entropy, kept.entropy, rtol=0, atol=1e-6)
+        for name in kept_grads:
+            torch.testing.assert_close(recomputed_grads[name], kept_grads[name], rtol=1e-5, atol=1e-6)
+    rows_seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
+    try:
+        with torch.no_grad():
+            plain = response_outputs(model, *args, entropy=True, recompute_logits=True)
+    finally:
+        hook.remove()
+    assert rows_seen == [5] and torch.equal(plain.logprobs, kept.logprobs.detach())
+
+
 @pytest.mark.parametrize("process_share", [(0, 1), (1, 2)])
 def test_one_call_over_chunks_samples_what_the_chunks_sample_one_by_one(tiny_model, tiny_tokenizer, process_share):
     """chunk_uniforms draws, chunk after chunk, what each chunk's call would draw step by step (this

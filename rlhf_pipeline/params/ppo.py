@@ -299,6 +299,15 @@ class PPOParams(Strict):
         f"{OAI}/lm_human_preferences/policy.py#L48).",
     )
     offload_frozen: bool = Field(False, description="Keep reference/reward models on CPU between uses.")
+    recompute_logits: bool = Field(
+        False,
+        description="Memory: the training forward keeps no logits for the backward. The LM head runs under "
+        "activation checkpointing in blocks of at most 64 MiB of fp32 logits and the backward makes each block's "
+        "logits again, so a microbatch's peak memory loses its (rows x response tokens x vocabulary) copies for one "
+        "more head forward (the head is about a fifth of SmolLM2-135M's forward FLOPs per token). The same "
+        "values and gradients within rounding (blocks of other sizes). Not a reference detail (off: the logits "
+        "are kept).",
+    )
     checkpoint_every: int = Field(10, gt=0, le=MAX_ROWS, description="Updates between checkpoints.")
     deterministic: bool = Field(True, description="torch deterministic algorithms (bit-identical resume on CPU).")
     collective_timeout_s: float = Field(

@@ -32,6 +32,7 @@ class PolicyWithValue(nn.Module):
     hidden state (OAI ``fc_layer`` with scale 0). ``'separate'``: a reward-model copy (backbone
     and head) predicts values, as TRL does. ``critic=False`` (the critic-free estimators): no value
     head at all. :meth:`add_lora` puts a LoRA adapter on ``lm`` (which stays the transformers model).
+    ``recompute_logits``: the training forward keeps no logits for the backward (``ppo.recompute_logits``).
     """
 
     def __init__(
@@ -40,9 +41,11 @@ class PolicyWithValue(nn.Module):
         value_backbone: nn.Module | None = None,
         value_head: nn.Linear | None = None,
         critic: bool = True,
+        recompute_logits: bool = False,
     ):
         super().__init__()
         self.lm = lm
+        self.recompute_logits = recompute_logits
         self.value_backbone = value_backbone if critic else None
         if critic and value_head is None:
             value_head = nn.Linear(lm.config.hidden_size, 1)
@@ -119,7 +122,7 @@ class PolicyWithValue(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """(logprobs, entropy, values) of the response tokens: each (B, R); values None without a critic."""
         args = (query_responses, mask, query_length, temperature, pad_token_id, freeze_layers, trunk)
-        out = response_outputs(self.lm, *args, entropy=True)
+        out = response_outputs(self.lm, *args, entropy=True, recompute_logits=self.recompute_logits)
         if not self.critic:
             return out.logprobs, out.entropy, None
         if self.shared:
@@ -150,11 +153,13 @@ def build_policy(
     (``separate``, TRL style), or none (a critic-free ``cfg.advantage``)."""
     lm = load_causal_lm(base_dir, device, cfg.dropout)
     if cfg.critic_free or cfg.value_model == "shared":
-        policy = PolicyWithValue(lm, critic=not cfg.critic_free)
+        policy = PolicyWithValue(lm, critic=not cfg.critic_free, recompute_logits=cfg.recompute_logits)
     else:
         is_model = isinstance(value_from, nn.Module)
         value_init = value_from.to(device) if is_model else load_reward_model(value_from, device)
-        policy = PolicyWithValue(lm, value_init.backbone.train(), value_init.head)
+        policy = PolicyWithValue(
+            lm, value_init.backbone.train(), value_init.head, recompute_logits=cfg.recompute_logits
+        )
     if cfg.lora is not None:
         policy.add_lora(cfg.lora, cfg.freeze_layers)
     return policy
