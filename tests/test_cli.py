@@ -204,14 +204,9 @@ def test_the_shipped_params_file_is_the_cpu_profile():
 def test_the_gpu_profile_is_the_cpu_recipe_at_the_reference_label_count():
     """params/gpu.yaml's header: the CPU profile's recipe with the reference's label count; besides it only the
     device and the sampling stages' batch sizes differ."""
+    from dvc.utils.flatten import flatten  # the dotted keys DVC tracks params by
 
-    def flat(tree: dict, prefix: str = "") -> dict:
-        out = {}
-        for key, value in tree.items():
-            out |= flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}
-        return out
-
-    cpu, gpu = (flat(read_params_file(REPO / "params" / f"{name}.yaml")) for name in ("cpu", "gpu"))
+    cpu, gpu = (flatten(read_params_file(REPO / "params" / f"{name}.yaml")) for name in ("cpu", "gpu"))
     assert {key for key in cpu.keys() | gpu.keys() if cpu.get(key) != gpu.get(key)} == {
         "compute.device",
         "data.preferences.num_labels",
